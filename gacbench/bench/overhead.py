@@ -1,0 +1,183 @@
+"""``gacbench overhead``: GAC's per-step cost against the optimizer step it sits beside.
+
+A benchmark, not a test: it builds a Qwen3-shaped list of parameters of about N elements on
+the current device, gives them gradients, and times side by side, in one process,
+(a) one AdamW step (fused where the device supports it, else foreach) and (b) one GAC pass
+(the three alignment scalars, the projection, the reference update), through the same
+:class:`GACTransform` the callback runs. Each figure is the median of ``repeats`` timed
+runs after a warm-up. The projection is forced on every timed pass (c_low = 0, so every
+step with positive alignment is shrunk), which is GAC's worst case.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from gacbench.functional.alignment import ACTION_NAMES
+from gacbench.functional.gac import GACTransform
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """The parameter shapes of a Qwen3 decoder (tied embeddings)."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out: list[tuple[int, ...]] = [(self.vocab, h)]
+        for _ in range(self.layers):
+            out += [(q, h), (kv, h), (kv, h), (h, q), (self.head_dim,), (self.head_dim,)]  # attention, q/k norms
+            out += [(self.intermediate, h), (self.intermediate, h), (h, self.intermediate)]  # gate, up, down
+            out += [(h,), (h,)]  # input and post-attention RMSNorm
+        out.append((h,))  # final norm
+        return out
+
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes())
+
+
+QWEN3_1_7B = Qwen3Shape(hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128, vocab=151936)
+
+
+def shape_for_params(n: int) -> Qwen3Shape:
+    """A small Qwen3 shape (8192-token vocabulary, head_dim 32, 2 to 48 layers) whose size is closest to ``n``."""
+    if n < 1:
+        raise ValueError(f"overhead: --params {n} must be positive")
+    best = None
+    for layers in range(2, 49):
+        for hidden in range(64, 16384 + 1, 64):
+            s = Qwen3Shape(hidden, layers, 3 * hidden, hidden // 32, max(1, hidden // 64), 32, 8192)
+            if best is None or abs(s.numel() - n) < abs(best.numel() - n):
+                best = s
+            if s.numel() > n:
+                break
+    assert best is not None
+    return best
+
+
+def _interleaved(cases: dict[str, tuple[Callable[[], object], Callable[[], None]]], repeats: int,
+                 sync: Callable[[], None]) -> dict[str, float]:
+    """Median wall time of each case's ``fn``, the cases run in turn within every repeat (so that
+    drifts in machine load hit them alike); each ``setup`` runs untimed before its ``fn``."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(repeats + 1):  # the first round is a warm-up
+        for name, (fn, setup) in cases.items():
+            setup()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run_overhead(
+    params: int = 20_000_000,
+    device: str | None = None,
+    repeats: int = 7,
+    buffer_dtype: str | None = None,
+    shape: str = "auto",
+    seed: int = 0,
+) -> dict:
+    """Time AdamW and a GAC pass on the same parameters; returns the JSON record."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    qshape = QWEN3_1_7B if shape == "qwen3-1.7b" else shape_for_params(params)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev) * 0.02) for s in qshape.shapes()]
+    base_grads = [torch.randn(s, generator=gen).to(dev) for s in qshape.shapes()]
+    fused = dev.type in ("cuda", "cpu")
+    try:
+        opt = torch.optim.AdamW(ps, lr=1e-6, weight_decay=0.01, fused=fused)
+    except (RuntimeError, TypeError):
+        fused = False
+        opt = torch.optim.AdamW(ps, lr=1e-6, weight_decay=0.01, foreach=True)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def set_grads() -> None:
+        for p, g in zip(ps, base_grads):
+            p.grad = g
+
+    # GAC, as the callback runs it, in its steady state (a stored reference and its cached
+    # norm), restored untimed before each run so that every run takes the same branch:
+    # "project": the reference is a perturbed copy of g (c ~ 0.7) and c_low=0, c_high=1, so the
+    # aligned component is shrunk (the costly branch); "keep": an independent reference (c ~ 0).
+    def gac_case(ref: list[torch.Tensor], c_low: float) -> tuple[Callable[[], object], Callable[[], None], GACTransform]:
+        gac = GACTransform(c_low=c_low, c_high=1.0, buffer_dtype=buffer_dtype)
+        for p, r in zip(ps, ref):  # the first step stores the reference
+            p.grad = r.clone()
+        gac.step(ps, swap=True, keep_alias=True)
+        ref_state = [t.clone() for t in gac.ref]
+        ref_sq = gac._ref_sq
+
+        def setup() -> None:
+            for p, g in zip(ps, base_grads):
+                p.grad = g.clone()
+            gac.ref = [t.clone() for t in ref_state]
+            gac._ref_sq = ref_sq
+
+        return (lambda: gac.step(ps, swap=True, keep_alias=True)), setup, gac
+
+    perturbed = [g + 0.5 * torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
+    independent = [torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
+    project_fn, project_setup, _ = gac_case(perturbed, c_low=0.0)
+    keep_fn, keep_setup, _ = gac_case(independent, c_low=0.5)
+    medians = _interleaved(
+        {"adamw": (opt.step, set_grads), "gac": (project_fn, project_setup), "gac_keep": (keep_fn, keep_setup)},
+        repeats, sync,
+    )
+    adamw_s, gac_s, gac_keep_s = medians["adamw"], medians["gac"], medians["gac_keep"]
+    project_setup()
+    action = project_fn().decision.action
+    keep_setup()
+    keep_action = keep_fn().decision.action
+    return {
+        "params": sum(p.numel() for p in ps),
+        "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
+        "shape": qshape.__dict__,
+        "tensors": len(ps),
+        "adamw": "fused" if fused else "foreach",
+        "buffer_dtype": buffer_dtype or str(ps[0].dtype).replace("torch.", ""),
+        "repeats": repeats,
+        "adamw_step_s": adamw_s,
+        "gac_s": gac_s,
+        "gac_over_adamw": gac_s / adamw_s,
+        "gac_case": ACTION_NAMES[action],
+        "gac_keep_s": gac_keep_s,
+        "gac_keep_over_adamw": gac_keep_s / adamw_s,
+        "gac_keep_case": ACTION_NAMES[keep_action],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def main(args) -> int:
+    record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape)
+    print(
+        f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW {record['adamw']}, "
+        f"buffer {record['buffer_dtype']})\n"
+        f"  AdamW step  {record['adamw_step_s'] * 1e3:9.2f} ms (median of {record['repeats']})\n"
+        f"  GAC pass    {record['gac_s'] * 1e3:9.2f} ms  ({record['gac_case']}: the costly branch)  "
+        f"gac_over_adamw = {record['gac_over_adamw']:.3f}\n"
+        f"  GAC pass    {record['gac_keep_s'] * 1e3:9.2f} ms  ({record['gac_keep_case']}: the on-policy branch)  "
+        f"ratio = {record['gac_keep_over_adamw']:.3f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0

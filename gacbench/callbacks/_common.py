@@ -1,0 +1,144 @@
+"""Shared plumbing of the gradient-side callbacks: finding the gradients, agreeing across
+ranks, logging, and storing large tensors in the Lightning checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
+from torch import Tensor
+
+from gacbench.functional.gac import local  # noqa: F401  (re-exported for the callbacks)
+
+from gacbench.functional.stats import alignment_summary
+
+# Large tensors (reference buffers, parameter snapshots) go into the checkpoint under this
+# key, one entry per callback ``state_key``, instead of through ``state_dict()``, which
+# Lightning deep-copies on load.
+CKPT_TENSORS_KEY = "gacbench_tensors"
+
+
+def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter]:
+    """The parameters of the (single) optimizer, across all its param groups, in order, deduplicated."""
+    if len(trainer.optimizers) != 1:
+        raise RuntimeError(
+            f"{who}: expected exactly one optimizer, found {len(trainer.optimizers)}. "
+            "Return a single optimizer (with as many param groups as you like) from configure_optimizers."
+        )
+    seen: set[int] = set()
+    params: list[torch.nn.Parameter] = []
+    for group in trainer.optimizers[0].param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def is_sharded(trainer: "pl.Trainer") -> bool:
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+def check_strategy(trainer: "pl.Trainer", who: str, allow_sharded: bool) -> None:
+    """Refuse strategies on which the callback would silently compute the wrong thing."""
+    strategy = trainer.strategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise RuntimeError(
+            f"{who} does not support DeepSpeed: DeepSpeed keeps gradients in its own partitioned buffers "
+            "that Lightning's on_before_optimizer_step does not see. Use strategy='ddp' or 'fsdp'."
+        )
+    allowed: tuple[type, ...] = (SingleDeviceStrategy, DDPStrategy)
+    if allow_sharded:
+        allowed += (FSDPStrategy, ModelParallelStrategy)
+    if not isinstance(strategy, allowed):
+        names = ", ".join(cls.__name__ for cls in allowed)
+        raise RuntimeError(f"{who} supports the strategies {names}; got {type(strategy).__name__}.")
+
+
+def check_automatic_optimization(pl_module: "pl.LightningModule", who: str) -> None:
+    if not pl_module.automatic_optimization:
+        raise RuntimeError(
+            f"{who} needs automatic optimization: with manual optimization Lightning does not call "
+            "on_before_optimizer_step at a point where the callback can act consistently. "
+            "Set self.automatic_optimization = True, or call gacbench.functional directly in your training_step."
+        )
+
+
+def agree(trainer: "pl.Trainer", scalars: Tensor, sharded: bool) -> Tensor:
+    """Make the gradient scalars identical on every rank, with one collective.
+
+    Sharded gradients: each rank holds a disjoint shard, so the partial sums are added
+    (all-reduce SUM). Replicated gradients (DDP): every rank already holds the full
+    all-reduced gradient; rank 0's scalars are broadcast so that control-flow decisions
+    cannot differ by a rounding error.
+    """
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return scalars
+    scalars = scalars.contiguous()
+    if sharded:
+        dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+    else:
+        dist.broadcast(scalars, src=0)
+    return scalars
+
+
+def log_metrics(pl_module: "pl.LightningModule", metrics: dict[str, float]) -> None:
+    """Per-step scalars through the module's logger (rank-local values, already agreed)."""
+    pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+
+
+class CosineTrace:
+    """The c_t trace a callback records, and its end-of-fit summary (paper Table 3)."""
+
+    def __init__(self, warmup: int, tol: float) -> None:
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup={warmup!r} must be a non-negative integer (steps excluded from the summary)")
+        if not 0.0 < tol < 1.0:
+            raise ValueError(f"tol={tol!r} must be in (0, 1); the paper uses 0.05")
+        self.warmup = warmup
+        self.tol = tol
+        self.values: list[float] = []
+
+    def append(self, c: float) -> None:
+        self.values.append(c)
+
+    def summary(self) -> dict[str, float]:
+        return alignment_summary(self.values, self.warmup, self.tol)
+
+    def log_summary(self, trainer: "pl.Trainer", prefix: str = "align") -> dict[str, float]:
+        s = self.summary()
+        metrics = {
+            f"{prefix}/q90_abs": s["q90_abs"],
+            f"{prefix}/max_abs": s["max_abs"],
+            f"{prefix}/frac_le_{self.tol:g}": s["frac_le_tol"],
+            f"{prefix}/median": s["median"],
+        }
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        return s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self.values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values = [float(v) for v in state["values"]]
+
+
+def save_tensor(checkpoint: dict[str, Any], key: str, value: Any) -> None:
+    """Store a callback's large tensor state in the checkpoint under ``CKPT_TENSORS_KEY``."""
+    if value is not None:
+        checkpoint.setdefault(CKPT_TENSORS_KEY, {})[key] = value
+
+
+def load_tensor(checkpoint: dict[str, Any], key: str) -> Any:
+    return checkpoint.get(CKPT_TENSORS_KEY, {}).get(key)

@@ -1,0 +1,162 @@
+"""Gradient Alignment Control (GAC) as a Lightning callback: a thin adapter over
+:class:`gacbench.functional.gac.GACTransform`.
+
+At every optimizer step (after accumulation, the DDP all-reduce and AMP unscaling,
+before clipping) it measures c = cos(g_t, r) against a reference direction r and
+applies the rule of DESIGN.md: keep (c <= c_low), shrink the aligned component
+(c_low < c < c_high), or remove it / skip the step (c >= c_high).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from gacbench.callbacks._common import (
+    CosineTrace,
+    agree,
+    check_automatic_optimization,
+    check_strategy,
+    is_sharded,
+    load_tensor,
+    log_metrics,
+    optimizer_params,
+    save_tensor,
+)
+from gacbench.functional.alignment import SKIP
+from gacbench.functional.gac import GACTransform, check_choice
+
+ON_BAD_GRAD = ("skip", "raise")
+
+
+class GAC(Callback):
+    """Gradient Alignment Control.
+
+    Args:
+        c_low: below this cosine the gradient is untouched (the on-policy range; paper: 0.05).
+        c_high: at or above it the aligned component is removed, or the step skipped (paper: 0.3).
+        high_mode: ``"project"`` removes g_par entirely when c >= c_high; ``"skip"`` skips the step.
+        reference: the direction r the alignment is measured against: ``"grad"`` the previous
+            raw gradient g_{t-1} (then ``align/cos`` is c_t of DESIGN.md); ``"applied"`` the
+            previous gradient after GAC; ``"update"`` the previous parameter step
+            -(theta_t - theta_{t-1}), which includes the optimizer's preconditioning;
+            ``"ema"`` an exponential moving average of raw gradients.
+        ema_decay: the decay of the ``"ema"`` reference, in [0, 1).
+        shrink: ``"component"`` (DESIGN.md) or ``"cosine"``; see :func:`gacbench.functional.gac_decision`.
+        buffer_dtype: dtype of the stored reference (``"bfloat16"`` halves its memory); default
+            the parameters' dtype. Not allowed below the parameters' precision for ``"update"``.
+        on_bad_grad: a zero or non-finite gradient is skipped with a warning (``"skip"``) or
+            stops the run (``"raise"``). Under an fp16 GradScaler non-finite gradients are left
+            to the scaler, which skips the step and lowers its scale.
+        warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
+
+    Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``), ``grad/norm``,
+    ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``.
+    """
+
+    def __init__(
+        self,
+        c_low: float = 0.05,
+        c_high: float = 0.3,
+        high_mode: str = "project",
+        reference: str = "grad",
+        ema_decay: float = 0.9,
+        shrink: str = "component",
+        buffer_dtype: str | torch.dtype | None = None,
+        on_bad_grad: str = "skip",
+        warmup: int = 50,
+        tol: float = 0.05,
+    ) -> None:
+        self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype)
+        check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
+        self.on_bad_grad = on_bad_grad
+        self.trace = CosineTrace(warmup, tol)
+        self.steps = self.changed = self.skipped = self.bad = 0
+        self.summary: dict[str, float] = {}
+
+    @property
+    def reference(self) -> str:
+        return self.transform.reference
+
+    @property
+    def state_key(self) -> str:
+        t = self.transform
+        return self._generate_state_key(c_low=t.c_low, c_high=t.c_high, high_mode=t.high_mode, reference=t.reference)
+
+    @property
+    def cos_key(self) -> str:
+        """The metric name of the cosine this instance thresholds."""
+        return "align/cos" if self.reference == "grad" else "align/ref_cos"
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            check_automatic_optimization(pl_module, "GAC")
+            check_strategy(trainer, "GAC", allow_sharded=True)
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        params = optimizer_params(trainer, "GAC")
+        sharded = is_sharded(trainer)
+        clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
+        out = self.transform.step(params, partial(agree, trainer, sharded=sharded), swap=not sharded, keep_alias=not clipping)
+        if out is None:  # no gradient at all (training_step returned None)
+            return
+        self.steps += 1
+        if out.bad:
+            self._bad_gradient(trainer, pl_module, params, out.grad_sq)
+            return
+        d = out.decision
+        self.changed += d.changed
+        self.skipped += d.action == SKIP
+        if not math.isnan(d.cos):
+            self.trace.append(d.cos)
+        log_metrics(pl_module, {
+            self.cos_key: 0.0 if math.isnan(d.cos) else d.cos,
+            "grad/norm": math.sqrt(out.grad_sq),
+            "align/proj_frac": self.changed / self.steps,
+            "align/skip": float(d.action == SKIP),
+            "gac/coef": d.coef,
+        })
+
+    def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        self.transform.release(optimizer_params(trainer, "GAC"))
+
+    def _bad_gradient(self, trainer, pl_module, params, g_sq: float) -> None:
+        if getattr(trainer.precision_plugin, "scaler", None) is not None and not math.isfinite(g_sq):
+            return  # an fp16 overflow: the GradScaler skips this step itself
+        kind = "zero" if g_sq == 0.0 else f"non-finite (||g||^2 = {g_sq})"
+        if self.on_bad_grad == "raise":
+            raise FloatingPointError(
+                f"GAC: the gradient at step {trainer.global_step} is {kind}. Look for NaN/inf in the loss "
+                "(learning rate too high, log of zero, fp16 overflow), or pass GAC(on_bad_grad='skip') to skip such steps."
+            )
+        self.bad += 1
+        self.skipped += 1
+        if self.bad == 1:
+            rank_zero_warn(f"GAC: skipping step {trainer.global_step}: its gradient is {kind}. Later skips are counted in gac/bad_grad.")
+        self.transform.skip(params)
+        log_metrics(pl_module, {"align/skip": 1.0, "gac/bad_grad": float(self.bad)})
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.reference == "grad":
+            self.summary = self.trace.log_summary(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "changed": self.changed, "skipped": self.skipped, "bad": self.bad,
+                "has_ref": self.transform.has_ref, "trace": self.trace.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.changed, self.skipped, self.bad = state["steps"], state["changed"], state["skipped"], state["bad"]
+        self.transform.has_ref = state["has_ref"]
+        self.trace.load_state_dict(state["trace"])
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        save_tensor(checkpoint, self.state_key, self.transform.state())
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        self.transform.load_state(load_tensor(checkpoint, self.state_key))

@@ -1,0 +1,185 @@
+"""StalenessSimulator: bounded staleness injected into any LightningModule (delayed-gradient mode).
+
+The update applied at optimizer step t uses the gradient evaluated at theta_{t - s_t} on
+the batch drawn at step t, with 0 <= s_t <= min(s, t): the bounded-staleness model of the
+asynchronous SGD literature. Mechanically, the callback keeps the last s + 1 parameter
+iterates; before the first micro-batch of a step it copies theta_{t - s_t} into the
+parameters, lets the forward and backward passes run there (all micro-batches of an
+accumulation window), and in ``on_before_optimizer_step`` copies theta_t back, so the
+optimizer applies the stale gradient to the current parameters. Module buffers (e.g.
+BatchNorm statistics) are not delayed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from gacbench.callbacks._common import (
+    check_automatic_optimization,
+    check_strategy,
+    load_tensor,
+    log_metrics,
+    optimizer_params,
+    save_tensor,
+)
+from gacbench.functional.buffer import FlatBuffer
+
+SCHEDULES = ("fixed", "uniform", "trace")
+
+
+def staleness_schedule(schedule: str, s: int, t: int, rng: np.random.Generator, trace: Sequence[int] = ()) -> int:
+    """s_t for optimizer step t (0-based) under a schedule, always in 0..min(s, t).
+
+    ``fixed``: s_t = min(s, t). ``uniform``: s_t uniform on 0..min(s, t) from ``rng``.
+    ``trace``: s_t = min(trace[t mod len(trace)], t), a lag sequence recorded from a real system.
+    """
+    cap = min(s, t)
+    if schedule == "fixed":
+        return cap
+    if schedule == "uniform":
+        return int(rng.integers(0, cap + 1))
+    return min(int(trace[t % len(trace)]), t)
+
+
+class StalenessSimulator(Callback):
+    """Delay every gradient by s_t optimizer steps (DESIGN.md, delayed-gradient mode).
+
+    Args:
+        staleness: the bound s >= 0; 0 makes the callback a no-op.
+        schedule: ``"fixed"`` (s_t = min(s, t)), ``"uniform"`` (s_t uniform on 0..min(s, t),
+            seeded), or ``"trace"`` (replay ``trace``, a list of lags each in 0..s).
+        seed: seed of the ``"uniform"`` schedule; the same on every rank, and s_t is also
+            broadcast from rank 0, so all DDP ranks use the same delay.
+        trace: the lag sequence of ``schedule="trace"``.
+
+    Memory: s + 1 copies of the optimized parameters (on their device). List this callback
+    first, before callbacks that read the parameters in ``on_before_optimizer_step``.
+    """
+
+    def __init__(self, staleness: int, schedule: str = "fixed", seed: int = 0, trace: Sequence[int] | None = None) -> None:
+        if isinstance(staleness, bool) or not isinstance(staleness, (int, np.integer)):
+            raise TypeError(f"StalenessSimulator: staleness={staleness!r} must be an integer number of optimizer steps")
+        if staleness < 0:
+            raise ValueError(f"StalenessSimulator: staleness={staleness} must be >= 0 (0 is synchronous training)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"StalenessSimulator: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+        trace = list(trace or [])
+        if schedule == "trace":
+            if not trace:
+                raise ValueError("StalenessSimulator: schedule='trace' needs trace=[s_0, s_1, ...]")
+            bad = [v for v in trace if not 0 <= int(v) <= staleness]
+            if bad:
+                raise ValueError(f"StalenessSimulator: trace values {bad[:5]} are outside 0..staleness={staleness}")
+        elif trace:
+            raise ValueError(f"StalenessSimulator: trace is only used with schedule='trace', not {schedule!r}")
+        self.staleness, self.schedule, self.seed, self.trace = int(staleness), schedule, int(seed), trace
+        self.step = 0  # optimizer steps taken under this callback (t)
+        self.lag = 0  # s_t of the step in progress
+        self._rng = np.random.default_rng(seed)
+        self._history: deque[FlatBuffer] = deque(maxlen=self.staleness + 1)  # theta_{t-k}, newest last
+        self._params: list[torch.nn.Parameter] = []
+        self._swapped = False
+        self._was_swapped = False
+        self._newest = -1  # the step t whose iterate is the newest in the history
+        self._pending: list[torch.Tensor] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(staleness=self.staleness, schedule=self.schedule)
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit" or self.staleness == 0:
+            return
+        check_automatic_optimization(pl_module, "StalenessSimulator")
+        check_strategy(trainer, "StalenessSimulator", allow_sharded=False)
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        if self.staleness == 0 or self._swapped:
+            return  # s = 0 is the identity; later micro-batches of a window reuse the swap
+        self._params = optimizer_params(trainer, "StalenessSimulator")
+        self._record_current()
+        lag = staleness_schedule(self.schedule, self.staleness, self.step, self._rng, self.trace)
+        lag = min(self._broadcast(trainer, lag), len(self._history) - 1)
+        self.lag = lag
+        if lag > 0:
+            self._history[-1 - lag].copy_to(self._params)
+            self._swapped = True
+        log_metrics(pl_module, {"stale/lag": float(lag)})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.staleness == 0:
+            return
+        self._restore()
+        self.step += 1
+
+    # Validation or a checkpoint can fall inside an accumulation window: both see theta_t.
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._was_swapped = self._swapped
+        self._restore()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._was_swapped:
+            self._history[-1 - self.lag].copy_to(self._params)
+            self._swapped = True
+
+    def _restore(self) -> None:
+        if self._swapped:
+            self._history[-1].copy_to(self._params)
+            self._swapped = False
+
+    def _record_current(self) -> None:
+        """Append theta_t to the history (once per optimizer step), reusing the oldest buffer."""
+        tensors = [p.detach() for p in self._params]
+        if self._pending is not None:  # resuming: the saved iterates, oldest first
+            for saved in self._pending:
+                buf = FlatBuffer.like(tensors)
+                buf.load_(saved)
+                self._history.append(buf)
+            self._pending = None
+        if self._newest == self.step:
+            return
+        if len(self._history) == self._history.maxlen:
+            buf = self._history.popleft()
+        else:
+            buf = FlatBuffer.like(tensors)
+        buf.copy_from(tensors)
+        self._history.append(buf)
+        self._newest = self.step
+
+    @staticmethod
+    def _broadcast(trainer: "pl.Trainer", lag: int) -> int:
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            t = torch.tensor([lag], dtype=torch.int64, device=trainer.strategy.root_device)
+            dist.broadcast(t, src=0)
+            return int(t.item())
+        return lag
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "newest": self._newest, "rng": self._rng.bit_generator.state, "staleness": self.staleness}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["staleness"] != self.staleness:
+            raise ValueError(f"StalenessSimulator: the checkpoint was written with staleness={state['staleness']}, not {self.staleness}")
+        self.step, self._newest = state["step"], state["newest"]
+        self._rng.bit_generator.state = state["rng"]
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if self._swapped:  # mid-window: the model weights in the checkpoint must be theta_t
+            raise RuntimeError(
+                "StalenessSimulator: a checkpoint was requested inside an accumulation window; "
+                "save checkpoints at optimizer-step boundaries (ModelCheckpoint(every_n_train_steps=...))."
+            )
+        if self._history:
+            save_tensor(checkpoint, self.state_key, [b.data.detach().clone() for b in self._history])
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        saved = load_tensor(checkpoint, self.state_key)
+        self._history.clear()
+        self._pending = list(saved) if saved else None

@@ -1,0 +1,60 @@
+"""The ``gacbench`` command line. Each subcommand lives in its own module and is imported lazily,
+so ``gacbench --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gacbench", description="Asynchronous-RL staleness and GAC benchmark suite.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("overhead", help="time a GAC pass against an AdamW step on a Qwen3-shaped parameter list")
+    p.add_argument("--params", type=int, default=20_000_000, help="about how many parameters (default 20M)")
+    p.add_argument("--shape", choices=["auto", "qwen3-1.7b"], default="auto",
+                   help="'auto': an 8-layer Qwen3 shape sized to --params; 'qwen3-1.7b': the real 1.7B shape (ignores --params)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--repeats", type=_positive_int, default=7, help="timed runs per figure; the median is reported")
+    p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None, help="dtype of GAC's reference buffer")
+    p.add_argument("--json", default=None, help="also write the record to this JSON file")
+
+    p = sub.add_parser("demo", help="the embedded default job: sync vs stale vs GAC on a noisy quadratic, with c_t statistics")
+    p.add_argument("--staleness", type=int, default=16, help="staleness s of the stale runs (default 16)")
+    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps per run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from gacbench import __version__
+
+        print(__version__)
+        return 0
+    if args.command == "overhead":
+        from gacbench.bench.overhead import main as run
+
+        return run(args)
+    if args.command == "demo":
+        from gacbench.bench.demo import main as run
+
+        return run(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

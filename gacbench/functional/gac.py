@@ -1,0 +1,269 @@
+"""GAC as a stateful gradient transformation over a list of parameters (no Lightning).
+
+``GACTransform.step(params)`` reads ``p.grad`` of every parameter, measures the cosine
+with the reference direction, applies the rule of DESIGN.md in place, and moves the
+reference to the current step. The Lightning callback :class:`gacbench.GAC` and the
+``gacbench overhead`` benchmark both run exactly this code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from gacbench.functional.alignment import (
+    HIGH_MODES,
+    KEEP,
+    SHRINK_MODES,
+    SKIP,
+    GACDecision,
+    alignment_scalars,
+    cosine_from_scalars,
+    gac_decision,
+    project_,
+    validate_thresholds,
+)
+
+REFERENCES = ("grad", "applied", "update", "ema")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_choice(who: str, name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{who}: {name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def parse_dtype(who: str, dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        check_choice(who, "buffer_dtype", dtype, tuple(_DTYPES))
+        return _DTYPES[dtype]
+    return dtype
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2 / ModelParallelStrategy); the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class GACStep:
+    """What one call of ``GACTransform.step`` saw and did.
+
+    ``cos`` is NaN on the first step (no reference yet); ``bad`` marks a zero or non-finite
+    gradient, which the transform leaves untouched for the caller to handle.
+    """
+
+    decision: GACDecision
+    grad_sq: float
+    bad: bool = False
+
+    @property
+    def cos(self) -> float:
+        return self.decision.cos
+
+
+class GACTransform:
+    """Gradient Alignment Control over ``p.grad`` of a fixed list of parameters.
+
+    Args: see :class:`gacbench.GAC`. ``reduce`` (given to ``step``) maps the local
+    ``tensor([<g,r>, ||g||^2, ||r||^2])`` to the global one (an all-reduce under sharding).
+
+    State: the reference ``ref`` (a list of parameter-shaped tensors, or None before the
+    first step) and the local ||r||^2 when it is known without a pass over r.
+
+    Memory traffic per step, in units of one gradient-sized read or write, for the default
+    reference with ``swap=True``: keep = 5 (two dot passes, one copy); shrink/project = 6
+    (two dot passes, one fused ``g - alpha r`` written into the old reference's storage,
+    which then becomes ``p.grad`` while the raw gradient becomes the reference: no copy).
+    ``swap`` needs plain, owned gradient tensors (not DDP bucket views, not DTensor shards)
+    of the reference's dtype; the callback turns it off otherwise.
+    """
+
+    def __init__(
+        self,
+        c_low: float = 0.05,
+        c_high: float = 0.3,
+        high_mode: str = "project",
+        reference: str = "grad",
+        ema_decay: float = 0.9,
+        shrink: str = "component",
+        buffer_dtype: str | torch.dtype | None = None,
+    ) -> None:
+        validate_thresholds(c_low, c_high)
+        check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
+        check_choice("GAC", "reference", reference, REFERENCES)
+        check_choice("GAC", "shrink", shrink, SHRINK_MODES)
+        if not (isinstance(ema_decay, (int, float)) and 0.0 <= ema_decay < 1.0):
+            raise ValueError(f"GAC: ema_decay={ema_decay!r} must be in [0, 1)")
+        self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
+        self.reference, self.ema_decay = reference, float(ema_decay)
+        self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
+        self.ref: list[Tensor] | None = None
+        self.has_ref = False
+        self._ref_sq: Tensor | None = None  # local ||r||^2, when known
+        self._pending: Tensor | None = None
+
+    # -- the step -------------------------------------------------------------------------
+    def step(
+        self,
+        params: Sequence[Tensor],
+        reduce: Callable[[Tensor], Tensor] = _identity,
+        swap: bool = False,
+        keep_alias: bool = False,
+    ) -> GACStep | None:
+        """Apply the rule to the gradients of ``params`` in place; None when no parameter has a gradient.
+
+        ``swap``: exchange gradient and reference storage instead of copying (see the class docstring).
+        ``keep_alias``: with ``swap``, on a kept step the reference *is* ``p.grad`` (no copy at all);
+        only valid if nothing edits ``p.grad`` in place before the optimizer step (no gradient
+        clipping) and ``release`` is called before ``zero_grad``.
+        """
+        live = [i for i, p in enumerate(params) if p.grad is not None]
+        if not live:
+            return None
+        ref = self._buffer(params)
+        if self.reference == "update" and self.has_ref:
+            torch._foreach_sub_(ref, [local(p.detach()) for p in params])  # r = theta_{t-1} - theta_t
+            self._ref_sq = None
+        # Parameters without a gradient this step take no part in it: g and r are restricted to the rest.
+        g = [local(params[i].grad) for i in live]
+        r = [ref[i] for i in live]
+        ref_sq = self._ref_sq if len(live) == len(params) else None
+        local_scalars = alignment_scalars(g, r, ref_sq)
+        scalars = reduce(local_scalars)
+        g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
+        if not (math.isfinite(g_sq) and g_sq > 0.0):
+            if self.reference == "update":
+                self._store_params(params)
+            return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True)
+
+        c = cosine_from_scalars(scalars) if self.has_ref else float("nan")
+        decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
+        alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
+        skipped = decision.action == SKIP
+        swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
+        if swap:
+            self._step_swapping(params, g, r, alpha, skipped, keep_alias)
+            self._ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
+        else:
+            if alpha:
+                project_(g, r, decision.coef, g_dot_r, r_sq)
+            self._update_reference(params, live, g, r, alpha, skipped)
+            exact_copy = self.reference == "grad" and not alpha and len(live) == len(params) and g[0].dtype == r[0].dtype
+            if exact_copy:
+                self._ref_sq = local_scalars[1]
+        if skipped:
+            self.skip(params)
+        self.has_ref = True
+        return GACStep(decision, g_sq)
+
+    def _step_swapping(self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool) -> None:
+        """Reference 'grad' without copying the raw gradient twice: see the class docstring."""
+        if alpha:
+            for gi, ri in zip(g, r):
+                torch.add(gi, ri, alpha=-alpha, out=ri)  # ri <- g_tilde
+            for p, ri in zip(params, r):
+                p.grad = ri
+        elif not skipped and keep_alias:
+            pass  # the optimizer and the reference share the raw gradient tensors
+        elif not skipped:
+            torch._foreach_copy_(r, g)  # ri <- g; the optimizer gets r's storage, we keep g's
+            for p, ri in zip(params, r):
+                p.grad = ri
+        self.ref = list(g)  # the raw gradient tensors
+
+    def release(self, params: Sequence[Tensor]) -> None:
+        """Before ``zero_grad``: drop ``p.grad`` where it is the reference, so that a
+        ``zero_grad(set_to_none=False)`` cannot zero the reference in place."""
+        if self.ref is None:
+            return
+        ids = {id(t) for t in self.ref}
+        for p in params:
+            if p.grad is not None and id(p.grad) in ids:
+                p.grad = None
+
+    @staticmethod
+    def _swappable(g: list[Tensor], r: list[Tensor]) -> bool:
+        return all(gi.dtype == ri.dtype and gi._base is None and type(gi) is torch.Tensor for gi, ri in zip(g, r))
+
+    @staticmethod
+    def skip(params: Sequence[Tensor]) -> None:
+        """Skip the step: optimizers leave parameters without a gradient untouched (no momentum, no decay)."""
+        for p in params:
+            p.grad = None
+
+    # -- the reference --------------------------------------------------------------------
+    def _buffer(self, params: Sequence[Tensor]) -> list[Tensor]:
+        if self.ref is None:
+            tensors = [local(p.detach()) for p in params]
+            dtype = self.buffer_dtype or tensors[0].dtype
+            if self.reference == "update" and torch.finfo(dtype).bits < torch.finfo(tensors[0].dtype).bits:
+                raise ValueError(
+                    f"GAC: reference='update' stores parameters, so buffer_dtype={dtype} "
+                    f"must not be below the parameters' {tensors[0].dtype}; drop buffer_dtype."
+                )
+            self.ref = [torch.zeros_like(t, dtype=dtype) for t in tensors]
+            if self._pending is not None:
+                self.load_state(self._pending)
+        return self.ref
+
+    def _store_params(self, params: Sequence[Tensor]) -> None:
+        torch._foreach_copy_(self.ref, [local(p.detach()) for p in params])  # theta_t, before the optimizer moves it
+        self._ref_sq = None
+
+    def _update_reference(self, params, live, g, r, alpha: float, skipped: bool) -> None:
+        """Move the reference to step t. ``g`` already holds g_tilde = g_raw - alpha * r, so the raw
+        gradient is recovered as g_tilde + alpha * r without keeping a second copy of it."""
+        self._ref_sq = None
+        if self.reference == "update":
+            self._store_params(params)
+            return
+        if self.reference == "applied":
+            if skipped and self.has_ref:
+                return  # nothing was applied: the previous applied gradient stays the reference
+            alpha = 0.0  # the reference is g_tilde itself
+        # new r = a * r + b * g_raw = (a + b * alpha) * r + b * g_tilde, on the parameters with a gradient
+        a, b = (self.ema_decay, 1.0 - self.ema_decay) if self.reference == "ema" and self.has_ref else (0.0, 1.0)
+        if len(live) != len(self.ref):  # parameters without a gradient: g_raw = 0 there
+            dead = set(range(len(self.ref))) - set(live)
+            torch._foreach_mul_([self.ref[i] for i in sorted(dead)], a)
+        if a + b * alpha == 0.0:  # then b == 1: the reference is exactly the gradient
+            torch._foreach_copy_(r, g)
+        else:
+            torch._foreach_mul_(r, a + b * alpha)
+            torch._foreach_add_(r, g, alpha=b)
+
+    # -- checkpointing --------------------------------------------------------------------
+    def state(self) -> Tensor | None:
+        """The reference as one flat tensor (a copy), or None before the first step."""
+        if self.ref is None:
+            return None if self._pending is None else self._pending.clone()
+        return torch.cat([t.detach().reshape(-1) for t in self.ref])
+
+    def load_state(self, flat: Tensor | None) -> None:
+        """Restore ``state()``; before the first step it is kept until the parameters are known."""
+        self._ref_sq = None
+        if flat is None:
+            return
+        if self.ref is None:
+            self._pending = flat
+            return
+        numel = sum(t.numel() for t in self.ref)
+        if flat.numel() != numel:
+            raise ValueError(
+                f"GAC: the saved reference has {flat.numel()} elements but the model has {numel}; "
+                "the checkpoint was written for a different model or parameter set"
+            )
+        offset = 0
+        for t in self.ref:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        self._pending = None

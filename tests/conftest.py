@@ -1,0 +1,66 @@
+"""Shared test helpers: a LightningModule written the way a user writes one, and a fit helper."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gacbench.loggers import MemoryLogger
+
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+
+class UserRegressor(pl.LightningModule):
+    """A small MLP regressor with two parameter groups, as a user would write it (nothing gacbench-specific)."""
+
+    def __init__(self, n: int = 64, batch_size: int = 8, lr: float = 0.05, optimizer: str = "sgd", seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.x = torch.randn(n, 5, generator=gen)
+        self.y = (self.x @ torch.randn(5, 1, generator=gen)).sin()
+        self.batch_size, self.lr, self.opt_name = batch_size, lr, optimizer
+
+    def loss_fn(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_fn(batch)
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size, shuffle=False)
+
+    def configure_optimizers(self):
+        groups = [{"params": self.net[0].parameters()}, {"params": self.net[2].parameters(), "lr": self.lr / 2}]
+        if self.opt_name == "adamw":
+            return torch.optim.AdamW(groups, lr=self.lr)
+        return torch.optim.SGD(groups, lr=self.lr)
+
+
+def make_trainer(callbacks=(), max_steps=20, logger=None, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        max_steps=max_steps, accelerator="cpu", devices=1, logger=logger if logger is not None else MemoryLogger(),
+        callbacks=list(callbacks), log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+@pytest.fixture
+def regressor():
+    return UserRegressor
