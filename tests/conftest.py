@@ -23,6 +23,7 @@ class UserRegressor(pl.LightningModule):
     def __init__(self, n: int = 64, batch_size: int = 8, lr: float = 0.05, optimizer: str = "sgd", seed: int = 0):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)  # the layers' default initialisation
         self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
         self.x = torch.randn(n, 5, generator=gen)
         self.y = (self.x @ torch.randn(5, 1, generator=gen)).sin()

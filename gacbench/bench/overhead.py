@@ -54,17 +54,18 @@ QWEN3_1_7B = Qwen3Shape(hidden=2048, layers=28, intermediate=6144, heads=16, kv_
 
 
 def shape_for_params(n: int) -> Qwen3Shape:
-    """A small Qwen3 shape (8192-token vocabulary, head_dim 32, 2 to 48 layers) whose size is closest to ``n``."""
+    """A small Qwen3 shape (head_dim 32, 2 to 48 layers, a 512- to 8192-token vocabulary) whose size is closest to ``n``."""
     if n < 1:
         raise ValueError(f"overhead: --params {n} must be positive")
     best = None
-    for layers in range(2, 49):
-        for hidden in range(64, 16384 + 1, 64):
-            s = Qwen3Shape(hidden, layers, 3 * hidden, hidden // 32, max(1, hidden // 64), 32, 8192)
-            if best is None or abs(s.numel() - n) < abs(best.numel() - n):
-                best = s
-            if s.numel() > n:
-                break
+    for vocab in (8192, 2048, 512):
+        for layers in range(2, 49):
+            for hidden in range(64, 16384 + 1, 64):
+                s = Qwen3Shape(hidden, layers, 3 * hidden, hidden // 32, max(1, hidden // 64), 32, vocab)
+                if best is None or abs(s.numel() - n) < abs(best.numel() - n):
+                    best = s
+                if s.numel() > n:
+                    break
     assert best is not None
     return best
 

@@ -83,7 +83,7 @@ def agree(trainer: "pl.Trainer", scalars: Tensor, sharded: bool) -> Tensor:
     """
     if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return scalars
-    scalars = scalars.contiguous()
+    scalars = scalars.clone()  # the collective works in place; the caller's local values stay intact
     if sharded:
         dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
     else:

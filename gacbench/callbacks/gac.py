@@ -115,13 +115,15 @@ class GAC(Callback):
         self.skipped += d.action == SKIP
         if not math.isnan(d.cos):
             self.trace.append(d.cos)
-        log_metrics(pl_module, {
-            self.cos_key: 0.0 if math.isnan(d.cos) else d.cos,
+        metrics = {
             "grad/norm": math.sqrt(out.grad_sq),
             "align/proj_frac": self.changed / self.steps,
             "align/skip": float(d.action == SKIP),
             "gac/coef": d.coef,
-        })
+        }
+        if not math.isnan(d.cos):  # the first step has no reference yet
+            metrics[self.cos_key] = d.cos
+        log_metrics(pl_module, metrics)
 
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         self.transform.release(optimizer_params(trainer, "GAC"))

@@ -92,7 +92,7 @@ class StalenessSimulator(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(staleness=self.staleness, schedule=self.schedule)
+        return type(self).__qualname__  # one simulator per trainer; a changed staleness is caught on load
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit" or self.staleness == 0:

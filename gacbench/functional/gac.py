@@ -138,7 +138,7 @@ class GACTransform:
         r = [ref[i] for i in live]
         ref_sq = self._ref_sq if len(live) == len(params) else None
         local_scalars = alignment_scalars(g, r, ref_sq)
-        scalars = reduce(local_scalars)
+        scalars = reduce(local_scalars.clone())  # a collective may work in place
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
             if self.reference == "update":

@@ -1,0 +1,35 @@
+"""Run by test_distributed.py: a 2-process DDP (gloo, CPU) fit with StalenessSimulator + GAC.
+Each rank writes what it saw and decided to OUT_DIR/rank{r}.json."""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import UserRegressor, flat_params, make_trainer  # noqa: E402
+
+from gacbench import GAC, StalenessSimulator  # noqa: E402
+
+
+class Record(pl.Callback):
+    def __init__(self, gac, sim):
+        self.gac, self.sim, self.rows = gac, sim, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rows.append({"lag": self.sim.lag, "changed": self.gac.changed, "skipped": self.gac.skipped,
+                          "cos": self.gac.trace.values[-1] if self.gac.trace.values else None})
+
+
+if __name__ == "__main__":
+    out_dir = sys.argv[1]
+    sim = StalenessSimulator(3, schedule="uniform", seed=11)
+    gac = GAC(c_low=0.05, c_high=0.3, high_mode="skip", warmup=0)
+    rec = Record(gac, sim)
+    trainer = make_trainer([sim, gac, rec], max_steps=12, strategy="ddp", devices=2, accelerator="cpu")
+    model = UserRegressor(n=128, optimizer="adamw")
+    trainer.fit(model)
+    with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"rows": rec.rows, "params": flat_params(model).tolist(), "world": trainer.world_size}, f)

@@ -1,0 +1,48 @@
+"""The command line: the overhead benchmark writes its keys; bad input is refused clearly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gacbench.bench.overhead import QWEN3_1_7B, run_overhead, shape_for_params
+from gacbench.cli import main
+
+
+def test_public_imports():
+    proc = subprocess.run([sys.executable, "-c", "from gacbench import StalenessSimulator, AlignmentMonitor, GAC"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_overhead_writes_the_documented_keys(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert main(["overhead", "--params", "300000", "--repeats", "2", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    for key in ("params", "device", "adamw_step_s", "gac_s", "gac_over_adamw"):
+        assert key in record
+    assert record["gac_over_adamw"] == pytest.approx(record["gac_s"] / record["adamw_step_s"])
+    assert record["gac_case"] == "shrink" and record["gac_keep_case"] == "keep"  # each timed branch is the one named
+    assert abs(record["params"] - 300000) / 300000 < 0.5
+    assert "gac_over_adamw" in capsys.readouterr().out
+
+
+def test_overhead_bf16_buffer_runs():
+    record = run_overhead(params=200000, repeats=1, buffer_dtype="bfloat16")
+    assert record["buffer_dtype"] == "bfloat16" and record["gac_s"] > 0
+
+
+def test_shapes():
+    assert abs(QWEN3_1_7B.numel() - 1.72e9) / 1.72e9 < 0.02  # Qwen3-1.7B has ~1.72B parameters (tied embeddings)
+    assert abs(shape_for_params(20_000_000).numel() - 20_000_000) < 200_000
+    with pytest.raises(ValueError, match="must be positive"):
+        shape_for_params(0)
+
+
+def test_bad_arguments_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit):
+        main(["overhead", "--repeats", "0"])
+    assert "positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="staleness"):
+        main(["demo", "--staleness", "0"])

@@ -1,0 +1,174 @@
+"""GAC and AlignmentMonitor inside a Trainer: the logged c_t is the cosine of consecutive
+gradients, the applied gradient follows the rule, the fast path equals the plain one,
+bad gradients never reach the parameters."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import UserRegressor, flat_params, make_trainer
+
+from gacbench import GAC, AlignmentMonitor, StalenessSimulator
+from gacbench.functional import gac_project
+
+
+class GradTap(pl.Callback):
+    """Copies the gradient as it is at this point of on_before_optimizer_step."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        ps = [p for g in optimizer.param_groups for p in g["params"]]
+        self.grads.append(None if all(p.grad is None for p in ps) else
+                          [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in ps])
+
+
+def cos(a, b):
+    fa, fb = torch.cat([x.reshape(-1) for x in a]), torch.cat([x.reshape(-1) for x in b])
+    return float(fa @ fb / (fa.norm() * fb.norm()))
+
+
+def test_monitor_logs_the_cosine_of_consecutive_gradients():
+    tap, mon = GradTap(), AlignmentMonitor(warmup=2)
+    trainer = make_trainer([tap, mon, StalenessSimulator(2)], max_steps=12)
+    trainer.fit(UserRegressor())
+    logged = trainer.logger.values("align/cos")
+    expected = [cos(tap.grads[t], tap.grads[t - 1]) for t in range(1, 12)]
+    assert logged == pytest.approx(expected, abs=1e-5)
+    norms = trainer.logger.values("grad/norm")
+    assert norms == pytest.approx([math.sqrt(sum(float((x * x).sum()) for x in g)) for g in tap.grads], rel=1e-5)
+    assert mon.summary["n"] == len(expected) - 2
+    assert trainer.logger.last("align/q90_abs") == pytest.approx(mon.summary["q90_abs"])
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_gac_applies_the_rule_to_each_gradient(clip):
+    """Raw gradient before GAC, applied gradient after: the applied one is gac_project(raw, previous raw)."""
+    before, after = GradTap(), GradTap()
+    gac = GAC(c_low=0.05, c_high=0.3)
+    trainer = make_trainer([StalenessSimulator(3), before, gac, after], max_steps=15, gradient_clip_val=clip)
+    trainer.fit(UserRegressor(optimizer="adamw"))
+    changed = 0
+    for t in range(1, 15):
+        expected, d = gac_project(before.grads[t], before.grads[t - 1], 0.05, 0.3)
+        changed += d.changed
+        for e, a in zip(expected, after.grads[t]):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+    assert changed > 0  # the stale run really exercised the projection
+    assert trainer.logger.values("align/cos") == pytest.approx(
+        [cos(before.grads[t], before.grads[t - 1]) for t in range(1, 15)], abs=1e-5)
+
+
+@pytest.mark.parametrize("reference", ["grad", "applied", "update", "ema"])
+def test_every_reference_keeps_parameters_finite_and_logs(reference):
+    trainer = make_trainer([StalenessSimulator(4), GAC(reference=reference)], max_steps=12)
+    model = UserRegressor(optimizer="adamw")
+    trainer.fit(model)
+    assert torch.isfinite(flat_params(model)).all()
+    key = "align/cos" if reference == "grad" else "align/ref_cos"
+    assert len(trainer.logger.values(key)) == 11
+    assert 0.0 <= trainer.logger.last("align/proj_frac") <= 1.0
+
+
+def test_swap_path_equals_copy_path():
+    """The storage-swapping fast path and the plain copy path give the same parameters."""
+    runs = []
+    for swap in (True, False):
+        model = UserRegressor(optimizer="adamw")
+        gac = GAC()
+        if not swap:
+            step = gac.transform.step
+            gac.transform.step = lambda params, reduce, swap, keep_alias: step(params, reduce, swap=False)
+        make_trainer([StalenessSimulator(3), gac], max_steps=15).fit(model)
+        runs.append(flat_params(model))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
+
+
+def test_skip_mode_leaves_parameters_and_optimizer_state_untouched():
+    before = GradTap()
+    gac = GAC(c_low=0.0, c_high=1e-6, high_mode="skip")  # any positive alignment skips
+    trainer = make_trainer([StalenessSimulator(4), before, gac], max_steps=10)
+    model = UserRegressor(optimizer="adamw")
+    trainer.fit(model)
+    skips = trainer.logger.values("align/skip")
+    assert sum(skips) > 0
+    assert gac.skipped == sum(skips)
+
+
+class NaNAt(UserRegressor):
+    def __init__(self, bad_step, **kw):
+        super().__init__(**kw)
+        self.bad_step = bad_step
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == self.bad_step else loss
+
+
+def test_non_finite_gradient_is_skipped_with_a_warning():
+    model = NaNAt(bad_step=4, optimizer="adamw")
+    gac = GAC()
+    with pytest.warns(UserWarning, match="skipping step 4"):
+        make_trainer([gac], max_steps=8).fit(model)
+    assert torch.isfinite(flat_params(model)).all()
+    assert gac.bad == 1
+
+
+def test_non_finite_gradient_can_stop_the_run():
+    with pytest.raises(FloatingPointError, match="on_bad_grad='skip'"):
+        make_trainer([GAC(on_bad_grad="raise")], max_steps=8).fit(NaNAt(bad_step=3))
+
+
+class ZeroGrad(UserRegressor):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 0.0
+
+
+def test_zero_gradient_is_skipped_not_divided_by():
+    model = ZeroGrad(optimizer="adamw")
+    start = flat_params(model)
+    gac = GAC()
+    with pytest.warns(UserWarning, match="is zero"):
+        make_trainer([gac], max_steps=3).fit(model)
+    assert torch.equal(flat_params(model), start)  # AdamW's weight decay did not run either
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"c_low": 0.3, "c_high": 0.1}, "c_low < c_high"),
+    ({"c_low": -0.1}, "c_low < c_high"),
+    ({"c_high": 1.5}, "c_high"),
+    ({"high_mode": "clip"}, "high_mode"),
+    ({"reference": "momentum"}, "reference"),
+    ({"shrink": "half"}, "shrink"),
+    ({"on_bad_grad": "ignore"}, "on_bad_grad"),
+    ({"ema_decay": 1.0}, "ema_decay"),
+    ({"buffer_dtype": "int8"}, "buffer_dtype"),
+    ({"warmup": -1}, "warmup"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GAC(**kwargs)
+
+
+def test_update_reference_refuses_a_low_precision_buffer():
+    with pytest.raises(ValueError, match="reference='update'"):
+        make_trainer([GAC(reference="update", buffer_dtype="bfloat16")], max_steps=2).fit(UserRegressor())
+
+
+def test_bf16_reference_buffer_tracks_the_float32_run():
+    logs = []
+    for dtype in (None, "bfloat16"):
+        trainer = make_trainer([StalenessSimulator(3), GAC(buffer_dtype=dtype)], max_steps=10)
+        trainer.fit(UserRegressor(optimizer="adamw"))
+        logs.append(trainer.logger.values("align/cos"))
+    assert logs[1] == pytest.approx(logs[0], abs=2e-2)
+
+
+def test_monitor_is_passive_beside_gac_and_gac_reports_the_summary():
+    mon, gac = AlignmentMonitor(warmup=1), GAC(warmup=1)
+    trainer = make_trainer([StalenessSimulator(2), mon, gac], max_steps=8)
+    trainer.fit(UserRegressor())
+    assert mon.passive and gac.summary["n"] == 6
+    assert len(trainer.logger.values("align/cos")) == 7  # one writer, one value per step after the first

@@ -1,0 +1,145 @@
+"""StalenessSimulator: the delayed gradient is exactly the gradient at theta_{t-s}; s = 0 is the identity."""
+
+import copy
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from conftest import UserRegressor, flat_params, make_trainer
+
+from gacbench import StalenessSimulator
+from gacbench.callbacks.staleness import staleness_schedule
+
+
+class Recorder(pl.Callback):
+    """Records, per optimizer step: the parameters the update is applied to (theta_t), the
+    applied gradient, the batches of the accumulation window, and the simulator's lag."""
+
+    def __init__(self, sim=None):
+        self.sim, self.steps, self._batches = sim, [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batches.append([b.clone() for b in batch])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append({
+            "theta": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "grad": {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()},
+            "batches": self._batches,
+            "lag": self.sim.lag if self.sim else 0,
+        })
+        self._batches = []
+
+
+def grad_at(model: UserRegressor, theta: dict, batches, accumulate: int) -> dict:
+    """The gradient a plain computation gets at parameters ``theta`` on ``batches``."""
+    probe = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in probe.named_parameters():
+            p.copy_(theta[n])
+    probe.zero_grad()
+    for batch in batches:
+        (probe.loss_fn(batch) / accumulate).backward()
+    return {n: p.grad.detach().clone() for n, p in probe.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule,s,accumulate", [("fixed", 3, 1), ("uniform", 4, 1), ("fixed", 2, 3), ("uniform", 3, 2)])
+def test_applied_gradient_is_the_gradient_at_theta_t_minus_s(schedule, s, accumulate):
+    model = UserRegressor(n=96, batch_size=8, lr=0.05)
+    sim = StalenessSimulator(s, schedule=schedule, seed=7)
+    rec = Recorder(sim)
+    make_trainer([sim, rec], max_steps=12, accumulate_grad_batches=accumulate).fit(model)
+    lags = [st["lag"] for st in rec.steps]
+    assert len(rec.steps) == 12
+    for t, step in enumerate(rec.steps):
+        lag = step["lag"]
+        assert 0 <= lag <= min(s, t)
+        if schedule == "fixed":
+            assert lag == min(s, t)
+        expected = grad_at(model, rec.steps[t - lag]["theta"], step["batches"], accumulate)
+        for n in expected:
+            torch.testing.assert_close(step["grad"][n], expected[n], rtol=1e-6, atol=1e-7)
+    if schedule == "uniform":
+        assert len(set(lags[s:])) > 1  # the schedule really varies
+
+
+def test_optimizer_applies_the_stale_gradient_to_the_current_parameters():
+    model = UserRegressor(lr=0.05)
+    sim = StalenessSimulator(2)
+    rec = Recorder(sim)
+    make_trainer([sim, rec], max_steps=6).fit(model)
+    for t in range(5):  # SGD: theta_{t+1} = theta_t - lr_group * g(theta_{t-s})
+        for n in rec.steps[t]["theta"]:
+            lr = 0.05 if n.startswith("net.0") else 0.025
+            expected = rec.steps[t]["theta"][n] - lr * rec.steps[t]["grad"][n]
+            torch.testing.assert_close(rec.steps[t + 1]["theta"][n], expected)
+
+
+def test_zero_staleness_is_the_identity():
+    plain, stale0 = UserRegressor(optimizer="adamw"), UserRegressor(optimizer="adamw")
+    make_trainer([], max_steps=15).fit(plain)
+    make_trainer([StalenessSimulator(0)], max_steps=15).fit(stale0)
+    assert torch.equal(flat_params(plain), flat_params(stale0))
+
+
+def test_stale_run_differs_from_plain_run():
+    plain, stale = UserRegressor(), UserRegressor()
+    make_trainer([], max_steps=10).fit(plain)
+    make_trainer([StalenessSimulator(3)], max_steps=10).fit(stale)
+    assert not torch.allclose(flat_params(plain), flat_params(stale))
+
+
+def test_lag_is_logged_every_step():
+    trainer = make_trainer([StalenessSimulator(3)], max_steps=8)
+    trainer.fit(UserRegressor())
+    assert trainer.logger.values("stale/lag") == [0, 1, 2, 3, 3, 3, 3, 3]
+
+
+def test_schedules_stay_within_bounds():
+    rng = np.random.default_rng(0)
+    for t in range(50):
+        assert staleness_schedule("fixed", 8, t, rng) == min(8, t)
+        assert 0 <= staleness_schedule("uniform", 8, t, rng) <= min(8, t)
+        assert staleness_schedule("trace", 8, t, rng, [5, 0, 8]) == min([5, 0, 8][t % 3], t)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"staleness": -1}, "must be >= 0"),
+    ({"staleness": 2.5}, "integer"),
+    ({"staleness": 2, "schedule": "gaussian"}, "schedule"),
+    ({"staleness": 2, "schedule": "trace"}, "needs trace"),
+    ({"staleness": 2, "schedule": "trace", "trace": [1, 3]}, "outside 0..staleness"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        StalenessSimulator(**kwargs)
+
+
+class ManualModule(UserRegressor):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.loss_fn(batch))
+        opt.step()
+
+
+def test_manual_optimization_is_refused():
+    with pytest.raises(RuntimeError, match="automatic optimization"):
+        make_trainer([StalenessSimulator(2)], max_steps=2).fit(ManualModule())
+
+
+def test_bf16_mixed_precision_and_clipping_run_and_stay_exact():
+    model = UserRegressor()
+    sim = StalenessSimulator(2)
+    rec = Recorder(sim)
+    make_trainer([sim, rec], max_steps=6, precision="bf16-mixed").fit(model)
+    assert [s["lag"] for s in rec.steps] == [0, 1, 2, 2, 2, 2]
+    assert torch.isfinite(flat_params(model)).all()
+    clipped = UserRegressor()
+    make_trainer([StalenessSimulator(2)], max_steps=6, gradient_clip_val=0.01).fit(clipped)
+    assert torch.isfinite(flat_params(clipped)).all()
