@@ -22,6 +22,7 @@ def callbacks(kind):
     return [sim, GAC(reference="update", high_mode="skip", warmup=0)]
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 @pytest.mark.parametrize("kind", ["staleness", "monitor", "gac", "gac-ema", "gac-update-skip"])
 def test_resume_is_exact(kind, tmp_path):
     """The uninterrupted run writes a periodic checkpoint at step 8 (an epoch boundary: Lightning
