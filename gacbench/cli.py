@@ -28,6 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None, help="dtype of GAC's reference buffer")
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
+    p = sub.add_parser("bench", help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped")
+    p.add_argument("--suite", default="synthetic-smoke", help="a suite in tasks/suites/ (synthetic-smoke, synthetic) or a YAML path")
+    p.add_argument("--methods", default=None, help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)' (default: the suite's)")
+    p.add_argument("--staleness", default=None, help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
+    p.add_argument("--tasks", default=None, help="comma-separated task names of the suite (default: all)")
+    p.add_argument("--out", required=True, help="output directory; cells already done there are not rerun")
+    p.add_argument("--workers", type=_positive_int, default=2, help="parallel cells (default 2)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local", help="local process pool, or a Ray cluster (RAY_ADDRESS)")
+
+    p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its stored runs")
+    p.add_argument("dir", help="a directory written by gacbench bench")
+
+    p = sub.add_parser("methods", help="list the registered methods")
+
     p = sub.add_parser("demo", help="the embedded default job: sync vs stale vs GAC on a noisy quadratic, with c_t statistics")
     p.add_argument("--staleness", type=int, default=16, help="staleness s of the stale runs (default 16)")
     p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps per run")
@@ -48,6 +63,20 @@ def main(argv: list[str] | None = None) -> int:
         from gacbench.bench.overhead import main as run
 
         return run(args)
+    if args.command == "bench":
+        from gacbench.bench.runner import main as run
+
+        return run(args)
+    if args.command == "report":
+        from gacbench.bench.report import main as run
+
+        return run(args)
+    if args.command == "methods":
+        from gacbench.methods import METHODS
+
+        for m in METHODS.values():
+            print(f"{m.name:14s} {m.help}")
+        return 0
     if args.command == "demo":
         from gacbench.bench.demo import main as run
 

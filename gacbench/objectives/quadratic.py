@@ -1,4 +1,4 @@
-"""A noisy quadratic as a LightningModule, with its constants known exactly.
+"""A noisy quadratic with its constants known exactly.
 
 f(theta) = 1/2 (theta - theta*)^T A (theta - theta*), A = diag(lambda_1..lambda_d), the
 eigenvalues log-spaced from mu = L / kappa to L. A step's stochastic gradient is
@@ -9,23 +9,25 @@ gradient: loss = f(theta) + <xi, theta>.
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from gacbench.objectives.base import Objective, make_optimizer, step_loader
 
 
-class NoisyQuadratic(pl.LightningModule):
+class NoisyQuadratic(Objective):
     """Args: dim d, L (largest curvature), kappa (condition number), sigma2 (gradient-noise
     variance), steps (batches in the training set), lr, optimizer ("sgd" | "adamw"), seed."""
 
+    metric_name = "gap"
+    higher_is_better = False
+
     def __init__(self, dim: int = 100, L: float = 1.0, kappa: float = 100.0, sigma2: float = 1e-2,
-                 steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0) -> None:
-        super().__init__()
-        if dim < 1 or L <= 0 or kappa < 1 or sigma2 < 0 or lr <= 0:
-            raise ValueError(f"NoisyQuadratic: need dim >= 1, L > 0, kappa >= 1, sigma2 >= 0, lr > 0; got "
-                             f"dim={dim}, L={L}, kappa={kappa}, sigma2={sigma2}, lr={lr}")
-        if optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"NoisyQuadratic: optimizer={optimizer!r} is not 'sgd' or 'adamw'")
+                 steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0, eval_every: int = 10) -> None:
+        super().__init__(eval_every)
+        if dim < 1 or L <= 0 or kappa < 1 or sigma2 < 0 or lr <= 0 or steps < 1:
+            raise ValueError(f"NoisyQuadratic: need dim >= 1, L > 0, kappa >= 1, sigma2 >= 0, lr > 0, steps >= 1; got "
+                             f"dim={dim}, L={L}, kappa={kappa}, sigma2={sigma2}, lr={lr}, steps={steps}")
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
         self.register_buffer("eigs", torch.logspace(torch.log10(torch.tensor(L / kappa)), torch.log10(torch.tensor(L)), dim))
@@ -39,16 +41,16 @@ class NoisyQuadratic(pl.LightningModule):
         delta = (self.theta if theta is None else theta) - self.theta_star
         return 0.5 * (self.eigs * delta * delta).sum()
 
+    @torch.no_grad()
+    def metric(self) -> float:
+        return float(self.gap())
+
     def training_step(self, batch, batch_idx):
         (xi,) = batch
-        loss = self.gap() + (xi.reshape(-1) * self.theta).sum()
-        self.log("objective/gap", self.gap().detach(), on_step=True, on_epoch=False, batch_size=1)
-        return loss
+        return self.gap() + (xi.reshape(-1) * self.theta).sum()
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.noise), batch_size=1, shuffle=False)
+    def train_dataloader(self):
+        return step_loader(TensorDataset(self.noise.unsqueeze(1)))
 
     def configure_optimizers(self):
-        if self.hparams.optimizer == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)

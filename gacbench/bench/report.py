@@ -1,0 +1,327 @@
+"""Summary tables and figures of a benchmark directory, built from the stored runs alone.
+
+``gacbench report DIR`` regenerates ``summary.json``, ``summary.md`` and the PNG figures without
+running anything. Definitions:
+
+- a cell's ``final`` is the objective's metric after the last step; ``diverged`` is non-finite
+  parameters or metric, or (for loss-like metrics) a final 10x worse than the start;
+- a group (task, method, staleness) averages its seeds; ``final_mean`` counts a diverged run at
+  its starting value (a run that blew up is no better than one that never moved), so that means
+  and the recovered share stay finite;
+- the recovered share of the gap is (stale - m) / (stale - sync) on ``final_mean``, for every
+  stabilizer m at each staleness: 1 recovers the synchronous result, 0 is no better than stale;
+- the c_t statistics use the steps after the suite's warm-up.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gacbench.bench.cell import cell_dir, read_json, write_json
+from gacbench.functional.stats import alignment_summary
+
+REFERENCE_METHODS = ("sync", "stale")
+
+
+def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.csv (Lightning CSVLogger) -> {name: [(step, value), ...]}."""
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    if not path.exists():
+        return series
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or -1))
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    series[key].append((step, float(value)))
+    return series
+
+
+def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
+    d = cell_dir(root, cell)
+    if not (d / "status.json").exists():
+        return None
+    status = read_json(d / "status.json")
+    rec: dict[str, Any] = {k: cell[k] for k in ("task", "method", "staleness", "seed")}
+    rec.update({"status": status.get("status"), "ablation": bool(cell.get("ablation"))})
+    if status.get("status") != "done":
+        rec.update({"error": status.get("error"), "metric": None, "higher_is_better": None, "final": None,
+                    "diverged": None, "cos_median": None, "cos_abs_q90": None, "cos_abs_le_005": None})
+        return rec
+    series = read_metrics(d / "metrics.csv")
+    cos = [v for _, v in series.get("align/cos", [])]
+    s = alignment_summary(cos, warmup=min(cell.get("warmup", 0), max(len(cos) - 1, 0)))
+    rec.update({
+        "metric": status["metric"], "higher_is_better": status["higher_is_better"], "initial": status["initial"],
+        "final": status["final"], "diverged": status["diverged"], "cos_median": s["median"],
+        "cos_abs_q90": s["q90_abs"], "cos_abs_le_005": s["frac_le_tol"], "cos_max_abs": s["max_abs"],
+        "seconds": status.get("seconds"), "step_ms": status.get("step_ms"), "overhead_share": status.get("overhead_share"),
+    })
+    return rec
+
+
+def _capped(rec: dict) -> float:
+    final = rec["final"]
+    if rec["diverged"] or final is None or not math.isfinite(final):
+        return rec["initial"]
+    return final
+
+
+def _nanmean(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+def group_records(cells: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for c in cells:
+        if c["status"] == "done":
+            groups[(c["task"], c["method"], c["staleness"])].append(c)
+    out = []
+    for (task, method, s), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        finals = [_capped(r) for r in recs]
+        out.append({
+            "task": task, "method": method, "staleness": s, "metric": recs[0]["metric"],
+            "higher_is_better": recs[0]["higher_is_better"], "ablation": recs[0]["ablation"],
+            "final_mean": float(np.mean(finals)), "final_std": float(np.std(finals)) if len(finals) > 1 else 0.0,
+            "diverged_frac": float(np.mean([bool(r["diverged"]) for r in recs])),
+            "cos_median": _nanmean([r["cos_median"] for r in recs]),
+            "cos_abs_q90": _nanmean([r["cos_abs_q90"] for r in recs]),
+            "cos_abs_le_005": _nanmean([r["cos_abs_le_005"] for r in recs]),
+            "n": len(recs),
+        })
+    return out
+
+
+def recovered_shares(groups: list[dict]) -> list[dict]:
+    by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
+    rows = []
+    for g in groups:
+        if g["method"] in REFERENCE_METHODS or g["ablation"] or g["staleness"] == 0:
+            continue
+        sync, stale = by.get((g["task"], "sync", 0)), by.get((g["task"], "stale", g["staleness"]))
+        if not sync or not stale:
+            continue
+        gap = stale["final_mean"] - sync["final_mean"]
+        sign = -1.0 if g["higher_is_better"] else 1.0  # gap > 0 means stale is worse
+        share = (stale["final_mean"] - g["final_mean"]) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
+        rows.append({"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
+                     "sync": sync["final_mean"], "stale": stale["final_mean"], "value": g["final_mean"],
+                     "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0)})
+    return rows
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}g}"
+
+
+def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path) -> str:
+    lines = [f"# Benchmark summary: `{root}`", "",
+             "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
+    tasks = sorted({g["task"] for g in groups})
+    main = [g for g in groups if not g["ablation"]]
+    for task in tasks:
+        tg = [g for g in main if g["task"] == task]
+        if not tg:
+            continue
+        svals = sorted({g["staleness"] for g in tg})
+        metric, hib = tg[0]["metric"], tg[0]["higher_is_better"]
+        lines += [f"## {task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std over seeds [diverged share]", "",
+                  "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
+        for m in dict.fromkeys(g["method"] for g in tg):
+            cells_txt = []
+            for s in svals:
+                g = next((x for x in tg if x["method"] == m and x["staleness"] == s), None)
+                cells_txt.append("" if g is None else f"{_fmt(g['final_mean'], 4)} ± {_fmt(g['final_std'], 2)}"
+                                 + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
+            lines.append(f"| {m} | " + " | ".join(cells_txt) + " |")
+        lines.append("")
+    if shares:
+        lines += ["## Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", "",
+                  "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
+                  "| task | s | method | sync | stale | method | share |", "|---|---|---|---|---|---|---|"]
+        for r in shares:
+            share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
+            lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {_fmt(r['sync'], 4)} | {_fmt(r['stale'], 4)} | "
+                         f"{_fmt(r['value'], 4)} | {share} |")
+        lines.append("")
+    lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
+              "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |", "|---|---|---|---|---|---|---|"]
+    for g in main:
+        lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | {_fmt(g['cos_median'])} | {_fmt(g['cos_abs_q90'])} | "
+                     f"{_fmt(g['cos_abs_le_005'], 2)} | {g['n']} |")
+    abl = [g for g in groups if g["ablation"]]
+    if abl:
+        lines += ["", "## Threshold ablation (c_low, c_high)", "", "| task | method | s | final (mean) | diverged |", "|---|---|---|---|---|"]
+        for g in abl:
+            lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {_fmt(g['final_mean'], 4)} | {g['diverged_frac']:.0%} |")
+    failed = [c for c in cells if c["status"] != "done"]
+    if failed:
+        lines += ["", "## Failed cells", ""] + [f"- {c['task']} / {c['method']} / s={c['staleness']} / seed {c['seed']}: {c.get('error')}" for c in failed]
+    done = [c for c in cells if c["status"] == "done" and c.get("step_ms")]
+    if done:
+        lines += ["", "## Timing", "",
+                  f"Median step {statistics.median(c['step_ms'] for c in done):.2f} ms; median share of step time outside the "
+                  f"objective's forward+backward {statistics.median(c['overhead_share'] for c in done):.0%} "
+                  f"({len(done)} cells, {sum(c['seconds'] for c in done):.0f} s of cell time)."]
+    return "\n".join(lines) + "\n"
+
+
+def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[dict]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: list[Path] = []
+    specs = {(c["task"], c["method"], c["staleness"], c["seed"]): c for c in cell_specs}
+    main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
+    tasks = sorted({c["task"] for c in main})
+    colors = {"sync": "black", "stale": "tab:red"}
+    palette = iter(plt.cm.tab10.colors[2:])
+    for m in sorted({c["method"] for c in main}):
+        colors.setdefault(m, next(palette, "tab:gray"))
+
+    def series(rec: dict, key: str) -> list[tuple[int, float]]:
+        return read_metrics(cell_dir(root, specs[(rec["task"], rec["method"], rec["staleness"], rec["seed"])]) / "metrics.csv").get(key, [])
+
+    # Figures 1 and 4: metric curves across staleness, mean over seeds.
+    for task in tasks:
+        tc = [c for c in main if c["task"] == task]
+        metric = tc[0]["metric"]
+        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
+        fig, axes = plt.subplots(1, max(1, len(svals)), figsize=(4 * max(1, len(svals)), 3.2), squeeze=False, sharey=True)
+        for ax, s in zip(axes[0], svals or [0]):
+            for m in dict.fromkeys(c["method"] for c in tc):
+                recs = [c for c in tc if c["method"] == m and (c["staleness"] == s or m == "sync")]
+                curves = [series(r, f"eval/{metric}") for r in recs]
+                curves = [c for c in curves if c]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                steps = [c[i][0] for i in range(n) for c in curves[:1]]
+                mean = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0)
+                ax.plot(steps, mean, label=m, color=colors[m], ls="--" if m == "sync" else "-")
+            ax.set_title(f"{task}, s={s}")
+            ax.set_xlabel("step")
+            if not tc[0]["higher_is_better"]:
+                ax.set_yscale("log")
+        axes[0][0].set_ylabel(metric)
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        path = root / f"fig_curves_{task}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+
+    # Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, seed = smallest.
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 3.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        tc = [c for c in main if c["task"] == task]
+        smax, seed = max(c["staleness"] for c in tc), min(c["seed"] for c in tc)
+        for r in [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]:
+            cs = series(r, "align/cos")
+            if cs:
+                v = np.convolve([x for _, x in cs], np.ones(10) / 10, mode="valid")
+                ax.plot([x for x, _ in cs][: len(v)], v, label=f"{r['method']} (s={r['staleness']})", color=colors[r["method"]], lw=1)
+        ax.set_title(f"{task}: c_t (10-step mean)")
+        ax.set_xlabel("step")
+        ax.set_ylim(-1.05, 1.05)
+        ax.axhline(0, color="gray", lw=0.5)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path = root / "fig_cos.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out.append(path)
+
+    # Robustness across staleness: final metric vs s per method.
+    maing = [g for g in groups if not g["ablation"]]
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 3.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        tg = [g for g in maing if g["task"] == task]
+        sync = next((g for g in tg if g["method"] == "sync"), None)
+        if sync:
+            ax.axhline(sync["final_mean"], color="black", ls="--", label="sync")
+        for m in dict.fromkeys(g["method"] for g in tg if g["method"] != "sync"):
+            pts = sorted((g["staleness"], g["final_mean"], g["final_std"]) for g in tg if g["method"] == m)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", label=m, color=colors[m], capsize=2)
+        ax.set_title(task)
+        ax.set_xlabel("staleness s")
+        ax.set_ylabel(tg[0]["metric"] if tg else "")
+        if tg and not tg[0]["higher_is_better"]:
+            ax.set_yscale("log")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path = root / "fig_robustness.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out.append(path)
+
+    # Figure 5: (c_low, c_high) heatmap from the ablation cells.
+    abl = [g for g in groups if g["ablation"]]
+    if abl:
+        import re
+
+        atasks = sorted({g["task"] for g in abl})
+        fig, axes = plt.subplots(1, len(atasks), figsize=(4 * len(atasks), 3.4), squeeze=False)
+        for ax, task in zip(axes[0], atasks):
+            pts = {}
+            for g in (g for g in abl if g["task"] == task):
+                m = re.search(r"c_low=([0-9.]+),c_high=([0-9.]+)", g["method"])
+                if m:
+                    pts[(float(m.group(1)), float(m.group(2)))] = g["final_mean"]
+            lows, highs = sorted({k[0] for k in pts}), sorted({k[1] for k in pts})
+            grid = np.full((len(lows), len(highs)), np.nan)
+            for (lo, hi), v in pts.items():
+                grid[lows.index(lo), highs.index(hi)] = v
+            im = ax.imshow(grid, origin="lower", cmap="viridis" if abl[0]["higher_is_better"] else "viridis_r", aspect="auto")
+            ax.set_xticks(range(len(highs)), [f"{h:g}" for h in highs])
+            ax.set_yticks(range(len(lows)), [f"{lo:g}" for lo in lows])
+            ax.set_xlabel("c_high")
+            ax.set_ylabel("c_low")
+            ax.set_title(f"{task}, s={abl[0]['staleness']}: final {abl[0]['metric']}")
+            fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        path = root / "fig_thresholds.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def discover_cells(root: Path) -> list[dict]:
+    return [read_json(p) for p in sorted((root / "cells").glob("**/config.json"))]
+
+
+def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str, Any]:
+    root = Path(root)
+    specs = cells if cells is not None else discover_cells(root)
+    records = [r for r in (cell_record(root, c) for c in specs) if r is not None]
+    groups = group_records(records)
+    shares = recovered_shares(groups)
+    summary = {"cells": records, "groups": groups, "recovered": shares}
+    write_json(root / "summary.json", summary)
+    (root / "summary.md").write_text(markdown(records, groups, shares, root))
+    figs = figures(root, records, specs, groups) if groups else []
+    shares_oh = [r["overhead_share"] for r in records if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
+    return {"figures": figs, "overhead_share_median": statistics.median(shares_oh) if shares_oh else math.nan, "summary": summary}
+
+
+def main(args) -> int:
+    root = Path(args.dir)
+    if not (root / "cells").exists():
+        raise SystemExit(f"gacbench report: {root} holds no benchmark cells (expected {root / 'cells'}); run gacbench bench --out {root} first")
+    rep = build_report(root)
+    print(f"wrote {root / 'summary.json'}, {root / 'summary.md'} and {len(rep['figures'])} figures "
+          f"from {len(rep['summary']['cells'])} stored cells")
+    return 0

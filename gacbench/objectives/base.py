@@ -1,0 +1,71 @@
+"""The small contract every synthetic objective meets, so that the bench runner can treat them alike."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+
+
+class Objective(pl.LightningModule):
+    """A LightningModule with a scalar quality metric.
+
+    Subclasses set ``metric_name`` and ``higher_is_better`` and implement ``metric()`` (the metric
+    at the current parameters, computed exactly or on a held-out set). ``rollout_staleness`` is
+    True for objectives that produce their own stale data (stale-rollout mode: the bandit); the
+    runner then passes the staleness to the module instead of attaching a StalenessSimulator.
+    The metric is logged as ``eval/<metric_name>`` every ``eval_every`` optimizer steps.
+    """
+
+    metric_name = "metric"
+    higher_is_better = False
+    rollout_staleness = False
+
+    def __init__(self, eval_every: int = 10) -> None:
+        super().__init__()
+        if eval_every < 1:
+            raise ValueError(f"{type(self).__name__}: eval_every={eval_every} must be >= 1")
+        self.eval_every = eval_every
+
+    @torch.no_grad()
+    def metric(self) -> float:
+        raise NotImplementedError
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_step % self.eval_every == 0:
+            self.log(f"eval/{self.metric_name}", self.metric(), on_step=True, on_epoch=False, batch_size=1)
+
+    def diverged(self, initial: float, final: float) -> bool:
+        """Non-finite parameters or metric; for loss-like metrics also a metric 10x worse than at the start."""
+        if not math.isfinite(final) or not all(torch.isfinite(p).all() for p in self.parameters()):
+            return True
+        return (not self.higher_is_better) and final > 10.0 * max(initial, 1e-12)
+
+
+def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"optimizer={name!r} is not 'sgd' or 'adamw'")
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """Batch i is a pre-drawn tensor slice: no collation or sampling cost per step."""
+
+    def __init__(self, *tensors: torch.Tensor, batch_size: int, steps: int, generator: torch.Generator) -> None:
+        n = tensors[0].shape[0]
+        self.tensors = tensors
+        self.index = torch.randint(0, n, (steps, batch_size), generator=generator)
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    def __getitem__(self, i: int):
+        idx = self.index[i]
+        return tuple(t[idx] for t in self.tensors)
+
+
+def step_loader(dataset: torch.utils.data.Dataset) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False)
