@@ -78,7 +78,7 @@ class AlignmentMonitor(Callback):
         if self.has_prev:
             metrics["align/cos"] = c
             self.trace.append(c)
-        log_metrics(pl_module, metrics)
+        log_metrics(trainer, metrics)
         if math.isfinite(g_sq):  # a non-finite gradient (an fp16 overflow step) is not a reference
             prev.copy_from(grads)
             self.has_prev = True

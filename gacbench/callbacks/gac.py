@@ -123,7 +123,7 @@ class GAC(Callback):
         }
         if not math.isnan(d.cos):  # the first step has no reference yet
             metrics[self.cos_key] = d.cos
-        log_metrics(pl_module, metrics)
+        log_metrics(trainer, metrics)
 
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         self.transform.release(optimizer_params(trainer, "GAC"))
@@ -142,7 +142,7 @@ class GAC(Callback):
         if self.bad == 1:
             rank_zero_warn(f"GAC: skipping step {trainer.global_step}: its gradient is {kind}. Later skips are counted in gac/bad_grad.")
         self.transform.skip(params)
-        log_metrics(pl_module, {"align/skip": 1.0, "gac/bad_grad": float(self.bad)})
+        log_metrics(trainer, {"align/skip": 1.0, "gac/bad_grad": float(self.bad)})
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.reference == "grad":

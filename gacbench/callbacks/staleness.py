@@ -111,7 +111,7 @@ class StalenessSimulator(Callback):
         if lag > 0:
             self._history[-1 - lag].copy_to(self._params)
             self._swapped = True
-        log_metrics(pl_module, {"stale/lag": float(lag)})
+        log_metrics(trainer, {"stale/lag": float(lag)})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.staleness == 0:

@@ -86,7 +86,7 @@ class SoftmaxBandit(Objective):
         loss, metrics = clipped_surrogate(logp, data["logp_behav"], group_advantages(data["rewards"]),
                                           self.hparams.clip_low, self.hparams.clip_high)
         metrics.update({"stale/lag": float(self.lag), "reward/mean": data["rewards"].mean()})
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.log_scalars(metrics)
         return loss
 
     @torch.no_grad()

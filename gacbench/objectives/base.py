@@ -33,8 +33,15 @@ class Objective(pl.LightningModule):
         raise NotImplementedError
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self.trainer.global_step % self.eval_every == 0:
-            self.log(f"eval/{self.metric_name}", self.metric(), on_step=True, on_epoch=False, batch_size=1)
+        step = self.trainer.global_step
+        if step % self.eval_every == 0 or step == self.trainer.max_steps:
+            self.log_scalars({f"eval/{self.metric_name}": self.metric()})
+
+    def log_scalars(self, metrics: dict) -> None:
+        """Scalars straight to the loggers (see gacbench.callbacks._common.log_metrics for why)."""
+        from gacbench.callbacks._common import log_metrics
+
+        log_metrics(self.trainer, metrics)
 
     def diverged(self, initial: float, final: float) -> bool:
         """Non-finite parameters or metric; for loss-like metrics also a metric 10x worse than at the start."""
