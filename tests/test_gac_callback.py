@@ -126,13 +126,25 @@ class ZeroGrad(UserRegressor):
         return super().training_step(batch, batch_idx) * 0.0
 
 
-def test_zero_gradient_is_skipped_not_divided_by():
+def test_zero_gradient_passes_through_untouched_by_default():
+    """Nothing to project: the optimizer sees exactly what it would see without GAC."""
+    with_gac, without = ZeroGrad(optimizer="adamw"), ZeroGrad(optimizer="adamw")
+    gac = GAC()
+    make_trainer([gac], max_steps=3).fit(with_gac)
+    make_trainer([], max_steps=3).fit(without)
+    assert torch.equal(flat_params(with_gac), flat_params(without))  # AdamW's weight decay ran in both
+    assert gac.zero == 3 and gac.skipped == 0
+
+
+def test_zero_gradient_can_skip_or_stop():
     model = ZeroGrad(optimizer="adamw")
     start = flat_params(model)
-    gac = GAC()
+    gac = GAC(on_zero_grad="skip")
     with pytest.warns(UserWarning, match="is zero"):
         make_trainer([gac], max_steps=3).fit(model)
-    assert torch.equal(flat_params(model), start)  # AdamW's weight decay did not run either
+    assert torch.equal(flat_params(model), start)  # skipped: not even weight decay
+    with pytest.raises(FloatingPointError, match="on_zero_grad='pass'"):
+        make_trainer([GAC(on_zero_grad="raise")], max_steps=2).fit(ZeroGrad())
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -143,6 +155,7 @@ def test_zero_gradient_is_skipped_not_divided_by():
     ({"reference": "momentum"}, "reference"),
     ({"shrink": "half"}, "shrink"),
     ({"on_bad_grad": "ignore"}, "on_bad_grad"),
+    ({"on_zero_grad": "ignore"}, "on_zero_grad"),
     ({"ema_decay": 1.0}, "ema_decay"),
     ({"buffer_dtype": "int8"}, "buffer_dtype"),
     ({"warmup": -1}, "warmup"),

@@ -106,6 +106,7 @@ def _run(cell: dict, out: Path) -> dict:
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*exists and is not empty.*")
+    warnings.filterwarnings("ignore", "GAC: skipping step")  # counted per step in gac/bad_grad
     pl.seed_everything(cell["seed"], verbose=False)
     method, _ = parse_method(cell["method"])
     s = int(cell["staleness"]) if method.stale else 0

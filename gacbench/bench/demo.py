@@ -22,7 +22,7 @@ from gacbench.objectives import NoisyQuadratic
 
 def run_method(method: str, staleness: int, steps: int, seed: int) -> dict:
     pl.seed_everything(seed, verbose=False)
-    model = NoisyQuadratic(dim=100, L=1.0, kappa=100.0, sigma2=1e-2, steps=steps, lr=0.5, seed=seed)
+    model = NoisyQuadratic(dim=100, L=1.0, kappa=10.0, sigma2=10.0, steps=steps, lr=0.1, seed=seed)
     callbacks: list[pl.Callback] = []
     if method != "sync":
         callbacks.append(StalenessSimulator(staleness))
@@ -60,7 +60,7 @@ def main(args) -> int:
     if args.staleness < 1:
         raise SystemExit(f"gacbench demo: --staleness {args.staleness} must be >= 1 (the stale runs need a delay)")
     results = [run_method(m, args.staleness, args.steps, args.seed) for m in ("sync", "stale", "gac")]
-    table = Table(title=f"Noisy quadratic (d=100, kappa=100, SGD lr=0.5), {args.steps} steps, seed {args.seed}; "
+    table = Table(title=f"Noisy quadratic (d=100, kappa=10, sigma^2=10, SGD lr=0.1), {args.steps} steps, seed {args.seed}; "
                         f"f(theta_0)-f* = {results[0]['start_gap']:.3g}")
     for col in ("method", "s", "f(theta)-f*", "median c_t", "q0.9|c_t|", "Pr(|c_t|<=0.05)", "GAC changed", "time"):
         table.add_column(col, justify="right")

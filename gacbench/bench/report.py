@@ -299,6 +299,17 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
     return out
 
 
+def _json_safe(obj: Any) -> Any:
+    """NaN and infinities become null: summary.json stays valid JSON for every parser."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def discover_cells(root: Path) -> list[dict]:
     return [read_json(p) for p in sorted((root / "cells").glob("**/config.json"))]
 
@@ -306,11 +317,12 @@ def discover_cells(root: Path) -> list[dict]:
 def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str, Any]:
     root = Path(root)
     specs = cells if cells is not None else discover_cells(root)
-    records = [r for r in (cell_record(root, c) for c in specs) if r is not None]
+    records = sorted((r for r in (cell_record(root, c) for c in specs) if r is not None),
+                     key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     groups = group_records(records)
     shares = recovered_shares(groups)
     summary = {"cells": records, "groups": groups, "recovered": shares}
-    write_json(root / "summary.json", summary)
+    write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(records, groups, shares, root))
     figs = figures(root, records, specs, groups) if groups else []
     shares_oh = [r["overhead_share"] for r in records if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]

@@ -70,14 +70,16 @@ class GAC(Callback):
         shrink: str = "component",
         buffer_dtype: str | torch.dtype | None = None,
         on_bad_grad: str = "skip",
+        on_zero_grad: str = "pass",
         warmup: int = 50,
         tol: float = 0.05,
     ) -> None:
         self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype)
         check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
-        self.on_bad_grad = on_bad_grad
+        check_choice("GAC", "on_zero_grad", on_zero_grad, ("pass",) + ON_BAD_GRAD)
+        self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
         self.trace = CosineTrace(warmup, tol)
-        self.steps = self.changed = self.skipped = self.bad = 0
+        self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.summary: dict[str, float] = {}
 
     @property
@@ -107,8 +109,13 @@ class GAC(Callback):
         if out is None:  # no gradient at all (training_step returned None)
             return
         self.steps += 1
+        if out.zero:
+            self.zero += 1
+            log_metrics(trainer, {"gac/zero_grad": float(self.zero)})
+            if self.on_zero_grad == "pass":
+                return
         if out.bad:
-            self._bad_gradient(trainer, pl_module, params, out.grad_sq)
+            self._bad_gradient(trainer, params, out.grad_sq, self.on_zero_grad if out.zero else self.on_bad_grad)
             return
         d = out.decision
         self.changed += d.changed
@@ -128,14 +135,15 @@ class GAC(Callback):
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         self.transform.release(optimizer_params(trainer, "GAC"))
 
-    def _bad_gradient(self, trainer, pl_module, params, g_sq: float) -> None:
+    def _bad_gradient(self, trainer, params, g_sq: float, action: str) -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None and not math.isfinite(g_sq):
             return  # an fp16 overflow: the GradScaler skips this step itself
         kind = "zero" if g_sq == 0.0 else f"non-finite (||g||^2 = {g_sq})"
-        if self.on_bad_grad == "raise":
+        if action == "raise":
+            option = "on_zero_grad='pass'" if g_sq == 0.0 else "on_bad_grad='skip'"
             raise FloatingPointError(
                 f"GAC: the gradient at step {trainer.global_step} is {kind}. Look for NaN/inf in the loss "
-                "(learning rate too high, log of zero, fp16 overflow), or pass GAC(on_bad_grad='skip') to skip such steps."
+                f"(learning rate too high, log of zero, fp16 overflow), or pass GAC({option}) to go on."
             )
         self.bad += 1
         self.skipped += 1
@@ -149,11 +157,12 @@ class GAC(Callback):
             self.summary = self.trace.log_summary(trainer)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "changed": self.changed, "skipped": self.skipped, "bad": self.bad,
+        return {"steps": self.steps, "changed": self.changed, "skipped": self.skipped, "bad": self.bad, "zero": self.zero,
                 "has_ref": self.transform.has_ref, "trace": self.trace.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps, self.changed, self.skipped, self.bad = state["steps"], state["changed"], state["skipped"], state["bad"]
+        self.zero = state.get("zero", 0)
         self.transform.has_ref = state["has_ref"]
         self.trace.load_state_dict(state["trace"])
 

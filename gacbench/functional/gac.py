@@ -58,12 +58,14 @@ class GACStep:
     """What one call of ``GACTransform.step`` saw and did.
 
     ``cos`` is NaN on the first step (no reference yet); ``bad`` marks a zero or non-finite
-    gradient, which the transform leaves untouched for the caller to handle.
+    gradient (``zero`` tells which), which the transform leaves untouched, without moving its
+    reference, for the caller to handle.
     """
 
     decision: GACDecision
     grad_sq: float
     bad: bool = False
+    zero: bool = False
 
     @property
     def cos(self) -> float:
@@ -143,7 +145,7 @@ class GACTransform:
         if not (math.isfinite(g_sq) and g_sq > 0.0):
             if self.reference == "update":
                 self._store_params(params)
-            return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True)
+            return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True, zero=g_sq == 0.0)
 
         c = cosine_from_scalars(scalars) if self.has_ref else float("nan")
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)

@@ -1,0 +1,169 @@
+"""The bench runner: stored cells, resume, failures, summary keys, report from stored runs, Ray."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gacbench.bench.cell import cell_dir, run_cell
+from gacbench.bench.report import build_report, recovered_shares
+from gacbench.bench.runner import expand_cells, load_suite, run_grid
+from gacbench.methods import parse_method
+
+CELL_KEYS = {"task", "method", "staleness", "seed", "status", "metric", "higher_is_better", "final", "diverged",
+             "cos_median", "cos_abs_q90", "cos_abs_le_005"}
+GROUP_KEYS = {"final_mean", "final_std", "diverged_frac", "cos_median", "cos_abs_le_005", "n"}
+
+
+def tiny_suite(tmp_path: Path, **over) -> Path:
+    suite = {
+        "name": "tiny", "steps": 30, "warmup": 5,
+        "tasks": {"quadratic": {"objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}},
+                  "bandit": {"objective": "bandit", "params": {"lr": 0.05}}},
+        "methods": ["sync", "stale", "gac"], "staleness": [0, 4], "seeds": [0, 1],
+    }
+    suite.update(over)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+def test_grid_expansion_runs_sync_once_and_stale_methods_at_positive_staleness(tmp_path):
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))
+    keys = {(c["task"], c["method"], c["staleness"], c["seed"]) for c in cells}
+    assert len(cells) == len(keys) == 2 * (1 + 2) * 2
+    assert all(c["staleness"] == 0 for c in cells if c["method"] == "sync")
+    assert all(c["staleness"] == 4 for c in cells if c["method"] != "sync")
+
+
+def test_ablation_cells_skip_invalid_thresholds(tmp_path):
+    suite = load_suite(str(tiny_suite(tmp_path, ablation={"method": "gac", "staleness": 4, "c_low": [0.05, 0.3], "c_high": [0.3, 0.5]})))
+    abl = [c for c in expand_cells(suite) if c.get("ablation")]
+    specs = {c["method"] for c in abl}
+    assert specs == {"gac(c_low=0.05,c_high=0.3)", "gac(c_low=0.05,c_high=0.5)", "gac(c_low=0.3,c_high=0.5)"}
+
+
+def test_grid_writes_summary_and_never_reruns_a_finished_cell(tmp_path):
+    out = tmp_path / "out"
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))
+    first = run_grid(cells, out, workers=2)
+    assert first["ran"] == len(cells) and first["failed"] == 0
+    report = build_report(out, cells)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["cells"]) == len(cells)
+    for c in summary["cells"]:
+        assert CELL_KEYS <= set(c) and c["status"] == "done"
+    for g in summary["groups"]:
+        assert GROUP_KEYS <= set(g)
+    assert (out / "summary.md").read_text().count("Recovered share") == 1
+    assert {p.name for p in report["figures"]} >= {"fig_cos.png", "fig_robustness.png", "fig_curves_quadratic.png"}
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+    second = run_grid(cells, out, workers=2)
+    assert second["ran"] == 0 and second["skipped_done"] == len(cells)
+    assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+
+
+def test_report_is_rebuilt_from_stored_runs_alone(tmp_path):
+    out = tmp_path / "out"
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))), tasks=["quadratic"], seeds=[0])
+    run_grid(cells, out)
+    build_report(out, cells)
+    before = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").unlink()
+    (out / "summary.md").unlink()
+    build_report(out)  # discovers the cells from disk
+    assert json.loads((out / "summary.json").read_text()) == before
+
+
+def test_failed_cell_is_recorded_and_the_grid_goes_on(tmp_path):
+    suite = load_suite(str(tiny_suite(tmp_path)))
+    suite["tasks"]["broken"] = {"objective": "quadratic", "params": {"lr": -1.0}}
+    cells = expand_cells(suite, seeds=[0])
+    result = run_grid(cells, tmp_path / "out")
+    assert result["failed"] == 3 and result["ran"] == len(cells)
+    status = json.loads((cell_dir(tmp_path / "out", [c for c in cells if c["task"] == "broken"][0]) / "status.json").read_text())
+    assert status["status"] == "failed" and "lr > 0" in status["error"]
+    build_report(tmp_path / "out", cells)
+    assert "## Failed cells" in (tmp_path / "out" / "summary.md").read_text()
+    again = run_grid(cells, tmp_path / "out")  # a failed cell is retried; done ones are not
+    assert again["ran"] == 3
+
+
+def test_an_unfinished_cell_is_rerun(tmp_path):
+    cell = {"task": "q", "objective": "quadratic", "params": {}, "steps": 10, "method": "stale", "staleness": 2, "seed": 0}
+    d = cell_dir(tmp_path, cell)
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(cell))  # a worker died before writing its status
+    assert run_cell(cell, tmp_path)["status"] == "done"
+
+
+def test_killed_grid_resumes_only_the_missing_cells(tmp_path):
+    suite = tiny_suite(tmp_path, steps=150, seeds=[0, 1, 2])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out), "--workers", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(out.glob("cells/**/status.json"))) < 3:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+    total = len(expand_cells(load_suite(str(suite))))
+    assert 3 <= len(done_before) < total
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"ran {total - len(done_before)} cells ({len(done_before)} already done" in " ".join(rerun.stdout.split())
+    for p, t in done_before.items():
+        assert p.stat().st_mtime_ns == t
+
+
+def test_recovered_share_arithmetic():
+    groups = [
+        {"task": "t", "method": "sync", "staleness": 0, "final_mean": 1.0, "higher_is_better": False, "ablation": False},
+        {"task": "t", "method": "stale", "staleness": 8, "final_mean": 5.0, "higher_is_better": False, "ablation": False},
+        {"task": "t", "method": "gac", "staleness": 8, "final_mean": 2.0, "higher_is_better": False, "ablation": False},
+        {"task": "u", "method": "sync", "staleness": 0, "final_mean": 0.9, "higher_is_better": True, "ablation": False},
+        {"task": "u", "method": "stale", "staleness": 8, "final_mean": 0.5, "higher_is_better": True, "ablation": False},
+        {"task": "u", "method": "gac", "staleness": 8, "final_mean": 0.4, "higher_is_better": True, "ablation": False},
+    ]
+    shares = {r["task"]: r["share"] for r in recovered_shares(groups)}
+    assert shares["t"] == pytest.approx(0.75)
+    assert shares["u"] == pytest.approx(-0.25)
+    groups[1]["final_mean"] = 0.5  # stale better than sync: no gap to recover
+    assert math.isnan(next(r for r in recovered_shares(groups) if r["task"] == "t")["share"])
+
+
+@pytest.mark.parametrize("spec,match", [("nope", "unknown method"), ("gac(0.1)", "key=literal"),
+                                        ("gac(c_low=x)", "key=literal")])
+def test_bad_method_specs_are_refused(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_method(spec)
+
+
+def test_bad_suite_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown suite"):
+        load_suite("no-such-suite")
+    bad = tiny_suite(tmp_path, tasks={"x": {"objective": "nope"}})
+    with pytest.raises(ValueError, match="objective 'nope'"):
+        load_suite(str(bad))
+    with pytest.raises(ValueError, match="non-negative"):
+        expand_cells(load_suite(str(tiny_suite(tmp_path))), staleness=[-1])
+
+
+def test_ray_executor_on_a_local_instance(tmp_path):
+    ray = pytest.importorskip("ray")
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))), tasks=["quadratic"], seeds=[0])
+    try:
+        result = run_grid(cells, tmp_path / "out", workers=2, executor="ray")
+    finally:
+        ray.shutdown()
+    assert result["ran"] == len(cells) and result["failed"] == 0
+    for c in cells:
+        assert json.loads((cell_dir(tmp_path / "out", c) / "status.json").read_text())["status"] == "done"
