@@ -124,6 +124,15 @@ def test_killed_grid_resumes_only_the_missing_cells(tmp_path):
         assert p.stat().st_mtime_ns == t
 
 
+@pytest.mark.parametrize("objective,method", [("mlp", "gac"), ("bandit", "stale")])
+def test_a_seeded_cell_is_reproducible(tmp_path, objective, method):
+    cell = {"task": "t", "objective": objective, "params": {}, "steps": 25, "method": method, "staleness": 3, "seed": 4}
+    a, b = run_cell(cell, tmp_path / "a"), run_cell(cell, tmp_path / "b")
+    assert a["final"] == b["final"]
+    cols = lambda root: [r.split(",") for r in (cell_dir(root, cell) / "metrics.csv").read_text().splitlines()]  # noqa: E731
+    assert cols(tmp_path / "a") == cols(tmp_path / "b")
+
+
 def test_recovered_share_arithmetic():
     groups = [
         {"task": "t", "method": "sync", "staleness": 0, "final_mean": 1.0, "higher_is_better": False, "ablation": False},

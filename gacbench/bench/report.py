@@ -276,7 +276,8 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
         fig, axes = plt.subplots(1, len(atasks), figsize=(4 * len(atasks), 3.4), squeeze=False)
         for ax, task in zip(axes[0], atasks):
             pts = {}
-            for g in (g for g in abl if g["task"] == task):
+            tg = [g for g in abl if g["task"] == task]
+            for g in tg:
                 m = re.search(r"c_low=([0-9.]+),c_high=([0-9.]+)", g["method"])
                 if m:
                     pts[(float(m.group(1)), float(m.group(2)))] = g["final_mean"]
@@ -284,12 +285,12 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
             grid = np.full((len(lows), len(highs)), np.nan)
             for (lo, hi), v in pts.items():
                 grid[lows.index(lo), highs.index(hi)] = v
-            im = ax.imshow(grid, origin="lower", cmap="viridis" if abl[0]["higher_is_better"] else "viridis_r", aspect="auto")
+            im = ax.imshow(grid, origin="lower", cmap="viridis" if tg[0]["higher_is_better"] else "viridis_r", aspect="auto")
             ax.set_xticks(range(len(highs)), [f"{h:g}" for h in highs])
             ax.set_yticks(range(len(lows)), [f"{lo:g}" for lo in lows])
             ax.set_xlabel("c_high")
             ax.set_ylabel("c_low")
-            ax.set_title(f"{task}, s={abl[0]['staleness']}: final {abl[0]['metric']}")
+            ax.set_title(f"{task}, s={tg[0]['staleness']}: final {tg[0]['metric']} (bright = better)")
             fig.colorbar(im, ax=ax)
         fig.tight_layout()
         path = root / "fig_thresholds.png"
