@@ -112,9 +112,8 @@ def _run(cell: dict, out: Path) -> dict:
     s = int(cell["staleness"]) if method.stale else 0
     params = dict(cell.get("params", {}))
     objective_cls_name = cell["objective"]
-    probe = make_objective(objective_cls_name, **params, seed=cell["seed"], steps=cell["steps"],
+    model = make_objective(objective_cls_name, **params, seed=cell["seed"], steps=cell["steps"],
                            **({"staleness": s} if _rollout(objective_cls_name) else {}))
-    model = probe
     callbacks: list[pl.Callback] = []
     if s > 0 and not model.rollout_staleness:
         callbacks.append(StalenessSimulator(s))

@@ -183,6 +183,15 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
     import matplotlib.pyplot as plt
 
     out: list[Path] = []
+
+    def save(fig, name: str, legend_ax=None) -> None:
+        if legend_ax is not None:
+            legend_ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(root / name, dpi=110)
+        plt.close(fig)
+        out.append(root / name)
+
     specs = {(c["task"], c["method"], c["staleness"], c["seed"]): c for c in cell_specs}
     main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
     tasks = sorted({c["task"] for c in main})
@@ -208,7 +217,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
                 if not curves:
                     continue
                 n = min(len(c) for c in curves)
-                steps = [c[i][0] for i in range(n) for c in curves[:1]]
+                steps = [curves[0][i][0] for i in range(n)]
                 mean = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0)
                 ax.plot(steps, mean, label=m, color=colors[m], ls="--" if m == "sync" else "-")
             ax.set_title(f"{task}, s={s}")
@@ -216,12 +225,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
             if not tc[0]["higher_is_better"]:
                 ax.set_yscale("log")
         axes[0][0].set_ylabel(metric)
-        axes[0][-1].legend(fontsize=7)
-        fig.tight_layout()
-        path = root / f"fig_curves_{task}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(path)
+        save(fig, f"fig_curves_{task}.png", axes[0][-1])
 
     # Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, seed = smallest.
     fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 3.2), squeeze=False)
@@ -237,12 +241,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
         ax.set_xlabel("step")
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="gray", lw=0.5)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path = root / "fig_cos.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out.append(path)
+    save(fig, "fig_cos.png", axes[0][-1])
 
     # Robustness across staleness: final metric vs s per method.
     maing = [g for g in groups if not g["ablation"]]
@@ -260,12 +259,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
         ax.set_ylabel(tg[0]["metric"] if tg else "")
         if tg and not tg[0]["higher_is_better"]:
             ax.set_yscale("log")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path = root / "fig_robustness.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out.append(path)
+    save(fig, "fig_robustness.png", axes[0][-1])
 
     # Figure 5: (c_low, c_high) heatmap from the ablation cells.
     abl = [g for g in groups if g["ablation"]]
@@ -292,11 +286,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
             ax.set_ylabel("c_low")
             ax.set_title(f"{task}, s={tg[0]['staleness']}: final {tg[0]['metric']} (bright = better)")
             fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        path = root / "fig_thresholds.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(path)
+        save(fig, "fig_thresholds.png")
     return out
 
 
