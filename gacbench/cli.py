@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("methods", help="list the registered methods")
 
+    p = sub.add_parser("theory", help="run every symbolic and numeric check of the bounded-staleness theory")
+    p.add_argument("--json", default=None, help="also write {'checks': [...]} to this file")
+    p.add_argument("--checks", default=None, help="comma-separated check names (default: all)")
+    p.add_argument("--figure", default=None, help="also draw the alignment figure (theory/fig_alignment.png)")
+
     p = sub.add_parser("demo", help="the embedded default job: sync vs stale vs GAC on a noisy quadratic, with c_t statistics")
     p.add_argument("--staleness", type=int, default=16, help="staleness s of the stale runs (default 16)")
     p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps per run")
@@ -77,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in METHODS.values():
             print(f"{m.name:14s} {m.help}")
         return 0
+    if args.command == "theory":
+        from gacbench.theory.checks import main as run
+
+        return run(args)
     if args.command == "demo":
         from gacbench.bench.demo import main as run
 

@@ -39,9 +39,13 @@ class LogisticRegression(Objective):
     def metric(self) -> float:
         return float(self.objective(self.x, self.y))
 
-    def training_step(self, batch, batch_idx):
+    def loss_on(self, batch) -> torch.Tensor:
+        """The step's loss as a pure function of the batch (no side effects)."""
         x, y = batch
         return self.objective(x, y)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_on(batch)
 
     def train_dataloader(self):
         return step_loader(self.batches)

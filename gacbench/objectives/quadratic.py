@@ -17,13 +17,15 @@ from gacbench.objectives.base import Objective, make_optimizer, step_loader
 
 class NoisyQuadratic(Objective):
     """Args: dim d, L (largest curvature), kappa (condition number), sigma2 (gradient-noise
-    variance), steps (batches in the training set), lr, optimizer ("sgd" | "adamw"), seed."""
+    variance), steps (batches in the training set), lr, optimizer ("sgd" | "adamw"), seed,
+    init_scale (theta_0 = theta* + init_scale * N(0, I); 0 starts at the optimum)."""
 
     metric_name = "gap"
     higher_is_better = False
 
     def __init__(self, dim: int = 100, L: float = 1.0, kappa: float = 100.0, sigma2: float = 1e-2,
-                 steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0, eval_every: int = 10) -> None:
+                 steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0, eval_every: int = 10,
+                 init_scale: float = 3.0) -> None:
         super().__init__(eval_every)
         if dim < 1 or L <= 0 or kappa < 1 or sigma2 < 0 or lr <= 0 or steps < 1:
             raise ValueError(f"NoisyQuadratic: need dim >= 1, L > 0, kappa >= 1, sigma2 >= 0, lr > 0, steps >= 1; got "
@@ -32,7 +34,7 @@ class NoisyQuadratic(Objective):
         gen = torch.Generator().manual_seed(seed)
         self.register_buffer("eigs", torch.logspace(torch.log10(torch.tensor(L / kappa)), torch.log10(torch.tensor(L)), dim))
         self.register_buffer("theta_star", torch.randn(dim, generator=gen))
-        self.theta = torch.nn.Parameter(self.theta_star + torch.randn(dim, generator=gen) * 3.0)
+        self.theta = torch.nn.Parameter(self.theta_star + torch.randn(dim, generator=gen) * init_scale)
         self.noise = torch.randn(steps, dim, generator=gen) * (sigma2 / dim) ** 0.5
         self.L, self.mu, self.sigma2 = L, L / kappa, sigma2
 
@@ -45,9 +47,17 @@ class NoisyQuadratic(Objective):
     def metric(self) -> float:
         return float(self.gap())
 
-    def training_step(self, batch, batch_idx):
+    def loss_on(self, batch) -> torch.Tensor:
+        """The step's loss as a pure function of the batch (no side effects): f(theta) + <xi, theta>."""
         (xi,) = batch
         return self.gap() + (xi.reshape(-1) * self.theta).sum()
+
+    def grad_f(self) -> torch.Tensor:
+        """The exact gradient A (theta - theta*)."""
+        return self.eigs * (self.theta.detach() - self.theta_star)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_on(batch)
 
     def train_dataloader(self):
         return step_loader(TensorDataset(self.noise.unsqueeze(1)))

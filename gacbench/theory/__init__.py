@@ -1,0 +1,1 @@
+"""The bounded-staleness theory of gacbench. Statements and proofs: theory/README.md."""

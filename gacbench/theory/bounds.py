@@ -1,0 +1,148 @@
+"""Results 2 and 3: the bounded-staleness SGD bound (non-convex, L-smooth, bounded variance) and the
+GAC guarantees, as sympy statements whose algebra is re-derived from the proof's steps.
+
+Notation: Delta = f(theta_0) - f*, T steps, step eta, staleness s_t <= s, noise variance sigma^2,
+G = (1/T) sum_t E||grad f(theta_t)||^2 (which bounds min_t E||grad f(theta_t)||^2).
+
+Theorem (result 2, delayed SGD). If L eta + L^2 eta^2 s^2 <= 1, then
+    G <= 2 Delta / (eta T) + (L eta + L^2 eta^2 s^2) sigma^2.
+Theorem (result 3, GAC). If every applied gradient satisfies ||g_t - g~_t|| <= delta ||g_t|| with
+delta < 1 (GAC: delta = c_high - c_low while no step reaches c_high; in general delta = max_t k_t c_t)
+and L eta + L^2 eta^2 s^2 <= 1 - delta, then
+    G <= [2 Delta / (eta T) + (delta + L eta + L^2 eta^2 s^2) sigma^2] / (1 - delta).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import sympy as sp
+
+L, eta, s, T, Delta, sigma2, delta = sp.symbols("L eta s T Delta sigma2 delta", positive=True)
+SG, SD = sp.symbols("S_G S_D", nonnegative=True)  # sum_t E||grad f(theta_t)||^2, sum_t E||grad f(theta_{t-tau_t})||^2
+
+
+def sgd_bound_claim() -> sp.Expr:
+    """The claimed right-hand side of result 2."""
+    return 2 * Delta / (eta * T) + (L * eta + L**2 * eta**2 * s**2) * sigma2
+
+
+def gac_bound_claim() -> sp.Expr:
+    """The claimed right-hand side of result 3."""
+    return (2 * Delta / (eta * T) + (delta + L * eta + L**2 * eta**2 * s**2) * sigma2) / (1 - delta)
+
+
+def telescoped(d: sp.Expr = sp.Integer(0)) -> sp.Expr:
+    """The proof's summed inequality, written as (right side) - (left side) >= 0 in S_G:
+    (eta/2)(1-d) S_G <= Delta - (eta/2)(1 - d - L eta - L^2 eta^2 s^2) S_D + T (eta/2)(d + L eta + L^2 eta^2 s^2) sigma2.
+    d = 0 is plain delayed SGD; d = delta adds GAC's removed component."""
+    return (Delta - eta / 2 * (1 - d - L * eta - L**2 * eta**2 * s**2) * SD
+            + T * eta / 2 * (d + L * eta + L**2 * eta**2 * s**2) * sigma2) - eta / 2 * (1 - d) * SG
+
+
+def per_step_terms(d: sp.Expr) -> sp.Expr:
+    """One step of the proof, with G_t, D_t, E_t (staleness error) symbols: the bound on E f_{t+1} - E f_t.
+    From L-smoothness, <a,b> = (|a|^2 + |b|^2 - |a-b|^2)/2, E|g|^2 = D + sigma2, and
+    |grad_t| |e_t| <= d/2 (|grad_t|^2 + |g_t|^2)."""
+    G, D, E = sp.symbols("G_t D_t E_t", nonnegative=True)
+    inner = (G + D - E) / 2  # E<grad_t, grad at the stale point>
+    return -eta * inner + eta * d / 2 * (G + D + sigma2) + L * eta**2 / 2 * (D + sigma2), (G, D, E)
+
+
+def check_per_step(d: sp.Expr) -> bool:
+    """The per-step bound regroups into -(eta/2)(1-d) G - (eta/2)(1-d-L eta) D + (eta/2) E + (eta/2)(d + L eta) sigma2."""
+    expr, (G, D, E) = per_step_terms(d)
+    target = -eta / 2 * (1 - d) * G - eta / 2 * (1 - d - L * eta) * D + eta / 2 * E + eta / 2 * (d + L * eta) * sigma2
+    return sp.simplify(expr - target) == 0
+
+
+def check_staleness_sum() -> bool:
+    """Summing E_t <= L^2 eta^2 s sum_{j in window(t)} (D_j + sigma2) over t counts each j at most s times:
+    sum_t E_t <= L^2 eta^2 s^2 (S_D + T sigma2); adding it to the summed per-step terms gives ``telescoped``.
+    Checked by adding the pieces symbolically."""
+    d = sp.symbols("d", nonnegative=True)
+    summed = (-eta / 2 * (1 - d) * SG - eta / 2 * (1 - d - L * eta) * SD
+              + eta / 2 * L**2 * eta**2 * s**2 * (SD + T * sigma2) + T * eta / 2 * (d + L * eta) * sigma2)
+    return sp.simplify((Delta + summed) - telescoped(d)) == 0
+
+
+def check_cauchy_schwarz(max_terms: int = 6) -> bool:
+    """|sum_{j<=k} v_j|^2 <= k sum_j |v_j|^2: k sum v^2 - (sum v)^2 = 1/2 sum_{i,j} (v_i - v_j)^2 (coordinate-wise)."""
+    for k in range(1, max_terms + 1):
+        v = sp.symbols(f"v0:{k}")
+        lhs = k * sum(x**2 for x in v) - sum(v) ** 2
+        rhs = sp.Rational(1, 2) * sum((a - b) ** 2 for a in v for b in v)
+        if sp.expand(lhs - rhs) != 0:
+            return False
+    return True
+
+
+def check_polarization() -> bool:
+    a = sp.symbols("a0:3")
+    b = sp.symbols("b0:3")
+    inner = sum(x * y for x, y in zip(a, b))
+    sq = lambda v: sum(x**2 for x in v)  # noqa: E731
+    return sp.expand(inner - (sq(a) + sq(b) - sq([x - y for x, y in zip(a, b)])) / 2) == 0
+
+
+def derived_bound(d: sp.Expr) -> sp.Expr:
+    """Solve ``telescoped`` for S_G/T, dropping the S_D term (non-positive under the step-size condition)."""
+    solved = sp.solve(sp.Eq(telescoped(d).subs(SD, 0), 0), SG)[0]
+    return sp.simplify(solved / T)
+
+
+def check_claim(claim: Callable[[], sp.Expr], d: sp.Expr) -> bool:
+    """The claimed bound equals the one derived from the proof's steps."""
+    return sp.simplify(derived_bound(d) - claim()) == 0
+
+
+def check_step_size_condition() -> bool:
+    """eta <= 1/(2 L (s+1)) implies L eta + L^2 eta^2 s^2 <= 3/4 <= 1: at the largest allowed eta,
+    3/4 - (L eta + L^2 eta^2 s^2) = (2 s^2 + 4 s + 1) / (4 (s+1)^2) > 0, and the left side grows with eta."""
+    e = 1 / (2 * L * (s + 1))
+    slack = sp.Rational(3, 4) - (L * e + L**2 * e**2 * s**2)
+    return sp.simplify(slack - (2 * s**2 + 4 * s + 1) / (4 * (s + 1) ** 2)) == 0
+
+
+def check_rate() -> bool:
+    """With eta = sqrt(2 Delta / (L T sigma^2)) (when it satisfies the condition) the bound is
+    2 sqrt(2 L Delta sigma^2 / T) + 2 L Delta s^2 / T: staleness only enters the O(1/T) term."""
+    e = sp.sqrt(2 * Delta / (L * T * sigma2))
+    val = sgd_bound_claim().subs(eta, e)
+    return sp.simplify(val - (2 * sp.sqrt(2 * L * Delta * sigma2 / T) + 2 * L * Delta * s**2 / T)) == 0
+
+
+def eta_max(L_val: float, s_val: float, delta_val: float = 0.0) -> float:
+    """The largest eta with L eta + L^2 eta^2 s^2 <= 1 - delta (the positive root)."""
+    import math
+
+    budget = 1.0 - delta_val
+    if budget <= 0:
+        return 0.0
+    if s_val == 0:
+        return budget / L_val
+    return (-1.0 + math.sqrt(1.0 + 4.0 * s_val**2 * budget)) / (2.0 * L_val * s_val**2)
+
+
+# -- GAC's per-step guarantees (sympy, in the plane of u and g's orthogonal part) ------------------
+def check_gac_geometry() -> dict[str, bool]:
+    """g = c n u + w, |u| = 1, <w, u> = 0, |w|^2 = n^2 (1 - c^2). Returns each guarantee's check."""
+    c, cl, ch, n = sp.symbols("c c_low c_high n", positive=True)
+    w2 = n**2 * (1 - c**2)
+    # shrink ("component"): g~ = c_low n u + w
+    inner_shrink = cl * c * n**2 + w2  # <g~, g>
+    norm_shrink = cl**2 * n**2 + w2
+    ok_descent = sp.simplify(inner_shrink - (1 - ch**2) * n**2 - n**2 * ((ch - c) * (ch + c) + cl * c)) == 0  # both terms > 0 for c_low < c < c_high
+    ok_norm = sp.simplify(n**2 - norm_shrink - n**2 * (c - cl) * (c + cl)) == 0  # > 0 for c > c_low
+    ok_component = sp.simplify(cl * n - (1 - (1 - cl / c)) * c * n) == 0  # <g~, u> = c_low n
+    # shrink ("cosine"): aligned part a = c_low n sqrt(1-c^2)/sqrt(1-c_low^2) gives cos(g~, u) = c_low
+    cl_c = sp.symbols("c_l", positive=True)
+    a = cl_c * n * sp.sqrt(1 - c**2) / sp.sqrt(1 - cl_c**2)
+    ok_cosine = sp.simplify((a / sp.sqrt(a**2 + w2)).subs({c: sp.Rational(1, 4), cl_c: sp.Rational(1, 20)}) - sp.Rational(1, 20)) == 0 and \
+        sp.simplify((a**2 / (a**2 + w2)) - cl_c**2) == 0
+    # full projection: g~ = w
+    ok_project = sp.simplify(w2 - (1 - c**2) * n**2) == 0
+    # removed fraction: |g - g~| = (c - c_low) n in the shrink regime, c n under projection
+    ok_removed = sp.simplify(sp.sqrt(((c - cl) * n) ** 2) - (c - cl) * n).subs(c, cl + sp.Symbol("eps", positive=True)) == 0
+    return {"descent_shrink": ok_descent, "norm_shrink": ok_norm, "component_is_c_low": ok_component,
+            "cosine_is_c_low": bool(ok_cosine), "projection": ok_project, "removed_fraction": bool(ok_removed)}
