@@ -1,7 +1,7 @@
 """gacbench: a benchmark suite for asynchronous (stale-rollout) RL training and its stabilizers,
 centred on Gradient Alignment Control (GAC)."""
 
-from gacbench.callbacks import GAC, AlignmentMonitor, StalenessSimulator
+from gacbench.callbacks import GAC, AlignmentMonitor, AssumptionMonitor, StalenessSimulator
 
 __version__ = "0.1.0"
-__all__ = ["GAC", "AlignmentMonitor", "StalenessSimulator", "__version__"]
+__all__ = ["GAC", "AlignmentMonitor", "AssumptionMonitor", "StalenessSimulator", "__version__"]

@@ -1,7 +1,8 @@
-"""Lightning callbacks: the staleness simulator, the alignment monitor and GAC."""
+"""Lightning callbacks: the staleness simulator, the alignment and assumption monitors, and GAC."""
 
 from gacbench.callbacks.alignment import AlignmentMonitor
+from gacbench.callbacks.assumptions import AssumptionMonitor
 from gacbench.callbacks.gac import GAC
 from gacbench.callbacks.staleness import StalenessSimulator
 
-__all__ = ["AlignmentMonitor", "GAC", "StalenessSimulator"]
+__all__ = ["AlignmentMonitor", "AssumptionMonitor", "GAC", "StalenessSimulator"]

@@ -1,0 +1,136 @@
+"""The theory checks: each passes, a broken bound fails, and the AssumptionMonitor's estimates land
+within stated tolerances on objectives whose constants are known."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import sympy as sp
+import torch
+from conftest import UserRegressor, make_trainer
+
+from gacbench import AssumptionMonitor, StalenessSimulator
+from gacbench.cli import main
+from gacbench.objectives import LogisticRegression, NoisyQuadratic
+from gacbench.theory import bounds
+from gacbench.theory import delayed_quadratic as dq
+from gacbench.theory.checks import check_delayed_quadratic, check_sgd_bound, measure_alignment
+
+
+def test_stability_threshold_matches_the_classical_formula():
+    for s in (0, 1, 3, 16, 32):
+        assert dq.crossing(s) == pytest.approx(dq.a_star(s), rel=1e-9)
+    assert dq.symbolic_boundary_root()
+
+
+def test_stability_check_passes_on_a_subset():
+    r = check_delayed_quadratic(svals=range(0, 5))
+    assert r.ok, r.details
+
+
+def test_stationary_cosine_formula_against_a_direct_simulation():
+    """The Lyapunov prediction is checked against AlignmentMonitor (slow path) in `gacbench theory`;
+    here against a plain numpy simulation, fast."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    eta, d, s = 0.09, 100, 8
+    hist = [np.zeros(d) for _ in range(s + 1)]
+    x, prev, cs = np.zeros(d), None, []
+    for t in range(6000):
+        g = hist[0] + rng.standard_normal(d) * (1 / d) ** 0.5
+        x = x - eta * g
+        hist.pop(0)
+        hist.append(x.copy())
+        if prev is not None and t > 500:
+            cs.append(g @ prev / np.linalg.norm(g) / np.linalg.norm(prev))
+        prev = g
+    assert np.mean(cs) == pytest.approx(dq.predicted_cosine(eta, np.ones(1), 1 / d, s), abs=0.01)
+
+
+def test_alignment_monitor_measures_the_predicted_cosine():
+    measured, predicted = measure_alignment(2)
+    assert measured == pytest.approx(predicted, abs=0.03)
+
+
+def test_derived_bounds_match_their_claims():
+    assert bounds.check_claim(bounds.sgd_bound_claim, sp.Integer(0))
+    assert bounds.check_claim(bounds.gac_bound_claim, bounds.delta)
+    assert all(bounds.check_gac_geometry().values())
+
+
+def test_a_broken_bound_fails_its_check():
+    halved = lambda: bounds.sgd_bound_claim() / 2  # noqa: E731
+    assert not bounds.check_claim(halved, sp.Integer(0))
+    result = check_sgd_bound(claim=halved, seeds=(0,), steps=100)
+    assert not result.symbolic_ok and not result.ok
+    no_staleness = lambda: bounds.sgd_bound_claim().subs(bounds.s, 0)  # noqa: E731
+    assert not bounds.check_claim(no_staleness, sp.Integer(0))
+
+
+def test_bound_holds_on_measured_runs():
+    result = check_sgd_bound(seeds=(0,), steps=150)
+    assert result.ok and 0 < result.max_ratio <= 1
+
+
+def test_eta_max_solves_the_step_size_condition():
+    for L, s, d in [(1.0, 0, 0.0), (2.0, 8, 0.0), (0.5, 32, 0.45)]:
+        e = bounds.eta_max(L, s, d)
+        assert L * e + L**2 * e**2 * s**2 == pytest.approx(1 - d)
+
+
+@pytest.mark.slow
+def test_theory_command_exits_zero_with_every_check(tmp_path):
+    out = tmp_path / "theory.json"
+    assert main(["theory", "--json", str(out)]) == 0
+    checks = json.loads(out.read_text())["checks"]
+    assert len(checks) >= 4
+    for c in checks:
+        assert c["symbolic_ok"] and c["numeric_ok"] and c["violations"] == 0
+        assert {"name", "statement", "max_ratio"} <= set(c)
+
+
+def _fit(model, callbacks, steps):
+    make_trainer(callbacks, max_steps=steps).fit(model)
+
+
+def test_assumption_monitor_estimates_known_constants():
+    model = NoisyQuadratic(dim=100, L=1.0, kappa=10.0, sigma2=10.0, steps=400, lr=0.01, seed=3)
+    am = AssumptionMonitor(every=10)
+    trainer = make_trainer([am, StalenessSimulator(4)], max_steps=400)
+    trainer.fit(model)
+    assert model.mu <= am.L_hat <= model.L  # a secant of a quadratic is a Rayleigh quotient of A
+    assert am.sigma2_hat == pytest.approx(10.0, rel=0.1)
+    assert am.s_max == 4
+    assert trainer.logger.last("assume/ok") == 1.0  # lr 0.01 is far below eta_max
+
+
+def test_assumption_monitor_flags_a_step_size_too_large():
+    model = NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=1.0, steps=60, lr=0.5, seed=0)
+    trainer = make_trainer([AssumptionMonitor(every=5), StalenessSimulator(16)], max_steps=60)
+    trainer.fit(model)
+    assert trainer.logger.last("assume/ok") == 0.0
+    assert trainer.logger.last("assume/eta_max") < 0.5
+
+
+def test_assumption_monitor_on_logistic_regression_stays_below_the_data_constant():
+    model = LogisticRegression(steps=200, lr=0.5, batch_size=4)
+    am = AssumptionMonitor(every=5)
+    _fit(model, [am], 200)
+    assert 0 < am.L_hat <= model.L * (1 + 1e-6)
+
+
+def test_assumption_monitor_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="every"):
+        AssumptionMonitor(every=0)
+    with pytest.raises(TypeError, match="loss_on"):
+        _fit(UserRegressor(), [AssumptionMonitor()], 2)
+    with pytest.raises(ValueError, match="before StalenessSimulator"):
+        _fit(NoisyQuadratic(steps=5), [StalenessSimulator(2), AssumptionMonitor()], 2)
+
+
+def test_assumption_monitor_leaves_training_unchanged():
+    a, b = NoisyQuadratic(steps=50, seed=1), NoisyQuadratic(steps=50, seed=1)
+    _fit(a, [StalenessSimulator(3)], 50)
+    _fit(b, [AssumptionMonitor(every=3), StalenessSimulator(3)], 50)
+    assert torch.equal(a.theta, b.theta)
