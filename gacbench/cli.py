@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("methods", help="list the registered methods")
 
+    p = sub.add_parser("stabilizers", help="list the registered stabilizers (built-in and from the gacbench.stabilizers entry points)")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+
     p = sub.add_parser("theory", help="run every symbolic and numeric check of the bounded-staleness theory")
     p.add_argument("--json", default=None, help="also write {'checks': [...]} to this file")
     p.add_argument("--checks", default=None, help="comma-separated check names (default: all)")
@@ -81,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
 
         for m in METHODS.values():
             print(f"{m.name:14s} {m.help}")
+        return 0
+    if args.command == "stabilizers":
+        import json
+
+        from gacbench.stabilizers.registry import available
+
+        stabs = available()
+        if args.json:
+            print(json.dumps([{"name": n, "kind": i["kind"], "source": i["source"], "help": i["help"]} for n, i in stabs.items()], indent=2))
+        else:
+            for n, i in stabs.items():
+                print(f"{n:16s} {i['kind']:9s} {i['source']:10s} {i['help']}")
         return 0
     if args.command == "theory":
         from gacbench.theory.checks import main as run

@@ -53,14 +53,25 @@ register_method("gac-update", "GAC against the previous parameter step (includes
 register_method("gac-ema", "GAC against an EMA (decay 0.9) of raw gradients", _gac(reference="ema"))
 
 
-def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
-    """``"gac(c_low=0.02,high_mode='skip')"`` -> (METHODS["gac"], {"c_low": 0.02, "high_mode": "skip"})."""
-    m = re.fullmatch(r"\s*([A-Za-z0-9_+-]+)\s*(?:\((.*)\))?\s*", spec)
+def _split_plus(spec: str) -> list[str]:
+    """'gac+m2po(tau=0.02)' -> ['gac', 'm2po(tau=0.02)'] (a '+' inside parentheses does not split)."""
+    parts, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "+" and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
+
+
+def _parse_one(spec: str) -> tuple[str, dict[str, Any]]:
+    m = re.fullmatch(r"\s*([A-Za-z0-9_-]+)\s*(?:\((.*)\))?\s*", spec)
     if not m:
-        raise ValueError(f"method spec {spec!r}: expected NAME or NAME(key=value,...)")
+        raise ValueError(f"method spec {spec!r}: expected NAME or NAME(key=value,...), joined by '+'")
     name, args = m.group(1), m.group(2)
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; registered: {', '.join(sorted(METHODS))}")
     kwargs: dict[str, Any] = {}
     if args and args.strip():
         try:
@@ -69,7 +80,33 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
             kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
         except (SyntaxError, ValueError, AssertionError) as exc:
             raise ValueError(f"method spec {spec!r}: arguments must be key=literal pairs ({exc})") from None
-    return METHODS[name], kwargs
+    return name, kwargs
+
+
+def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
+    """A method spec -> (Method, kwargs). A spec is a registered method (``gac``, ``gac(c_low=0.02)``),
+    a registered stabilizer (``m2po``, ``bapo(rho0=0.5)``), or several joined by ``+`` (``gac+m2po``):
+    at most one loss-side stabilizer, checked when the run starts."""
+    from gacbench.stabilizers import registry
+
+    parts = [_parse_one(p) for p in _split_plus(spec)]
+    if len(parts) == 1 and parts[0][0] in METHODS:
+        return METHODS[parts[0][0]], parts[0][1]
+    stabs = registry.available()
+    for name, _ in parts:
+        if name not in stabs and name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; methods: {', '.join(sorted(METHODS))}; "
+                             f"stabilizers: {', '.join(sorted(stabs))}")
+        if name in METHODS and not METHODS[name].stale:
+            raise ValueError(f"method {spec!r}: {name!r} is the synchronous reference and cannot be combined")
+
+    def build() -> list[Callback]:
+        out: list[Callback] = []
+        for name, kwargs in parts:
+            out += METHODS[name].build(**kwargs) if name in METHODS else [stabs[name]["cls"](**kwargs)]
+        return out
+
+    return Method(spec, "combination", build, stale=True), {}
 
 
 def method_callbacks(spec: str) -> list[Callback]:

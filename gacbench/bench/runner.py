@@ -69,7 +69,7 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
         spec = suite["tasks"][task]
         base = {"task": task, "objective": spec["objective"], "params": spec.get("params", {}),
                 "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0)}
-        for m in methods:
+        for m in list(methods) + [x for x in spec.get("extra_methods", []) if x not in methods]:
             method, _ = parse_method(m)
             for s in ([0] if not method.stale else [x for x in staleness if x > 0]):
                 if not method.stale and 0 not in staleness:

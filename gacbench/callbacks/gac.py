@@ -60,6 +60,8 @@ class GAC(Callback):
     ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``.
     """
 
+    kind = "gradient"  # the stabilizer API: GAC acts on gradients, composes with one loss-side stabilizer
+
     def __init__(
         self,
         c_low: float = 0.05,
