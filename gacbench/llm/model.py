@@ -1,0 +1,93 @@
+"""The tiny Qwen3 model and its tokenizer, built from a config with nothing downloaded.
+
+``build_tokenizer()`` makes a character-level ``PreTrainedTokenizerFast`` (digits, ``+-*=``, newline,
+and pad/bos/eos); ``tiny_config()`` a small ``Qwen3Config`` (head_dim 32: vLLM's CPU attention
+rejects 16); ``cached_model_dir(config)`` builds, initialises (seeded) and saves model + tokenizer
+under a cache directory keyed by a hash of the config, once; ``load(path)`` is the one loading path
+for that directory and for any local Hugging Face checkpoint (e.g. Qwen3-1.7B on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+CHARS = list("0123456789+-*=\n")
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()  # characters join without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def tiny_config(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2, intermediate: int = 384,
+                max_len: int = 64, vocab: int | None = None):
+    from transformers import Qwen3Config
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"tiny_config: hidden={hidden} must be divisible by heads={heads}, and heads by kv_heads={kv_heads}")
+    head_dim = hidden // heads
+    if head_dim < 32:
+        raise ValueError(f"tiny_config: head_dim = hidden/heads = {head_dim}; vLLM's CPU attention needs head_dim >= 32")
+    return Qwen3Config(vocab_size=vocab or len(SPECIALS) + len(CHARS), hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       max_position_embeddings=max_len, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+
+
+_VOLATILE = {"architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "output_attentions"}
+
+
+def config_key(config) -> str:
+    """A hash of the architecture (save_pretrained adds bookkeeping fields; they are left out)."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("GACBENCH_CACHE", Path.home() / ".cache" / "gacbench"))
+
+
+def cached_model_dir(config=None, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """The directory of the (freshly initialised) tiny model for ``config``; built once, then reused."""
+    from transformers import Qwen3ForCausalLM
+
+    config = config or tiny_config()
+    path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{config_key(config)}-seed{seed}"
+    if (path / "config.json").exists():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(tmp)
+    build_tokenizer().save_pretrained(tmp)
+    if path.exists():  # another process built it meanwhile: keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local checkpoint directory; a clear error if it is not one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"model path {p} is not a local Hugging Face checkpoint directory (no config.json). Give a directory "
+            "written by save_pretrained (e.g. a downloaded Qwen3-1.7B), or leave --model unset to build the tiny model."
+        )
+    return AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)

@@ -1,0 +1,53 @@
+"""The LLM foundation: the procedural task, the tokenizer, the tiny model's cache and loading path."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from gacbench.llm.model import build_tokenizer, cached_model_dir, config_key, load, tiny_config  # noqa: E402
+from gacbench.llm.task import ArithmeticTask, exact_reward  # noqa: E402
+
+
+def test_problems_are_deterministic_correct_and_splits_disjoint():
+    task = ArithmeticTask(max_ops=3, seed=1)
+    train = task.batch("train", 0, 300)
+    assert train == ArithmeticTask(max_ops=3, seed=1).batch("train", 0, 300)
+    for p in train[:50]:
+        assert p.prompt.endswith("=") and str(eval(p.prompt[:-1])) == p.answer
+    evals = {p.prompt for p in task.batch("eval", 0, 100)}
+    assert not evals & {p.prompt for p in train}
+    with pytest.raises(ValueError, match="split"):
+        task.problem("test", 0)
+    with pytest.raises(ValueError, match="eval_fraction"):
+        ArithmeticTask(eval_fraction=0.0)
+
+
+def test_exact_reward():
+    assert exact_reward("31", "31") == 1.0 and exact_reward("3 1\nxyz", "31") == 1.0
+    assert exact_reward("310", "31") == 0.0 and exact_reward("", "31") == 0.0
+
+
+def test_tokenizer_round_trips_the_task_alphabet():
+    tok = build_tokenizer()
+    for text in ("3+14*2=31", "9-7=2\n", "0*0=0"):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_model_is_built_once_per_config_and_loaded_like_any_checkpoint(tmp_path):
+    cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
+    d1 = cached_model_dir(cfg, tmp_path)
+    mtime = (d1 / "config.json").stat().st_mtime_ns
+    assert cached_model_dir(cfg, tmp_path) == d1 and (d1 / "config.json").stat().st_mtime_ns == mtime
+    assert config_key(cfg) != config_key(tiny_config(hidden=64, layers=3, heads=2, kv_heads=1, intermediate=128))
+    model, tok = load(d1)
+    ids = torch.tensor([tok.encode("3+4=", add_special_tokens=False)])
+    assert model(ids).logits.shape == (1, 4, cfg.vocab_size)
+
+
+def test_bad_model_path_and_config_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a local Hugging Face checkpoint"):
+        load(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="head_dim"):
+        tiny_config(hidden=64, heads=4)
