@@ -1,8 +1,8 @@
 """Methods by name: a method is a list of callbacks plus settings, not a code path.
 
 ``gac(c_low=0.02,c_high=0.2)`` names the method ``gac`` with keyword overrides; the runner
-records the full spec string per cell. ``register_method`` adds one (the stabilizer registry
-and its entry-point group arrive with the baselines issue).
+records the full spec string per cell. Every registered stabilizer is a method name too, and
+``+`` joins them (``gac+m2po``). ``register_method`` adds a named method.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _gac(**defaults: Any) -> Callable[..., list[Callback]]:
 
 register_method("sync", "synchronous training (s = 0), no stabilizer", lambda: [], stale=False)
 register_method("stale", "staleness s, no stabilizer", lambda: [])
-register_method("gac", "GAC, DESIGN.md's default rule: reference = previous raw gradient, full projection above c_high", _gac())
+register_method("gac", "GAC, docs/design.md's default rule: reference = previous raw gradient, full projection above c_high", _gac())
 register_method("gac-skip", "GAC skipping steps with c_t >= c_high instead of projecting", _gac(high_mode="skip"))
 register_method("gac-cosine", "GAC shrinking so that cos(g~, r) = c_low exactly", _gac(shrink="cosine"))
 register_method("gac-applied", "GAC against the previous applied (projected) gradient", _gac(reference="applied"))
@@ -53,13 +53,13 @@ register_method("gac-update", "GAC against the previous parameter step (includes
 register_method("gac-ema", "GAC against an EMA (decay 0.9) of raw gradients", _gac(reference="ema"))
 
 
-def _split_plus(spec: str) -> list[str]:
-    """'gac+m2po(tau=0.02)' -> ['gac', 'm2po(tau=0.02)'] (a '+' inside parentheses does not split)."""
+def split_top_level(spec: str, sep: str) -> list[str]:
+    """Split on ``sep`` outside parentheses: 'gac(c_low=0.02,c_high=0.2),stale' -> ['gac(...)', 'stale']."""
     parts, depth, cur = [], 0, ""
     for ch in spec:
         depth += ch == "("
         depth -= ch == ")"
-        if ch == "+" and depth == 0:
+        if ch == sep and depth == 0:
             parts.append(cur)
             cur = ""
         else:
@@ -89,7 +89,7 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     at most one loss-side stabilizer, checked when the run starts."""
     from gacbench.stabilizers import registry
 
-    parts = [_parse_one(p) for p in _split_plus(spec)]
+    parts = [_parse_one(p) for p in split_top_level(spec, "+")]
     if len(parts) == 1 and parts[0][0] in METHODS:
         return METHODS[parts[0][0]], parts[0][1]
     stabs = registry.available()

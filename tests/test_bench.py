@@ -156,6 +156,15 @@ def test_bad_method_specs_are_refused(spec, match):
         parse_method(spec)
 
 
+def test_method_specs_with_commas_inside_parentheses(tmp_path):
+    from gacbench.methods import split_top_level
+
+    specs = split_top_level("sync,gac(c_low=0.02,c_high=0.2),gac+m2po(tau=0.1)", ",")
+    assert specs == ["sync", "gac(c_low=0.02,c_high=0.2)", "gac+m2po(tau=0.1)"]
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))), methods=specs, tasks=["bandit"], seeds=[0])
+    assert {c["method"] for c in cells} == set(specs)
+
+
 def test_bad_suite_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown suite"):
         load_suite("no-such-suite")

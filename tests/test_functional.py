@@ -87,7 +87,7 @@ def test_mid_regime_brings_alignment_to_c_low(c, seed, shrink):
     assert d.action == SHRINK
     gt = flat(out)
     u = r / r.norm()
-    if shrink == "component":  # DESIGN.md's formula: the aligned component is c_low * ||g||
+    if shrink == "component":  # docs/design.md's formula: the aligned component is c_low * ||g||
         assert float(gt @ u) == pytest.approx(0.05 * float(g.norm()), rel=1e-5)
     else:  # the cosine itself is c_low
         assert float(gt @ u / gt.norm()) == pytest.approx(0.05, rel=1e-5)

@@ -45,9 +45,6 @@ class StepTimer(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t0 = time.perf_counter()
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self._t1 = time.perf_counter()
-
     def on_after_backward(self, trainer, pl_module) -> None:
         self._t2 = time.perf_counter()
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from gacbench.bench.cell import cell_dir, read_json, run_cell
-from gacbench.methods import parse_method
+from gacbench.methods import parse_method, split_top_level
 from gacbench.objectives import OBJECTIVES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +54,7 @@ def load_suite(name: str) -> dict[str, Any]:
 def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[int] | None = None,
                  seeds: list[int] | None = None, tasks: list[str] | None = None) -> list[dict]:
     """The grid as a list of cell dicts. ``sync`` runs once at s = 0; stale methods run at each s > 0."""
+    explicit = methods is not None
     methods = methods or suite["methods"]
     staleness = suite["staleness"] if staleness is None else staleness
     seeds = suite["seeds"] if seeds is None else seeds
@@ -64,18 +65,22 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     for t in tasks:
         if t not in suite["tasks"]:
             raise ValueError(f"task {t!r} is not in the suite; its tasks: {', '.join(suite['tasks'])}")
+    def base(task: str) -> dict:
+        spec = suite["tasks"][task]
+        return {"task": task, "objective": spec["objective"], "params": spec.get("params", {}),
+                "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0)}
+
     cells = []
     for task in tasks:
         spec = suite["tasks"][task]
-        base = {"task": task, "objective": spec["objective"], "params": spec.get("params", {}),
-                "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0)}
-        for m in list(methods) + [x for x in spec.get("extra_methods", []) if x not in methods]:
+        extra = [] if explicit else [x for x in spec.get("extra_methods", []) if x not in methods]
+        for m in list(methods) + extra:
             method, _ = parse_method(m)
             for s in ([0] if not method.stale else [x for x in staleness if x > 0]):
                 if not method.stale and 0 not in staleness:
                     continue
                 for seed in seeds:
-                    cells.append({**base, "method": m, "staleness": s, "seed": seed})
+                    cells.append({**base(task), "method": m, "staleness": s, "seed": seed})
     ablation = suite.get("ablation")
     if ablation and methods == suite["methods"]:
         for task in tasks:
@@ -83,11 +88,8 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                 for hi in ablation["c_high"]:
                     if lo >= hi:
                         continue
-                    spec = suite["tasks"][task]
                     for seed in seeds:
-                        cells.append({"task": task, "objective": spec["objective"], "params": spec.get("params", {}),
-                                      "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0),
-                                      "method": f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})",
+                        cells.append({**base(task), "method": f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})",
                                       "staleness": ablation["staleness"], "seed": seed, "ablation": True})
     return cells
 
@@ -194,14 +196,16 @@ def main(args) -> int:
     suite = load_suite(args.suite)
     cells = expand_cells(
         suite,
-        methods=args.methods.split(",") if args.methods else None,
+        methods=split_top_level(args.methods, ",") if args.methods else None,
         staleness=[int(x) for x in args.staleness.split(",")] if args.staleness else None,
         seeds=[int(x) for x in args.seeds.split(",")] if args.seeds else None,
         tasks=args.tasks.split(",") if args.tasks else None,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    console.print(f"suite [bold]{suite['name']}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")
+    console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")
+    if not any(c["method"] == "sync" for c in cells):
+        console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0): the recovered shares cannot be computed")
     timing = run_grid(cells, out, args.workers, args.executor, console)
     report = build_report(out, cells=cells)
     console.print(

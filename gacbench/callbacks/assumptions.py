@@ -7,12 +7,13 @@ Every ``every`` optimizer steps, at the current parameters theta_t and before th
 - L (local smoothness): the secant ||grad L(theta_t; B_t) - grad L(theta_{t-1}; B_t)|| / ||theta_t - theta_{t-1}||
   on the *same* batch, so the batch noise cancels where it does not depend on theta; the running
   maximum is logged. For a quadratic the secant lies in [mu, L] exactly.
-- the realised staleness (the StalenessSimulator's lag, or a module attribute ``lag``), its maximum s,
+- the realised staleness (the StalenessSimulator's lag, or a module attribute ``lag``), its running maximum s,
   and eta_max, the largest step with L eta + L^2 eta^2 s^2 <= 1 - delta (theory/README.md, results 2-3);
   ``assume/ok`` is 1 when the optimizer's largest learning rate is at most eta_max.
 
 It costs three extra forward/backward passes every ``every`` steps and needs a side-effect-free loss:
 the module's ``loss_on(batch)`` (the synthetic objectives have one) or ``loss_fn(module, batch)``.
+The previous batch and iterate are not checkpointed: after a resume the first estimate is skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gacbench.callbacks._common import log_metrics, optimizer_params
 from gacbench.callbacks.staleness import StalenessSimulator
+from gacbench.functional.alignment import sq_norm
 from gacbench.theory.bounds import eta_max
 
 
@@ -60,8 +62,9 @@ class AssumptionMonitor(Callback):
                 "AssumptionMonitor needs a side-effect-free loss: define loss_on(self, batch) -> loss on your "
                 "LightningModule, or pass AssumptionMonitor(loss_fn=lambda module, batch: ...)."
             )
-        names = [type(cb) for cb in trainer.callbacks]
-        if StalenessSimulator in names and names.index(StalenessSimulator) < names.index(AssumptionMonitor):
+        position = {id(cb): i for i, cb in enumerate(trainer.callbacks)}
+        sims = [position[id(cb)] for cb in trainer.callbacks if isinstance(cb, StalenessSimulator)]
+        if sims and min(sims) < position[id(self)]:
             raise ValueError("AssumptionMonitor must be listed before StalenessSimulator (it estimates at theta_t, "
                              "before the simulator swaps in the stale iterate)")
 
@@ -87,10 +90,10 @@ class AssumptionMonitor(Callback):
         metrics: dict[str, float] = {}
         if self._prev_batch is not None:
             g_other = self._grad(pl_module, params, self._prev_batch)
-            self.sigma2_samples.append(0.5 * sum(float((a - b).pow(2).sum()) for a, b in zip(g, g_other)))
+            self.sigma2_samples.append(0.5 * float(sq_norm(torch._foreach_sub(g, g_other))))
             metrics["assume/sigma2"] = self.sigma2_hat
         if self._prev_theta is not None:
-            step = math.sqrt(sum(float((p.detach() - q).pow(2).sum()) for p, q in zip(params, self._prev_theta)))
+            step = math.sqrt(float(sq_norm(torch._foreach_sub([p.detach() for p in params], self._prev_theta))))
             if step > 0:
                 current = [p.detach().clone() for p in params]
                 with torch.no_grad():
@@ -98,18 +101,21 @@ class AssumptionMonitor(Callback):
                 g_then = self._grad(pl_module, params, batch)
                 with torch.no_grad():
                     torch._foreach_copy_(params, current)
-                secant = math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(g, g_then))) / step
+                secant = math.sqrt(float(sq_norm(torch._foreach_sub(g, g_then)))) / step
                 self.L_hat = max(self.L_hat, secant)
                 metrics["assume/L"] = self.L_hat
         self._prev_batch = batch
-        lag = next((cb.lag for cb in trainer.callbacks if isinstance(cb, StalenessSimulator)), getattr(pl_module, "lag", 0))
-        self.s_max = max(self.s_max, int(lag))
         metrics["assume/staleness"] = float(self.s_max)
         if self.L_hat > 0:
             bound = eta_max(self.L_hat, self.s_max, self.delta)
             lr = max(group["lr"] for group in trainer.optimizers[0].param_groups)
             metrics.update({"assume/eta_max": bound, "assume/ok": float(lr <= bound)})
         log_metrics(trainer, metrics)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # the realised lag of this step: the simulator (or a stale-rollout module) has set it by now
+        lag = next((cb.lag for cb in trainer.callbacks if isinstance(cb, StalenessSimulator)), getattr(pl_module, "lag", 0))
+        self.s_max = max(self.s_max, int(lag))
 
     def state_dict(self) -> dict[str, Any]:
         return {"L_hat": self.L_hat, "sigma2_samples": list(self.sigma2_samples), "s_max": self.s_max}

@@ -3,7 +3,7 @@
 
 At every optimizer step (after accumulation, the DDP all-reduce and AMP unscaling,
 before clipping) it measures c = cos(g_t, r) against a reference direction r and
-applies the rule of DESIGN.md: keep (c <= c_low), shrink the aligned component
+applies the rule of docs/design.md: keep (c <= c_low), shrink the aligned component
 (c_low < c < c_high), or remove it / skip the step (c >= c_high).
 """
 
@@ -43,17 +43,22 @@ class GAC(Callback):
         c_high: at or above it the aligned component is removed, or the step skipped (paper: 0.3).
         high_mode: ``"project"`` removes g_par entirely when c >= c_high; ``"skip"`` skips the step.
         reference: the direction r the alignment is measured against: ``"grad"`` the previous
-            raw gradient g_{t-1} (then ``align/cos`` is c_t of DESIGN.md); ``"applied"`` the
+            raw gradient g_{t-1} (then ``align/cos`` is c_t of docs/design.md); ``"applied"`` the
             previous gradient after GAC; ``"update"`` the previous parameter step
             -(theta_t - theta_{t-1}), which includes the optimizer's preconditioning;
             ``"ema"`` an exponential moving average of raw gradients.
         ema_decay: the decay of the ``"ema"`` reference, in [0, 1).
-        shrink: ``"component"`` (DESIGN.md) or ``"cosine"``; see :func:`gacbench.functional.gac_decision`.
+        shrink: ``"component"`` (docs/design.md) or ``"cosine"``; see :func:`gacbench.functional.gac_decision`.
         buffer_dtype: dtype of the stored reference (``"bfloat16"`` halves its memory); default
             the parameters' dtype. Not allowed below the parameters' precision for ``"update"``.
-        on_bad_grad: a zero or non-finite gradient is skipped with a warning (``"skip"``) or
+        on_bad_grad: a non-finite gradient is skipped with a warning (``"skip"``) or
             stops the run (``"raise"``). Under an fp16 GradScaler non-finite gradients are left
             to the scaler, which skips the step and lowers its scale.
+        on_zero_grad: an all-zero gradient (in RL: every group with equal rewards) has nothing to
+            project: ``"pass"`` (default) hands it to the optimizer untouched, as a run without GAC
+            would, so that GAC-vs-stale comparisons are not confounded by skipped optimizer steps
+            (AdamW still moves on momentum); ``"skip"`` skips the step with a warning; ``"raise"``
+            stops the run. The reference is kept either way.
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
 
     Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``), ``grad/norm``,
@@ -91,7 +96,8 @@ class GAC(Callback):
     @property
     def state_key(self) -> str:
         t = self.transform
-        return self._generate_state_key(c_low=t.c_low, c_high=t.c_high, high_mode=t.high_mode, reference=t.reference)
+        return self._generate_state_key(c_low=t.c_low, c_high=t.c_high, high_mode=t.high_mode, reference=t.reference,
+                                        shrink=t.shrink, ema_decay=t.ema_decay)
 
     @property
     def cos_key(self) -> str:

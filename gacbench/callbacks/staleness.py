@@ -49,7 +49,7 @@ def staleness_schedule(schedule: str, s: int, t: int, rng: np.random.Generator, 
 
 
 class StalenessSimulator(Callback):
-    """Delay every gradient by s_t optimizer steps (DESIGN.md, delayed-gradient mode).
+    """Delay every gradient by s_t optimizer steps (docs/design.md, delayed-gradient mode).
 
     Args:
         staleness: the bound s >= 0; 0 makes the callback a no-op.

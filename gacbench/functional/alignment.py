@@ -4,7 +4,7 @@ A "vector" here is a list of tensors (one per parameter) read as one flattened v
 the way an optimizer sees the model's gradient. Nothing in this module knows about
 Lightning; the callbacks in :mod:`gacbench.callbacks` are thin adapters over it.
 
-Notation (DESIGN.md): g is the current gradient, r the reference direction (by default
+Notation (docs/design.md): g is the current gradient, r the reference direction (by default
 the previous gradient g_{t-1}), u = r / ||r||, g_par = <g, u> u, c = <g, r> / (||g|| ||r||).
 """
 
@@ -96,8 +96,8 @@ class GACDecision:
     """What the rule does to one gradient.
 
     ``action`` is one of KEEP, SHRINK, PROJECT, SKIP; ``coef`` is the fraction of the
-    aligned component g_par that is removed (0 for KEEP, 1 - c_low/c for SHRINK,
-    1 for PROJECT; undefined for SKIP and set to 0).
+    aligned component g_par that is removed (0 for KEEP; for SHRINK 1 - c_low/c with
+    ``shrink="component"``, see :func:`gac_decision` for ``"cosine"``; 1 for PROJECT; 0 for SKIP).
     """
 
     action: int
@@ -119,11 +119,11 @@ def gac_decision(
     high_mode: str = "project",
     shrink: str = "component",
 ) -> GACDecision:
-    """The GAC rule of DESIGN.md as a function of the cosine c = cos(g, r).
+    """The GAC rule of docs/design.md as a function of the cosine c = cos(g, r).
 
     - c <= c_low: keep the gradient (the on-policy regime; negative c is never touched).
     - c_low < c < c_high: shrink the aligned component g_par.
-      ``shrink="component"`` (DESIGN.md's formula) removes the fraction 1 - c_low/c of
+      ``shrink="component"`` (docs/design.md's formula) removes the fraction 1 - c_low/c of
       g_par, so that <g_tilde, u> = c_low * ||g||: the aligned component is brought back to
       the size it has at c = c_low. ``shrink="cosine"`` removes the fraction
       1 - (c_low/c) * sqrt((1 - c^2) / (1 - c_low^2)), so that cos(g_tilde, r) = c_low exactly.

@@ -1,7 +1,7 @@
 """GAC as a stateful gradient transformation over a list of parameters (no Lightning).
 
 ``GACTransform.step(params)`` reads ``p.grad`` of every parameter, measures the cosine
-with the reference direction, applies the rule of DESIGN.md in place, and moves the
+with the reference direction, applies the rule of docs/design.md in place, and moves the
 reference to the current step. The Lightning callback :class:`gacbench.GAC` and the
 ``gacbench overhead`` benchmark both run exactly this code.
 """

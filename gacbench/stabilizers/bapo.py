@@ -23,9 +23,6 @@ from torch import Tensor
 
 from gacbench.stabilizers.base import LossStabilizer, PolicyBatch, clipped_surrogate, global_sum
 
-DEFAULTS = dict(rho0=0.4, a_low=0.6, b_low=0.9, a_high=1.2, b_high=3.0, delta1=0.05, delta2=0.02)
-
-
 def bapo_candidates(a_low, b_low, a_high, b_high, delta1, delta2, order="high-first") -> list[tuple[float, float]]:
     """The search path: every (c_low, c_high) the search visits, in order."""
     def steps(start, stop, step):
@@ -50,7 +47,7 @@ def bapo_shares(ratio: Tensor, adv: Tensor, mask: Tensor, path: list[tuple[float
     r, a, m = ratio.detach().float(), adv.detach().float(), mask.bool()
     lows = torch.tensor([p[0] for p in path], device=r.device).view(-1, 1)
     highs = torch.tensor([p[1] for p in path], device=r.device).view(-1, 1)
-    r, a, m = r[m].view(1, -1), a[m].view(1, -1), None
+    r, a = r[m].view(1, -1), a[m].view(1, -1)
     pos_tok, neg_tok = a > 0, a < 0
     if count_clipped:
         eff = torch.where(a >= 0, torch.minimum(r, highs), torch.maximum(r, lows))

@@ -1,4 +1,4 @@
-"""The stabilizer API (DESIGN.md).
+"""The stabilizer API (docs/design.md).
 
 A stabilizer is a ``lightning.Callback`` of one of two kinds:
 
@@ -15,8 +15,6 @@ any loss-side one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from gacbench.stabilizers.base import LossStabilizer, PolicyBatch, agg_loss, masked_mean
+from gacbench.stabilizers.base import LossStabilizer, PolicyBatch, agg_loss, masked_mean, ratio_metrics
 
 
 def decoupled_ppo_loss(batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
@@ -27,11 +27,9 @@ def decoupled_ppo_loss(batch: PolicyBatch, clip_low: float = 0.2, clip_high: flo
     r = torch.exp(batch.logp - batch.logp_prox)
     pg1, pg2 = -batch.adv * r, -batch.adv * r.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = agg_loss(w * torch.maximum(pg1, pg2), batch.mask, agg)
-    full = torch.exp(batch.logp.detach() - batch.logp_behav)
     metrics = {
         "pg/clipfrac": masked_mean((pg2 > pg1).float(), batch.mask),
-        "is/ratio_mean": masked_mean(full, batch.mask),
-        "is/ratio_max": full.masked_fill(~batch.mask, float("-inf")).max(),
+        **ratio_metrics(torch.exp(batch.logp.detach() - batch.logp_behav), batch.mask),
         "is/weight_mean": masked_mean(w, batch.mask),
     }
     if weight_cap is not None:

@@ -59,8 +59,9 @@ def m2po_mask(log_ratio: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
     k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else desc.numel()  # tokens to drop
     if k == desc.numel():
         return torch.zeros_like(mask)
-    threshold = desc[k]  # keep values <= the first kept value; drop everything strictly above
-    return mask & (v <= threshold)
+    # drop every token whose value reaches the last dropped one: ties at the cut go together, and
+    # removing more of the largest values can only lower the kept mean further
+    return mask & (v < desc[k - 1])
 
 
 def m2po_official_bounds(log_ratio: Tensor, adv: Tensor, mask: Tensor, budget: float = 0.04) -> tuple[float, float, float]:

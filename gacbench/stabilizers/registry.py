@@ -34,12 +34,6 @@ def available() -> dict[str, dict[str, Any]]:
         if kind not in KINDS:
             raise TypeError(f"stabilizer {name!r} ({info['source']}): its class needs kind = 'gradient' or 'loss', got {kind!r}")
         info["kind"] = kind
-        info["help"] = (info["cls"].__doc__ or "").strip().splitlines()[0] if info["cls"].__doc__ else ""
+        doc = " ".join((info["cls"].__doc__ or "").split())
+        info["help"] = doc.split(". ")[0].rstrip(".") + "." if doc else ""
     return found
-
-
-def get(name: str) -> type:
-    stabs = available()
-    if name not in stabs:
-        raise ValueError(f"unknown stabilizer {name!r}; available: {', '.join(sorted(stabs))}")
-    return stabs[name]["cls"]

@@ -40,7 +40,7 @@ def telescoped(d: sp.Expr = sp.Integer(0)) -> sp.Expr:
             + T * eta / 2 * (d + L * eta + L**2 * eta**2 * s**2) * sigma2) - eta / 2 * (1 - d) * SG
 
 
-def per_step_terms(d: sp.Expr) -> sp.Expr:
+def per_step_terms(d: sp.Expr) -> tuple[sp.Expr, tuple[sp.Symbol, sp.Symbol, sp.Symbol]]:
     """One step of the proof, with G_t, D_t, E_t (staleness error) symbols: the bound on E f_{t+1} - E f_t.
     From L-smoothness, <a,b> = (|a|^2 + |b|^2 - |a-b|^2)/2, E|g|^2 = D + sigma2, and
     |grad_t| |e_t| <= d/2 (|grad_t|^2 + |g_t|^2)."""

@@ -202,7 +202,7 @@ def check_gac(claim: Callable[[], sp.Expr] = bounds.gac_bound_claim, seeds=(0, 1
 
 
 # -- result 4 -----------------------------------------------------------------------------------
-def measure_alignment(s: int, eta: float = 0.09, dim: int = 200, sigma2: float = 1.0, seed: int = 0) -> tuple[float, float]:
+def measure_alignment(s: int, eta: float = 0.09, dim: int = 200, sigma2: float = 1.0, seed: int = 0) -> tuple[float, float]:  # noqa: E501
     """Mean c_t measured by AlignmentMonitor after a burn-in, and the stationary prediction."""
     r = dq.spectral_radius(eta, s)
     burn = int(min(2500, max(200, 5 / (1 - r))))
@@ -226,7 +226,7 @@ def check_alignment(svals=(0, 2, 4, 8, 16), tol: float = 0.03) -> CheckResult:
         rows.append({"s": s, "measured": measured, "predicted": predicted})
         worst = max(worst, err / tol)
         violations += err > tol
-    increasing = all(b["predicted"] > a["predicted"] for a, b in zip(rows[1:], rows[2:]))
+    increasing = all(b["predicted"] > a["predicted"] for a, b in zip(rows, rows[1:]))
     return CheckResult("staleness-aligns-gradients",
                        "stationary E<g_t,g_{t-1}>/E|g_t|^2 of delayed noisy GD (Lyapunov solution) matches AlignmentMonitor's c_t",
                        symbolic and increasing, violations == 0, worst, violations, {"runs": rows, "tol": tol})
@@ -241,27 +241,34 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
 
 
 def run_checks(names: list[str] | None = None) -> list[CheckResult]:
+    unknown = [n for n in names or [] if n not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check(s) {', '.join(unknown)}; the checks are: {', '.join(CHECKS)}")
     return [CHECKS[n]() for n in (names or list(CHECKS))]
 
 
-def alignment_figure(path: str) -> None:
-    """theory/fig_alignment.png: predicted stationary c_t against s, with AlignmentMonitor's measurements."""
+ALIGN_ETA, ALIGN_DIM, ALIGN_SIGMA2 = 0.09, 200, 1.0
+
+
+def alignment_figure(path: str, rows: list[dict] | None = None) -> None:
+    """theory/fig_alignment.png: predicted stationary c_t against s, with AlignmentMonitor's measurements
+    (``rows`` from the alignment check, or measured here)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    eta = 0.09
+    eta, per_dim = ALIGN_ETA, ALIGN_SIGMA2 / ALIGN_DIM
     s_pred = [s for s in range(0, 33) if eta < dq.a_star(s)]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    axes[0].plot(s_pred, [dq.predicted_cosine(eta, np.ones(1), 1 / 200, s) for s in s_pred], label="stationary prediction")
-    pts = [(s, *measure_alignment(s)) for s in (0, 2, 4, 8, 16)]
-    axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o", label="AlignmentMonitor (mean c_t)")
+    axes[0].plot(s_pred, [dq.predicted_cosine(eta, np.ones(1), per_dim, s) for s in s_pred], label="stationary prediction")
+    rows = rows or [{"s": s, "measured": measure_alignment(s)[0]} for s in (0, 2, 4, 8, 16)]
+    axes[0].plot([r["s"] for r in rows], [r["measured"] for r in rows], "o", label="AlignmentMonitor (mean c_t)")
     axes[0].set(xlabel="staleness s", ylabel="consecutive-gradient cosine", title=f"noisy quadratic, eta*lambda = {eta}")
     axes[0].legend(fontsize=8)
     ss = np.arange(0, 33)
     for rho in (0.5, 0.9, 0.98):
-        axes[1].plot(ss, [dq.predicted_cosine(rho * dq.a_star(s), np.ones(1), 1 / 200, s) for s in ss], label=f"eta*lambda = {rho} a*(s)")
+        axes[1].plot(ss, [dq.predicted_cosine(rho * dq.a_star(s), np.ones(1), per_dim, s) for s in ss], label=f"eta*lambda = {rho} a*(s)")
     axes[1].plot(ss, np.cos(np.pi / (2 * ss + 1)), "k--", label="boundary mode cos(pi/(2s+1))")
     axes[1].set(xlabel="staleness s", title="closer to the stability limit, more aligned")
     axes[1].legend(fontsize=7)
@@ -291,6 +298,7 @@ def main(args) -> int:
             json.dump({"checks": [asdict(r) for r in results]}, f, indent=2, default=str)
         print(f"wrote {args.json}")
     if args.figure:
-        alignment_figure(args.figure)
+        done = next((r for r in results if r.name == "staleness-aligns-gradients"), None)
+        alignment_figure(args.figure, done.details["runs"] if done else None)
         print(f"wrote {args.figure}")
     return 0 if all(r.ok for r in results) else 1
