@@ -51,3 +51,50 @@ def test_bad_model_path_and_config_are_refused(tmp_path):
         load(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="head_dim"):
         tiny_config(hidden=64, heads=4)
+
+
+def _tiny(tmp_path):
+    from gacbench.llm.model import load
+
+    cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
+    return load(cached_model_dir(cfg, tmp_path))
+
+
+def test_hf_engine_log_probs_match_the_trainer_after_a_weight_sync(tmp_path):
+    from gacbench.llm.engines import HFEngine, check_sync, sequence_logprobs
+
+    model, tok = _tiny(tmp_path)
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in ArithmeticTask().batch("train", 0, 4)]
+    assert check_sync(engine, model, prompts) < 1e-4
+    with torch.no_grad():  # the trainer moves on: the engine is now stale, and the check notices
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        check_sync(engine, model, prompts)
+    engine.load_weights(model.state_dict(), version=1)
+    assert engine.version == 1 and check_sync(engine, model, prompts) < 1e-4
+    groups = engine.generate(prompts, n=3, max_tokens=6, seed=5)
+    assert len(groups) == 4 and all(len(g) == 3 and g[0].version == 1 for g in groups)
+    r = groups[0][0]
+    assert torch.allclose(sequence_logprobs(model, r.prompt_ids, r.completion_ids), torch.tensor(r.logprobs), atol=1e-4)
+    assert engine.generate(prompts, n=3, max_tokens=6, seed=5)[0][0].completion_ids == r.completion_ids  # seeded
+
+
+def test_vllm_engine_syncs_weights_without_restarting(tmp_path):
+    pytest.importorskip("vllm")
+    from gacbench.llm.engines import VLLMEngine, check_sync
+
+    model, tok = _tiny(tmp_path)
+    from gacbench.llm.model import cached_model_dir as cmd
+
+    engine = VLLMEngine(str(cmd(tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128), tmp_path)))
+    prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in ArithmeticTask().batch("train", 0, 4)]
+    assert check_sync(engine, model, prompts) < 1e-3
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        check_sync(engine, model, prompts)
+    engine.load_weights(model.state_dict(), version=1)
+    assert check_sync(engine, model, prompts) < 1e-3
