@@ -98,3 +98,30 @@ def test_vllm_engine_syncs_weights_without_restarting(tmp_path):
         check_sync(engine, model, prompts)
     engine.load_weights(model.state_dict(), version=1)
     assert check_sync(engine, model, prompts) < 1e-3
+
+
+def test_sft_batch_supervises_only_the_answer():
+    from gacbench.llm.task import Problem
+    from gacbench.llm.warmstart import sft_batch
+
+    tok = build_tokenizer()
+    ids, lab = sft_batch(tok, [Problem("3+4=", "7"), Problem("12*3=", "36")])
+    assert ids.shape == lab.shape == (2, 9)
+    assert lab[0].tolist()[:4] == [-100] * 4 and tok.decode(lab[0, 4:6]) == "7\n" and lab[0, 6] == tok.eos_token_id
+    assert lab[0, 7:].tolist() == [-100, -100] and ids[0, 7:].tolist() == [tok.pad_token_id] * 2
+
+
+def test_warm_start_learns_and_is_cached(tmp_path):
+    from gacbench.llm.warmstart import greedy_accuracy, warm_start, warm_started_dir
+
+    cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
+    task = ArithmeticTask(max_ops=1, max_operand=4)
+    model, tok = _tiny(tmp_path)
+    losses = warm_start(model, tok, task, steps=40, batch_size=32)
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+    acc = greedy_accuracy(model, tok, task.batch("eval", 0, 20))
+    assert 0.0 <= acc <= 1.0
+    d = warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path)
+    stamp = (d / "config.json").stat().st_mtime_ns
+    assert warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path) == d and (d / "config.json").stat().st_mtime_ns == stamp
+    assert warm_started_dir(cfg, task, steps=6, cache_dir=tmp_path) != d

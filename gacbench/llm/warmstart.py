@@ -1,0 +1,87 @@
+"""Warm-start: a short supervised run on the task so that GRPO starts with signal, cached on disk.
+
+The model learns ``prompt -> answer + newline + <eos>`` with the loss on the answer tokens only (measured:
+the default tiny model reaches 12%, 17%, 21% greedy accuracy on held-out 1-2 operation problems after
+100, 300, 400 steps of 64 problems, about 10 s per 100 steps on one core); the
+result is saved next to the freshly built model under a directory keyed by (architecture, task,
+steps, seed), so every run with the same settings reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from gacbench.llm.model import cached_model_dir, config_key, default_cache_dir, load, tiny_config
+from gacbench.llm.task import ArithmeticTask, Problem, exact_reward
+
+
+def sft_batch(tok, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), right-padded; labels are -100 except on the answer, newline and eos."""
+    rows, labels = [], []
+    for p in problems:
+        prompt = tok.encode(p.prompt, add_special_tokens=False)
+        target = tok.encode(p.answer + "\n", add_special_tokens=False) + [tok.eos_token_id]
+        rows.append(prompt + target)
+        labels.append([-100] * len(prompt) + target)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    lab = torch.full((len(rows), width), -100)
+    for i, (r, lb) in enumerate(zip(rows, labels)):
+        ids[i, : len(r)] = torch.tensor(r)
+        lab[i, : len(lb)] = torch.tensor(lb)
+    return ids, lab
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, problems: list[Problem], max_tokens: int = 8) -> float:
+    """pass@1 with greedy decoding: the share of problems whose completion is exactly the answer."""
+    model.eval()
+    correct = 0
+    for p in problems:
+        ids = torch.tensor([tok.encode(p.prompt, add_special_tokens=False)])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        correct += exact_reward(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), p.answer)
+    return correct / max(1, len(problems))
+
+
+def warm_start(model, tok, task: ArithmeticTask, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Supervised steps on the training split, in place; returns the losses."""
+    torch.manual_seed(seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        ids, lab = sft_batch(tok, task.batch("train", step * batch_size, batch_size))
+        loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int = 400, cache_dir=None, seed: int = 0) -> Path:
+    """The cached warm-started checkpoint for these settings; built (once) if missing."""
+    config = config or tiny_config()
+    task = task or ArithmeticTask()
+    key = f"{config_key(config)}-" + "-".join(f"{k}{v}" for k, v in asdict(task).items()) + f"-sft{steps}-seed{seed}"
+    path = Path(cache_dir or default_cache_dir()) / f"warm-{key}"
+    if (path / "config.json").exists():
+        return path
+    model, tok = load(cached_model_dir(config, cache_dir, seed))
+    warm_start(model, tok, task, steps, seed=seed)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path
