@@ -6,7 +6,6 @@ import os
 import sys
 
 import lightning.pytorch as pl
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import UserRegressor, flat_params, make_trainer  # noqa: E402

@@ -3,7 +3,6 @@ within stated tolerances on objectives whose constants are known."""
 
 import json
 
-import lightning.pytorch as pl
 import pytest
 import sympy as sp
 import torch

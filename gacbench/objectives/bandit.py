@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gacbench.objectives.base import Objective, make_optimizer, step_loader
+from gacbench.objectives.base import Objective, step_loader
 from gacbench.stabilizers.base import PolicyBatch, clipped_surrogate, find_loss_stabilizer
 
 
@@ -92,9 +92,6 @@ class SoftmaxBandit(Objective):
 
     def train_dataloader(self):
         return step_loader(torch.utils.data.TensorDataset(self.prompt_ids))
-
-    def configure_optimizers(self):
-        return make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["bandit_fifo"] = list(self.fifo)

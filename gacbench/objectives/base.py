@@ -43,6 +43,20 @@ class Objective(pl.LightningModule):
 
         log_metrics(self.trainer, metrics)
 
+    # Defaults for objectives whose data are pre-drawn batches (``self.batches``), whose loss is the
+    # side-effect-free ``loss_on(batch)``, and whose hyperparameters name ``optimizer`` and ``lr``.
+    def loss_on(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_on(batch)
+
+    def train_dataloader(self):
+        return step_loader(self.batches)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)
+
     def diverged(self, initial: float, final: float) -> bool:
         """Non-finite parameters or metric; for loss-like metrics also a metric 10x worse than at the start."""
         if not math.isfinite(final) or not all(torch.isfinite(p).all() for p in self.parameters()):

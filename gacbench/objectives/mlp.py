@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gacbench.objectives.base import Objective, StepBatches, make_optimizer, step_loader
+from gacbench.objectives.base import Objective, StepBatches
 
 
 class MLPClassifier(Objective):
@@ -37,12 +37,3 @@ class MLPClassifier(Objective):
         """The step's loss as a pure function of the batch (no side effects)."""
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
-
-    def training_step(self, batch, batch_idx):
-        return self.loss_on(batch)
-
-    def train_dataloader(self):
-        return step_loader(self.batches)
-
-    def configure_optimizers(self):
-        return make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from gacbench.objectives.base import Objective, make_optimizer, step_loader
+from gacbench.objectives.base import Objective, step_loader
 
 
 class NoisyQuadratic(Objective):
@@ -56,11 +56,5 @@ class NoisyQuadratic(Objective):
         """The exact gradient A (theta - theta*)."""
         return self.eigs * (self.theta.detach() - self.theta_star)
 
-    def training_step(self, batch, batch_idx):
-        return self.loss_on(batch)
-
     def train_dataloader(self):
         return step_loader(TensorDataset(self.noise.unsqueeze(1)))
-
-    def configure_optimizers(self):
-        return make_optimizer(self.parameters(), self.hparams.optimizer, self.hparams.lr)
