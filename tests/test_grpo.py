@@ -88,3 +88,16 @@ def test_bad_settings_are_refused(model_dir, tmp_path):
         module(model_dir, staleness=-1)
     with pytest.raises(FileNotFoundError, match="not a local Hugging Face checkpoint"):
         module(str(tmp_path / "missing"))
+
+
+def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tmp_path):
+    from gacbench.bench.report import build_report
+    from gacbench.bench.runner import run_grid
+
+    base = {"task": "arith", "objective": "grpo", "steps": 4, "warmup": 0,
+            "params": dict(model_path=model_dir, engine="hf", prompts=4, group=4, max_tokens=4, eval_every=2, eval_size=8, **TASK)}
+    cells = [{**base, "method": "sync", "staleness": 0, "seed": 0}, {**base, "method": "gac", "staleness": 2, "seed": 0}]
+    assert run_grid(cells, tmp_path)["failed"] == 0
+    summary = build_report(tmp_path, cells)["summary"]
+    assert {c["engine"] for c in summary["cells"]} == {"hf"}
+    assert all(c["metric"] == "acc" and 0.0 <= c["final"] <= 1.0 for c in summary["cells"])

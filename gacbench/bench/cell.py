@@ -135,6 +135,6 @@ def _run(cell: dict, out: Path) -> dict:
 
 
 def _rollout(objective: str) -> bool:
-    from gacbench.objectives import OBJECTIVES
+    from gacbench.objectives import objective_class
 
-    return OBJECTIVES[objective].rollout_staleness
+    return objective_class(objective).rollout_staleness

@@ -51,6 +51,8 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     status = read_json(d / "status.json")
     rec: dict[str, Any] = {k: cell[k] for k in ("task", "method", "staleness", "seed")}
     rec.update({"status": status.get("status"), "ablation": bool(cell.get("ablation"))})
+    if cell["objective"] == "grpo":
+        rec["engine"] = cell.get("params", {}).get("engine", "hf")
     if status.get("status") != "done":
         rec.update({"error": status.get("error"), "metric": None, "higher_is_better": None, "final": None,
                     "diverged": None, "cos_median": None, "cos_abs_q90": None, "cos_abs_le_005": None})
@@ -235,7 +237,8 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
         for r in [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]:
             cs = series(r, "align/cos")
             if cs:
-                v = np.convolve([x for _, x in cs], np.ones(10) / 10, mode="valid")
+                w = min(10, len(cs))  # a run shorter than the window is averaged over its length
+                v = np.convolve([x for _, x in cs], np.ones(w) / w, mode="valid")
                 ax.plot([x for x, _ in cs][: len(v)], v, label=f"{r['method']} (s={r['staleness']})", color=colors[r["method"]], lw=1)
         ax.set_title(f"{task}: c_t (10-step mean)")
         ax.set_xlabel("step")

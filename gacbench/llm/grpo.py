@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from gacbench.callbacks._common import log_metrics
@@ -24,20 +23,27 @@ from gacbench.llm.engines import HFEngine, Rollout, VLLMEngine
 from gacbench.llm.model import load
 from gacbench.llm.task import ArithmeticTask, exact_reward
 from gacbench.objectives.bandit import group_advantages
+from gacbench.objectives.base import Objective
 from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, clipped_surrogate, find_loss_stabilizer
 
 
-class GRPOModule(pl.LightningModule):
-    """Args: model_path (a local checkpoint directory: the warm-started tiny model or a real one),
-    engine ("hf" | "vllm"), staleness s, prompts (per step), group (samples per prompt), max_tokens,
-    lr, clip_low / clip_high, agg (loss aggregation), steps, task settings, seed."""
+class GRPOModule(Objective):
+    """Args: model_path (a local checkpoint directory, e.g. a real Qwen3; default: the tiny model,
+    warm-started for ``warm_steps`` and cached), engine ("hf" | "vllm"), staleness s, prompts (per
+    step), group (samples per prompt), max_tokens, lr, clip_low / clip_high, agg (loss aggregation),
+    steps, task settings, eval_every / eval_size (greedy pass@1 on the held-out split), seed.
+    As an objective of the bench runner its metric is ``eval/acc``."""
 
+    metric_name = "acc"
+    higher_is_better = True
+    rollout_staleness = True
     uses_loss_stabilizer = True
 
-    def __init__(self, model_path: str, engine: str = "hf", staleness: int = 0, prompts: int = 8, group: int = 8,
-                 max_tokens: int = 6, lr: float = 1e-4, clip_low: float = 0.2, clip_high: float = 0.2,
-                 agg: str = "token-mean", steps: int = 100, max_ops: int = 2, max_operand: int = 9, seed: int = 0) -> None:
-        super().__init__()
+    def __init__(self, model_path: str | None = None, engine: str = "hf", staleness: int = 0, prompts: int = 8,
+                 group: int = 8, max_tokens: int = 6, lr: float = 1e-4, clip_low: float = 0.2, clip_high: float = 0.2,
+                 agg: str = "token-mean", steps: int = 100, max_ops: int = 2, max_operand: int = 9, seed: int = 0,
+                 warm_steps: int = 400, eval_every: int = 10, eval_size: int = 64) -> None:
+        super().__init__(eval_every)
         if engine not in ("hf", "vllm"):
             raise ValueError(f"GRPOModule: engine={engine!r} is not 'hf' or 'vllm'")
         if staleness < 0:
@@ -47,9 +53,14 @@ class GRPOModule(pl.LightningModule):
         if agg not in AGG_MODES:
             raise ValueError(f"GRPOModule: agg={agg!r} is not one of {', '.join(AGG_MODES)}")
         self.save_hyperparameters()
+        self.task = ArithmeticTask(max_ops=max_ops, max_operand=max_operand, seed=seed)
+        if model_path is None:
+            from gacbench.llm.warmstart import warm_started_dir
+
+            model_path = str(warm_started_dir(task=ArithmeticTask(max_ops=max_ops, max_operand=max_operand), steps=warm_steps))
+        self.model_path = model_path
         self.policy, self.tok = load(model_path)
         self.policy.train()  # from_pretrained returns eval mode
-        self.task = ArithmeticTask(max_ops=max_ops, max_operand=max_operand, seed=seed)
         self.engine: HFEngine | VLLMEngine | None = None
         self.fifo: deque[dict[str, Any]] = deque()
         self.rollouts_made = 0  # the prompt stream's position
@@ -59,13 +70,14 @@ class GRPOModule(pl.LightningModule):
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones
         h = self.hparams
         if h.engine == "vllm":
-            self.engine = VLLMEngine(h.model_path, seed=h.seed)
+            self.engine = VLLMEngine(self.model_path, seed=h.seed)
         else:
             self.engine = HFEngine(self.policy, self.tok.eos_token_id, self.tok.pad_token_id)
         self.engine.load_weights(self.policy.state_dict(), version=self.global_step)  # also after a resume
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.engine.load_weights(self.policy.state_dict(), version=self.global_step)  # the next version
+        super().on_train_batch_end(outputs, batch, batch_idx)  # eval/acc every eval_every steps
 
     # -- one step ------------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -139,10 +151,13 @@ class GRPOModule(pl.LightningModule):
         return lp * mask
 
     @torch.no_grad()
-    def accuracy(self, n: int = 64) -> float:
+    def metric(self) -> float:
+        """pass@1 (greedy) on the first ``eval_size`` held-out problems."""
         from gacbench.llm.warmstart import greedy_accuracy
 
-        return greedy_accuracy(self.policy, self.tok, self.task.batch("eval", 0, n), self.hparams.max_tokens)
+        acc = greedy_accuracy(self.policy, self.tok, self.task.batch("eval", 0, self.hparams.eval_size), self.hparams.max_tokens)
+        self.policy.train()
+        return acc
 
     def train_dataloader(self):
         # one item per step; the prompts come from the module's own counter (checkpointed), so a resume

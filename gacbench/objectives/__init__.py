@@ -14,10 +14,25 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 
 
+def _grpo():
+    from gacbench.llm.grpo import GRPOModule  # needs transformers: imported only when asked for
+
+    return GRPOModule
+
+
+LAZY = {"grpo": _grpo}
+
+
+def objective_class(name: str) -> type[Objective]:
+    if name in OBJECTIVES:
+        return OBJECTIVES[name]
+    if name in LAZY:
+        return LAZY[name]()
+    raise ValueError(f"unknown objective {name!r}; choose from {', '.join(list(OBJECTIVES) + list(LAZY))}")
+
+
 def make_objective(name: str, **params) -> Objective:
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; choose from {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name](**params)
+    return objective_class(name)(**params)
 
 
-__all__ = ["OBJECTIVES", "LogisticRegression", "MLPClassifier", "NoisyQuadratic", "Objective", "SoftmaxBandit", "make_objective"]
+__all__ = ["LAZY", "objective_class", "OBJECTIVES", "LogisticRegression", "MLPClassifier", "NoisyQuadratic", "Objective", "SoftmaxBandit", "make_objective"]
