@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from gacbench.callbacks import AlignmentMonitor, StalenessSimulator
 from gacbench.methods import method_callbacks, parse_method
-from gacbench.objectives import make_objective
+from gacbench.objectives import objective_class
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -108,9 +108,8 @@ def _run(cell: dict, out: Path) -> dict:
     method, _ = parse_method(cell["method"])
     s = int(cell["staleness"]) if method.stale else 0
     params = dict(cell.get("params", {}))
-    objective_cls_name = cell["objective"]
-    model = make_objective(objective_cls_name, **params, seed=cell["seed"], steps=cell["steps"],
-                           **({"staleness": s} if _rollout(objective_cls_name) else {}))
+    cls = objective_class(cell["objective"])
+    model = cls(**params, seed=cell["seed"], steps=cell["steps"], **({"staleness": s} if cls.rollout_staleness else {}))
     callbacks: list[pl.Callback] = []
     if s > 0 and not model.rollout_staleness:
         callbacks.append(StalenessSimulator(s))
@@ -132,9 +131,3 @@ def _run(cell: dict, out: Path) -> dict:
         "steps_run": trainer.global_step, "overhead_share": timer.overhead_share(),
         "step_ms": 1e3 * statistics.median(timer.total) if timer.total else math.nan,
     }
-
-
-def _rollout(objective: str) -> bool:
-    from gacbench.objectives import objective_class
-
-    return objective_class(objective).rollout_staleness

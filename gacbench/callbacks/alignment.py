@@ -62,10 +62,13 @@ class AlignmentMonitor(Callback):
         if self.passive:
             rank_zero_info("AlignmentMonitor: GAC(reference='grad') already logs align/cos and grad/norm; the monitor stays passive.")
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._params = optimizer_params(trainer, "AlignmentMonitor")
+
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         if self.passive:
             return
-        params = optimizer_params(trainer, "AlignmentMonitor")
+        params = self._params
         grads = [local(p.grad) if p.grad is not None else None for p in params]
         if all(g is None for g in grads):
             return

@@ -78,9 +78,12 @@ class AssumptionMonitor(Callback):
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._params = optimizer_params(trainer, "AssumptionMonitor")
+
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         t = trainer.global_step
-        params = optimizer_params(trainer, "AssumptionMonitor")
+        params = self._params
         if (t + 1) % self.every == 0:  # keep theta for the next step's secant
             self._prev_theta = [p.detach().clone() for p in params]
         if t % self.every != 0:

@@ -109,8 +109,11 @@ class GAC(Callback):
             check_automatic_optimization(pl_module, "GAC")
             check_strategy(trainer, "GAC", allow_sharded=True)
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
-        params = optimizer_params(trainer, "GAC")
+        params = self._params
         sharded = is_sharded(trainer)
         clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
         out = self.transform.step(params, partial(agree, trainer, sharded=sharded), swap=not sharded, keep_alias=not clipping)
@@ -141,7 +144,7 @@ class GAC(Callback):
         log_metrics(trainer, metrics)
 
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
-        self.transform.release(optimizer_params(trainer, "GAC"))
+        self.transform.release(self._params)
 
     def _bad_gradient(self, trainer, params, g_sq: float, action: str) -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None and not math.isfinite(g_sq):

@@ -100,10 +100,13 @@ class StalenessSimulator(Callback):
         check_automatic_optimization(pl_module, "StalenessSimulator")
         check_strategy(trainer, "StalenessSimulator", allow_sharded=False)
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.staleness:
+            self._params = optimizer_params(trainer, "StalenessSimulator")  # fixed for the fit
+
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if self.staleness == 0 or self._swapped:
             return  # s = 0 is the identity; later micro-batches of a window reuse the swap
-        self._params = optimizer_params(trainer, "StalenessSimulator")
         self._record_current()
         lag = staleness_schedule(self.schedule, self.staleness, self.step, self._rng, self.trace)
         lag = min(self._broadcast(trainer, lag), len(self._history) - 1)
