@@ -65,3 +65,18 @@ def flat_params(module: nn.Module) -> torch.Tensor:
 @pytest.fixture
 def regressor():
     return UserRegressor
+
+
+TINY_TASK = dict(max_ops=1, max_operand=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tmp_path_factory):
+    """A small warm-started tiny Qwen3 (built once per test session) for the LLM tests."""
+    pytest.importorskip("transformers")
+    from gacbench.llm.model import tiny_config
+    from gacbench.llm.task import ArithmeticTask
+    from gacbench.llm.warmstart import warm_started_dir
+
+    cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
+    return str(warm_started_dir(cfg, ArithmeticTask(**TINY_TASK), steps=60, cache_dir=tmp_path_factory.mktemp("llm")))

@@ -6,24 +6,20 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from conftest import make_trainer  # noqa: E402
+from conftest import TINY_TASK, make_trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from gacbench import GAC  # noqa: E402
 from gacbench.llm.engines import sequence_logprobs  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
-from gacbench.llm.model import tiny_config  # noqa: E402
-from gacbench.llm.task import ArithmeticTask  # noqa: E402
-from gacbench.llm.warmstart import warm_started_dir  # noqa: E402
 from gacbench.stabilizers import M2PO  # noqa: E402
 
-TASK = dict(max_ops=1, max_operand=4)
+TASK = TINY_TASK
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
-    return str(warm_started_dir(cfg, ArithmeticTask(**TASK), steps=60, cache_dir=tmp_path_factory.mktemp("llm")))
+def model_dir(tiny_llm_dir):
+    return tiny_llm_dir
 
 
 def module(model_dir, **kw):
@@ -79,6 +75,9 @@ def test_resume_in_the_middle_of_a_stale_run_is_exact(model_dir, tmp_path):
     assert trainer.logger.values("stale/lag") == [2, 2, 2, 2]
     for a, b in zip(full.policy.parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b)
+    assert [d["version"] for d in resumed.fifo] == [d["version"] for d in full.fifo] == [6, 7]  # same queue
+    for a, b in zip(full.fifo, resumed.fifo):
+        assert torch.equal(a["packed"]["ids"], b["packed"]["ids"]) and torch.equal(a["logp_behav"], b["logp_behav"])
 
 
 def test_bad_settings_are_refused(model_dir, tmp_path):
@@ -101,3 +100,79 @@ def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tm
     summary = build_report(tmp_path, cells)["summary"]
     assert {c["engine"] for c in summary["cells"]} == {"hf"}
     assert all(c["metric"] == "acc" and 0.0 <= c["final"] <= 1.0 for c in summary["cells"])
+
+
+def test_grpo_loss_with_kl_equals_a_hand_computation(model_dir):
+    m = module(model_dir, kl_coef=0.3, clip_low=0.1, clip_high=0.25)
+    make_trainer([], max_steps=1).fit(m)
+    data = m.rollout()  # behaviour log-probs of the current weights
+    with torch.no_grad():  # move the policy so that ratios differ from 1 and some are clipped
+        for p in m.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    loss, metrics = m.policy_loss(data)
+    ref = m._ref[0]
+    packed, total, tokens, kl_sum = data["packed"], 0.0, 0, 0.0
+    for i in range(packed["ids"].shape[0]):
+        p, n = int(packed["prompt_len"][i]), int(packed["mask"][i].sum())
+        ids = packed["ids"][i, : p + n].tolist()
+        new = sequence_logprobs(m.policy, ids[:p], ids[p:]).tolist()
+        old = data["logp_behav"][i, :n].tolist()
+        r_ref = sequence_logprobs(ref, ids[:p], ids[p:]).tolist()
+        a = float(data["adv"][i])
+        for k in range(n):
+            ratio = float(torch.tensor(new[k] - old[k]).exp())
+            total += -min(ratio * a, min(max(ratio, 0.9), 1.25) * a)
+            d = r_ref[k] - new[k]
+            kl_sum += float(torch.tensor(d).exp()) - d - 1.0
+            tokens += 1
+    assert float(metrics["pg/clipfrac"]) > 0.0  # the check exercises clipping
+    assert loss.item() == pytest.approx(total / tokens + 0.3 * kl_sum / tokens, rel=1e-4, abs=1e-6)
+    assert float(metrics["kl/ref"]) == pytest.approx(kl_sum / tokens, rel=1e-4, abs=1e-7)
+
+
+def test_kl_to_reference_is_zero_before_the_policy_moves(model_dir):
+    trainer = make_trainer([], max_steps=2)
+    trainer.fit(module(model_dir, kl_coef=0.1))
+    kl = trainer.logger.values("kl/ref")
+    assert abs(kl[0]) < 1e-6 and kl[1] > 0.0
+
+
+def _raise(*args, **kwargs):
+    raise ConnectionError("engine process exited")
+
+
+@pytest.mark.parametrize("break_, match", [
+    ("generate", "hf rollout engine failed at version 0 .*ConnectionError.*resume from the last checkpoint"),
+    ("load_weights", "weight sync to the hf engine failed at version 1"),
+    ("silent-sync", "engine holds version 0, the trainer is at 1"),
+])
+def test_a_dead_or_unsynced_engine_stops_the_run(model_dir, break_, match):
+    m = module(model_dir)
+    start = m.on_train_start
+
+    def broken_start():
+        start()
+        if break_ == "silent-sync":  # a sync that returns without loading: the next rollout must not happen
+            m.engine.load_weights = lambda state_dict, version: None
+        else:
+            setattr(m.engine, break_, _raise)
+
+    m.on_train_start = broken_start
+    with pytest.raises(RuntimeError, match=match):
+        make_trainer([], max_steps=3).fit(m)
+
+
+def test_a_prompt_longer_than_the_context_is_refused(model_dir):
+    m = module(model_dir, max_tokens=80)  # the tiny model's context is 64 tokens
+    with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens.*Lower max_tokens"):
+        make_trainer([], max_steps=1).fit(m)
+
+
+def test_step_times_split_generation_from_training(model_dir):
+    m = module(model_dir, staleness=1)
+    trainer = make_trainer([], max_steps=3)
+    trainer.fit(m)
+    gen = trainer.logger.values("time/generate_s")
+    assert len(gen) == 3 and min(gen) > 0.0 and m.rollouts_made == 4  # step 0 also fills the pipeline
+    stats = m.run_stats
+    assert 0.0 < stats["generate_share"] < 1.0 and stats["generated_tokens"] > 0

@@ -1,5 +1,4 @@
-"""Rollout engines behind one small protocol (issue 5, in progress; the GRPO module that drives them
-is not written yet).
+"""Rollout engines behind one small protocol, driven by ``gacbench.llm.grpo.GRPOModule``.
 
 An engine generates n samples per prompt with their token ids and log-probs, loads new weights
 without restarting, and reports the policy version those weights belong to:
@@ -41,9 +40,9 @@ class RolloutEngine(Protocol):
 
 def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
     """log pi(completion token k | prompt, completion[:k]) under ``model`` (1-D tensor, one per completion token)."""
-    ids = torch.tensor([prompt_ids + completion_ids])
+    ids = torch.tensor([prompt_ids + completion_ids], device=model.device)
     logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion_ids).unsqueeze(-1)).squeeze(-1)
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt_ids):].unsqueeze(-1)).squeeze(-1).cpu()
 
 
 class HFEngine:
@@ -64,7 +63,7 @@ class HFEngine:
         torch.manual_seed(seed)
         out: list[list[Rollout]] = []
         for prompt in prompts:  # prompts of one task have similar lengths; no padding needed per prompt
-            ids = torch.tensor([prompt] * n)
+            ids = torch.tensor([prompt] * n, device=self.model.device)
             gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                                       top_p=1.0, max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
                                       output_scores=True, return_dict_in_generate=True)
@@ -83,8 +82,15 @@ class VLLMEngine:
     """vLLM in this process. ``model_dir``: a checkpoint directory vLLM can load (the tiny model's
     cache directory, or a local Qwen3 checkpoint); the engine starts from those weights (version 0)."""
 
-    def __init__(self, model_dir: str, max_model_len: int | None = None, seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, max_model_len: int | None = None, seed: int = 0, dtype: str = "float32",
+                 kv_cache_gib: float | None = 0.25) -> None:
+        """``kv_cache_gib``: memory reserved for the KV cache (vLLM's ``kv_cache_memory_bytes``); None lets
+        vLLM reserve ``gpu_memory_utilization`` (0.92) of the device, which on the CPU backend means 92% of
+        the machine's RAM, so a second engine, or one beside a busy trainer, cannot start."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by closure
+        # vLLM logs every in-place reload (and warns that the rotary embedding has no weights to load): one
+        # line per optimizer step; set VLLM_LOGGING_LEVEL=INFO to see them
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -93,12 +99,14 @@ class VLLMEngine:
                 "`pip uninstall -y torchvision torchaudio torchcodec` (docs/llm-notes.md); on a GPU machine "
                 "`pip install -e '.[vllm]'`; or use engine='hf'"
             ) from exc
+        memory = {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=False, **memory)
         except Exception as exc:
             raise RuntimeError(f"vLLM could not start on {model_dir}: {type(exc).__name__}: {exc}. Check that the "
-                               "directory is a Hugging Face checkpoint and that head_dim >= 32 on CPU.") from exc
+                               "directory is a Hugging Face checkpoint, that head_dim >= 32 on CPU, and that the KV "
+                               f"cache fits in free memory (kv_cache_gib={kv_cache_gib}; lower it, or free memory).") from exc
         self.version = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

@@ -38,15 +38,25 @@ def sft_batch(tok, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, problems: list[Problem], max_tokens: int = 8) -> float:
-    """pass@1 with greedy decoding: the share of problems whose completion is exactly the answer."""
+def greedy_accuracy(model, tok, problems: list[Problem], max_tokens: int = 8, batch_size: int = 64,
+                    reward=exact_reward) -> float:
+    """pass@1 with greedy decoding: the share of problems whose completion earns reward 1 (batched,
+    prompts left-padded so that every row's completion starts at the same column)."""
     model.eval()
-    correct = 0
-    for p in problems:
-        ids = torch.tensor([tok.encode(p.prompt, add_special_tokens=False)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+    correct = 0.0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        rows = [tok.encode(p.prompt, add_special_tokens=False) for p in chunk]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, device=model.device)
+        attention = torch.zeros(len(rows), width, dtype=torch.long, device=model.device)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            attention[i, width - len(r):] = 1
+        out = model.generate(ids, attention_mask=attention, do_sample=False, max_new_tokens=max_tokens,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        correct += exact_reward(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), p.answer)
+        for p, row in zip(chunk, out[:, width:]):
+            correct += reward(tok.decode(row, skip_special_tokens=True), p.answer)
     return correct / max(1, len(problems))
 
 
