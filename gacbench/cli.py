@@ -29,14 +29,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
     p = sub.add_parser("bench", help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped")
-    p.add_argument("--suite", default="synthetic-smoke", help="a suite in tasks/suites/ (synthetic-smoke, synthetic) or a YAML path")
+    p.add_argument("--suite", default="synthetic-smoke", help="a suite in tasks/suites/ (synthetic-smoke, synthetic, llm-smoke, llm-tiny) or a YAML path")
     p.add_argument("--methods", default=None, help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)' (default: the suite's)")
     p.add_argument("--staleness", default=None, help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
     p.add_argument("--tasks", default=None, help="comma-separated task names of the suite (default: all)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an objective parameter in every cell, e.g. --param engine=hf (repeatable; use a fresh --out: "
+                        "a cell's directory does not encode its parameters)")
     p.add_argument("--out", required=True, help="output directory; cells already done there are not rerun")
     p.add_argument("--workers", type=_positive_int, default=2, help="parallel cells (default 2)")
     p.add_argument("--executor", choices=["local", "ray"], default="local", help="local process pool, or a Ray cluster (RAY_ADDRESS)")
+
+    sub.add_parser("grpo", add_help=False,
+                   help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml [overrides] "
+                        "(gacbench grpo --help for all options)")
+
+    p = sub.add_parser("rollout-bench", help="rollout tokens/s of the vllm and hf engines side by side, and GRPO's generation share of step time")
+    p.add_argument("--engines", default="hf,vllm", help="comma-separated engines (default hf,vllm)")
+    p.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (default: the tiny warm-started model)")
+    p.add_argument("--prompts", type=_positive_int, default=64, help="prompts per generate call (default 64)")
+    p.add_argument("--group", type=_positive_int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--max-tokens", type=_positive_int, default=6, help="new tokens per sample (default 6: the arithmetic task's budget)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per engine, interleaved; medians reported")
+    p.add_argument("--grpo-steps", type=int, default=10, help="steps of a synchronous GRPO run per engine for the time shares (0: skip)")
+    p.add_argument("--grpo-prompts", type=_positive_int, default=8, help="prompts per GRPO step (default 8)")
+    p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
@@ -60,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grpo"]:  # LightningCLI parses its own arguments
+        from gacbench.llm.cli import run as run_grpo
+
+        return run_grpo(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -73,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench":
         from gacbench.bench.runner import main as run
+
+        return run(args)
+    if args.command == "rollout-bench":
+        from gacbench.llm.throughput import main as run
 
         return run(args)
     if args.command == "report":
