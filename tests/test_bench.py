@@ -134,17 +134,21 @@ def test_a_seeded_cell_is_reproducible(tmp_path, objective, method):
 
 
 def test_recovered_share_arithmetic():
+    common = {"final_std": 0.1, "n": 4, "ablation": False}
     groups = [
-        {"task": "t", "method": "sync", "staleness": 0, "final_mean": 1.0, "higher_is_better": False, "ablation": False},
-        {"task": "t", "method": "stale", "staleness": 8, "final_mean": 5.0, "higher_is_better": False, "ablation": False},
-        {"task": "t", "method": "gac", "staleness": 8, "final_mean": 2.0, "higher_is_better": False, "ablation": False},
-        {"task": "u", "method": "sync", "staleness": 0, "final_mean": 0.9, "higher_is_better": True, "ablation": False},
-        {"task": "u", "method": "stale", "staleness": 8, "final_mean": 0.5, "higher_is_better": True, "ablation": False},
-        {"task": "u", "method": "gac", "staleness": 8, "final_mean": 0.4, "higher_is_better": True, "ablation": False},
+        {"task": "t", "method": "sync", "staleness": 0, "final_mean": 1.0, "higher_is_better": False, **common},
+        {"task": "t", "method": "stale", "staleness": 8, "final_mean": 5.0, "higher_is_better": False, **common},
+        {"task": "t", "method": "gac", "staleness": 8, "final_mean": 2.0, "higher_is_better": False, **common},
+        {"task": "u", "method": "sync", "staleness": 0, "final_mean": 0.9, "higher_is_better": True, **common},
+        {"task": "u", "method": "stale", "staleness": 8, "final_mean": 0.5, "higher_is_better": True, **common},
+        {"task": "u", "method": "gac", "staleness": 8, "final_mean": 0.4, "higher_is_better": True, **common},
     ]
-    shares = {r["task"]: r["share"] for r in recovered_shares(groups)}
-    assert shares["t"] == pytest.approx(0.75)
-    assert shares["u"] == pytest.approx(-0.25)
+    rows = {r["task"]: r for r in recovered_shares(groups)}
+    assert rows["t"]["share"] == pytest.approx(0.75)
+    assert rows["u"]["share"] == pytest.approx(-0.25)
+    assert not rows["t"]["gap_within_noise"]  # gap 4 vs s.e. sqrt(2 * 0.01 / 4) = 0.071
+    groups[3]["final_std"] = groups[4]["final_std"] = 0.5  # s.e. 0.354: a gap of 0.4 is within 2 s.e.
+    assert next(r for r in recovered_shares(groups) if r["task"] == "u")["gap_within_noise"]
     groups[1]["final_mean"] = 0.5  # stale better than sync: no gap to recover
     assert math.isnan(next(r for r in recovered_shares(groups) if r["task"] == "t")["share"])
 

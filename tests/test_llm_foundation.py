@@ -125,3 +125,26 @@ def test_warm_start_learns_and_is_cached(tmp_path):
     stamp = (d / "config.json").stat().st_mtime_ns
     assert warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path) == d and (d / "config.json").stat().st_mtime_ns == stamp
     assert warm_started_dir(cfg, task, steps=6, cache_dir=tmp_path) != d
+
+
+def test_grpo_cells_run_through_the_bench_runner_with_the_vllm_engine(tiny_llm_dir, tmp_path):
+    """The CI variant of `gacbench bench --suite llm-smoke` with vLLM rollouts: two cells, four steps."""
+    pytest.importorskip("vllm")
+    from conftest import TINY_TASK
+
+    from gacbench.bench.report import build_report
+    from gacbench.bench.runner import run_grid
+
+    base = {"task": "arith", "objective": "grpo", "steps": 4, "warmup": 0,
+            "params": dict(model_path=tiny_llm_dir, engine="vllm", prompts=4, group=4, max_tokens=4, eval_every=2,
+                           eval_size=8, **TINY_TASK)}
+    cells = [{**base, "method": "sync", "staleness": 0, "seed": 0}, {**base, "method": "gac+m2po", "staleness": 2, "seed": 0}]
+    assert run_grid(cells, tmp_path)["failed"] == 0
+    summary = build_report(tmp_path, cells)["summary"]
+    assert {c["engine"] for c in summary["cells"]} == {"vllm"}
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "cells/arith/gac+m2po/s2/seed0/metrics.csv").open()))
+    assert [float(r["stale/lag"]) for r in rows if r.get("stale/lag")] == [0.0, 1.0, 2.0, 2.0]
+    assert max(abs(float(r["is/engine_mismatch_kl"])) for r in rows if r.get("is/engine_mismatch_kl")) < 1e-4
+    assert sum(1 for r in rows if r.get("m2po/m2")) == 4

@@ -190,6 +190,28 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
     return results
 
 
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """``["engine=hf", "lr=1e-3"]`` -> ``{"engine": "hf", "lr": 0.001}`` (values read as YAML scalars)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--param {item!r}: expected KEY=VALUE, e.g. --param engine=hf")
+        parsed = yaml.safe_load(value)
+        out[key.strip()] = float(parsed) if isinstance(parsed, str) and _is_number(parsed) else parsed
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def main(args) -> int:
     from gacbench.bench.report import build_report
 
@@ -202,6 +224,9 @@ def main(args) -> int:
         seeds=[int(x) for x in args.seeds.split(",")] if args.seeds else None,
         tasks=args.tasks.split(",") if args.tasks else None,
     )
+    overrides = parse_params(getattr(args, "param", None) or [])
+    for c in cells:
+        c["params"] = {**c["params"], **overrides}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")
