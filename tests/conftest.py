@@ -67,7 +67,7 @@ def regressor():
     return UserRegressor
 
 
-TINY_TASK = dict(max_ops=1, max_operand=4)
+TINY_TASK = dict(max_ops=2, max_operand=4)  # prompts of 4 and 6 tokens
 
 
 @pytest.fixture(scope="session")

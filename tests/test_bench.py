@@ -146,9 +146,12 @@ def test_recovered_share_arithmetic():
     rows = {r["task"]: r for r in recovered_shares(groups)}
     assert rows["t"]["share"] == pytest.approx(0.75)
     assert rows["u"]["share"] == pytest.approx(-0.25)
-    assert not rows["t"]["gap_within_noise"]  # gap 4 vs s.e. sqrt(2 * 0.01 / 4) = 0.071
-    groups[3]["final_std"] = groups[4]["final_std"] = 0.5  # s.e. 0.354: a gap of 0.4 is within 2 s.e.
-    assert next(r for r in recovered_shares(groups) if r["task"] == "u")["gap_within_noise"]
+    assert rows["t"]["gap_se"] == pytest.approx((2 * 0.1**2 * 4 / 3 / 4) ** 0.5)  # sample std (ddof=1) over 4 seeds
+    assert rows["t"]["gap_within_noise"] is False  # gap 4 vs s.e. 0.082
+    groups[3]["final_std"] = groups[4]["final_std"] = 0.3  # s.e. 0.245: a gap of 0.4 is within 2 s.e.
+    assert next(r for r in recovered_shares(groups) if r["task"] == "u")["gap_within_noise"] is True
+    groups[3]["n"] = 1  # one seed: the noise is unknown, not zero
+    assert next(r for r in recovered_shares(groups) if r["task"] == "u")["gap_within_noise"] is None
     groups[1]["final_mean"] = 0.5  # stale better than sync: no gap to recover
     assert math.isnan(next(r for r in recovered_shares(groups) if r["task"] == "t")["share"])
 
@@ -189,3 +192,16 @@ def test_ray_executor_on_a_local_instance(tmp_path):
     assert result["ran"] == len(cells) and result["failed"] == 0
     for c in cells:
         assert json.loads((cell_dir(tmp_path / "out", c) / "status.json").read_text())["status"] == "done"
+
+
+def test_param_overrides_are_parsed_and_checked():
+    from gacbench.bench.runner import check_params, parse_params
+
+    assert parse_params(["engine=hf", "lr=3e-4", "template={problem} =", "kl_coef=0"]) == {
+        "engine": "hf", "lr": 3e-4, "template": "{problem} =", "kl_coef": 0}
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        parse_params(["engine"])
+    with pytest.raises(ValueError, match="set by the grid itself"):
+        parse_params(["seed=3"])
+    with pytest.raises(ValueError, match="unknown parameter.*lrr"):
+        check_params([{"task": "q", "objective": "quadratic", "params": {"lrr": 0.1}}])

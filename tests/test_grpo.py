@@ -42,7 +42,8 @@ def test_behaviour_log_probs_are_the_trainers_at_generation_time(model_dir):
     make_trainer([], max_steps=1).fit(m)
     data = m.rollout()
     packed = data["packed"]
-    for i in range(3):
+    assert len(set(packed["prompt_len"].tolist())) > 1  # rows with different prompt lengths are covered
+    for i in range(packed["ids"].shape[0]):
         p = int(packed["prompt_len"][i])
         n = int(packed["mask"][i].sum())
         ids = packed["ids"][i, : p + n].tolist()
@@ -61,7 +62,8 @@ def test_synchronous_ratio_is_one_and_nothing_is_clipped(model_dir):
 def test_gac_and_m2po_act_in_grpo(model_dir):
     trainer = make_trainer([GAC(warmup=0), M2PO()], max_steps=6)
     trainer.fit(module(model_dir, staleness=2))
-    assert len(trainer.logger.values("m2po/m2")) == 6 and len(trainer.logger.values("align/cos")) == 5
+    assert len(trainer.logger.values("m2po/m2")) == len(trainer.logger.values("m2po/masked_frac")) == 6  # M2PO's loss
+    assert len(trainer.logger.values("align/cos")) >= 3  # GAC measured c_t (a step whose groups all tie has no gradient)
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`", "ignore:You're resuming from a checkpoint")

@@ -48,6 +48,11 @@ def test_grpo_command_runs_checkpoints_and_resumes(tiny_llm_dir, tmp_path, capsy
     assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["resumed_from"].endswith("step=4.ckpt")
+    import csv
+
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))  # the steps before the resume are kept
+    assert sorted({int(r["step"]) for r in rows if r.get("stale/lag")}) == list(range(6))
+    assert [float(r["stale/lag"]) for r in rows if r.get("stale/lag")] == [0, 1, 2, 2, 2, 2]
 
 
 def test_grpo_command_refuses_bad_settings(tiny_llm_dir, tmp_path):
@@ -105,3 +110,5 @@ def test_grpo_on_a_local_math_dataset_with_a_real_tokenizer(tmp_path):
     assert trainer.logger.values("stale/lag") == [0.0, 0.0] and len(trainer.logger.values("reward/mean")) == 2
     with pytest.raises(ValueError, match="Set model_path to a local checkpoint"):
         GRPOModule(None, task=str(data))
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):  # checked for every row up front
+        GRPOModule(model_dir, task=str(data), eval_fraction=0.25, max_tokens=250)

@@ -98,6 +98,10 @@ def test_vllm_engine_syncs_weights_without_restarting(tmp_path):
         check_sync(engine, model, prompts)
     engine.load_weights(model.state_dict(), version=1)
     assert check_sync(engine, model, prompts) < 1e-3
+    same = engine.generate([prompts[0]] * 2, n=4, max_tokens=6, seed=3)  # one prompt twice: independent samples
+    assert [r.completion_ids for r in same[0]] != [r.completion_ids for r in same[1]]
+    again = engine.generate([prompts[0]] * 2, n=4, max_tokens=6, seed=3)
+    assert [r.completion_ids for r in again[0]] == [r.completion_ids for r in same[0]]  # and seeded
 
 
 def test_sft_batch_supervises_only_the_answer():

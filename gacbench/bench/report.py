@@ -10,8 +10,9 @@ running anything. Definitions:
   and the recovered share stay finite;
 - the recovered share of the gap is (stale - m) / (stale - sync) on ``final_mean``, for every
   stabilizer m at each staleness: 1 recovers the synchronous result, 0 is no better than stale; a
-  gap smaller than twice its standard error over seeds (sqrt(std_sync²/n + std_stale²/n)) is flagged
-  (``gap_within_noise``): the share is then a ratio of noise;
+  gap smaller than twice its standard error over seeds (sqrt(s_sync²/n_sync + s_stale²/n_stale), s the
+  sample standard deviation) is flagged (``gap_within_noise``; null with a single seed): the share is
+  then a ratio of noise;
 - the c_t statistics use the steps after the suite's warm-up.
 """
 
@@ -116,11 +117,15 @@ def recovered_shares(groups: list[dict]) -> list[dict]:
         gap = stale["final_mean"] - sync["final_mean"]
         sign = -1.0 if g["higher_is_better"] else 1.0  # gap > 0 means stale is worse
         share = (stale["final_mean"] - g["final_mean"]) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
-        se = math.sqrt(sum((x["final_std"] or 0.0) ** 2 / max(x["n"], 1) for x in (sync, stale)))
+        # standard error of the gap from the sample (ddof=1) std of each group; unknown with a single seed
+        if min(sync["n"], stale["n"]) < 2:
+            se = math.nan
+        else:
+            se = math.sqrt(sum((x["final_std"] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
         rows.append({"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
                      "sync": sync["final_mean"], "stale": stale["final_mean"], "value": g["final_mean"],
                      "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
-                     "gap_within_noise": abs(gap) < 2.0 * se})
+                     "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)})
     return rows
 
 
@@ -159,6 +164,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
             share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
             if not r["no_gap"] and r["gap_within_noise"]:
                 share += " (gap < 2 s.e. of seeds: not meaningful)"
+            elif not r["no_gap"] and r["gap_within_noise"] is None:
+                share += " (one seed: noise unknown)"
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {_fmt(r['sync'], 4)} | {_fmt(r['stale'], 4)} | "
                          f"{_fmt(r['value'], 4)} | {share} |")
         lines.append("")

@@ -197,11 +197,36 @@ def parse_params(items: list[str]) -> dict[str, Any]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(f"--param {item!r}: expected KEY=VALUE, e.g. --param engine=hf")
-        parsed = yaml.safe_load(value)
-        out[key.strip()] = float(parsed) if isinstance(parsed, str) and _is_number(parsed) else parsed
+        if key in RESERVED_PARAMS:
+            raise ValueError(f"--param {key}: set by the grid itself; use --seeds / --staleness, or the suite's 'steps'")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else value
+        except yaml.YAMLError:
+            parsed = value
+        if isinstance(parsed, (dict, list)):  # e.g. a template "{problem}": keep the text
+            parsed = value
+        out[key] = float(parsed) if isinstance(parsed, str) and _is_number(parsed) else parsed
     return out
+
+
+RESERVED_PARAMS = ("seed", "steps", "staleness")
+
+
+def check_params(cells: list[dict]) -> None:
+    """Every cell's params must be arguments of its objective: a typo fails here, not in every cell."""
+    import inspect
+
+    from gacbench.objectives import objective_class
+
+    for c in cells:
+        accepted = inspect.signature(objective_class(c["objective"]).__init__).parameters
+        unknown = sorted(set(c["params"]) - set(accepted))
+        if unknown:
+            raise ValueError(f"task {c['task']!r} ({c['objective']}): unknown parameter(s) {', '.join(unknown)}; "
+                             f"accepted: {', '.join(k for k in accepted if k != 'self')}")
 
 
 def _is_number(text: str) -> bool:
@@ -227,6 +252,8 @@ def main(args) -> int:
     overrides = parse_params(getattr(args, "param", None) or [])
     for c in cells:
         c["params"] = {**c["params"], **overrides}
+    if overrides:
+        check_params(cells)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")

@@ -9,13 +9,16 @@ callbacks and loggers as ``class_path``/``init_args``), ``model`` (``GRPOModule`
 stabilizer name, or a ``+`` combination such as ``gac+m2po``; its callbacks are added to the trainer,
 next to an ``AlignmentMonitor`` so that c_t is logged in every run) and ``ckpt_path`` (resume; ``last``
 takes the newest checkpoint of the run's checkpoint directory). ``trainer.max_steps`` is linked to
-``model.steps``. A logger whose ``version`` is null gets ``METHOD-sSTALENESS-seedSEED``, so runs of one
-config do not overwrite each other. At the end the run writes ``summary.json`` (initial and final ``eval/acc``, c_t
+``model.steps``. A logger whose ``version`` is null gets ``METHOD-sSTALENESS-seedSEED`` (runs of one config
+with other methods, staleness or seeds do not overwrite each other; set the version yourself when you vary
+anything else), and ``--ckpt_path last`` resumes into that directory, keeping the earlier steps' rows of
+``metrics.csv`` (the summary's c_t statistics cover the resumed segment only). At the end the run writes ``summary.json`` (initial and final ``eval/acc``, c_t
 statistics, time shares) into the logger's directory and prints it.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import time
 import warnings
@@ -75,6 +78,32 @@ def _resolve_ckpt(trainer, ckpt_path: str | None) -> str | None:
     return str(found[-1])
 
 
+def _metrics_path(trainer) -> Path | None:
+    return Path(trainer.logger.log_dir) / "metrics.csv" if trainer.logger is not None and trainer.logger.log_dir else None
+
+
+def _read_metrics(trainer) -> list[dict[str, str]]:
+    path = _metrics_path(trainer)
+    if path is None or not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _merge_metrics(trainer, earlier: list[dict[str, str]]) -> None:
+    """Lightning's CSVLogger starts metrics.csv afresh in a non-empty directory: after a resume into the same
+    directory, put the rows of the steps before the resume point back in front of the new ones."""
+    later = _read_metrics(trainer)
+    start = min((int(r["step"]) for r in later if r.get("step")), default=None)
+    kept = [r for r in earlier if start is None or (r.get("step") and int(r["step"]) < start)]
+    keys = list(dict.fromkeys(k for r in kept + later for k in r))
+    path = _metrics_path(trainer)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(kept + later)
+
+
 def run(argv: list[str]) -> int:
     with warnings.catch_warnings():  # `gacbench grpo ...` hands LightningCLI its own part of sys.argv on purpose
         warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
@@ -85,10 +114,16 @@ def run(argv: list[str]) -> int:
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
     ckpt = _resolve_ckpt(trainer, cli.config.ckpt_path)
+    device = trainer.strategy.root_device
+    model.policy.to(device)  # evaluate where training runs (Lightning moves the module only inside fit)
     initial = model.metric()
+    earlier = _read_metrics(trainer) if ckpt else []
     t0 = time.perf_counter()
     trainer.fit(model, ckpt_path=ckpt)
     wall = time.perf_counter() - t0
+    if earlier:
+        _merge_metrics(trainer, earlier)
+    model.policy.to(device)
     summary = {"method": cli.config.method, "engine": model.hparams.engine, "staleness": model.hparams.staleness,
                "model_path": model.model_path, "steps": trainer.global_step, "resumed_from": ckpt,
                "eval_acc_initial": initial, "eval_acc_final": model.metric(), "wall_s": wall, **model.run_stats}

@@ -110,7 +110,7 @@ class VLLMEngine:
         self.version = 0
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        items = [(k, v.detach().to("cpu")) for k, v in state_dict.items()]
+        items = [(k, v.detach()) for k, v in state_dict.items()]  # the loader copies them into the engine's device
 
         def reload(worker) -> bool:
             worker.model_runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
@@ -123,7 +123,12 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[list[Rollout]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1, logprobs=0, seed=seed)
+        # vLLM seeds sample j of a request with seed + j: one shared seed would give every prompt of the batch the
+        # same random stream (identical groups for repeated prompts). Request i gets (seed * P + i) * n, so every
+        # (call seed, prompt, sample) triple has its own stream, and consecutive call seeds never overlap.
+        P = len(prompts)
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1, logprobs=0,
+                                 seed=(seed * P + i) * n) for i in range(P)]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         result = []
         for prompt, o in zip(prompts, outs):

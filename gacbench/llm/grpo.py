@@ -44,9 +44,11 @@ class GRPOModule(Objective):
     steps, task settings, eval_every / eval_size (greedy pass@1 on the held-out split), seed,
     kl_coef (weight of the k3 estimate of KL(pi_theta || pi_ref) to the initial policy, aggregated like
     the policy loss; 0 = no reference model), sync_tol (the vllm engine's log-probs must match the
-    trainer's within this after the first weight load, else the run stops), vllm_kv_cache_gib (the vllm
+    trainer's within this after the first update, else the run stops; raise it for a bf16 engine beside an
+    fp32 trainer), vllm_kv_cache_gib (the vllm
     engine's KV-cache reservation; None = vLLM's default share of device memory), engine_dtype (vLLM's
-    dtype; "bfloat16" for a real model on a GPU).
+    dtype; "bfloat16" for a real model on a GPU), logprob_rows (sequences per forward pass when computing
+    the behaviour and reference log-probs).
     task: "arithmetic" (procedural; max_ops, max_operand) or the path of a local JSONL/Parquet math
     dataset (gacbench.llm.datasets.MathDataset with ``template`` and ``eval_fraction``; needs a real
     checkpoint in model_path: the tiny model's tokenizer knows only digits and +-*=). reward: "exact"
@@ -64,7 +66,7 @@ class GRPOModule(Objective):
                  warm_steps: int = 400, eval_every: int = 10, eval_size: int = 64, kl_coef: float = 0.0,
                  sync_tol: float = 1e-3, vllm_kv_cache_gib: float | None = 0.25, task: str = "arithmetic",
                  reward: str | None = None, template: str = "{problem}", eval_fraction: float = 0.1,
-                 engine_dtype: str = "float32") -> None:
+                 engine_dtype: str = "float32", logprob_rows: int = 64) -> None:
         super().__init__(eval_every)
         if engine not in ("hf", "vllm"):
             raise ValueError(f"GRPOModule: engine={engine!r} is not 'hf' or 'vllm'")
@@ -96,6 +98,14 @@ class GRPOModule(Objective):
         self.policy, self.tok = load(model_path)
         self.policy.train()  # from_pretrained returns eval mode
         self.context = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0)
+        if self.context and isinstance(self.task, MathDataset):  # fail now, not in the middle of a run
+            for split, problems in self.task._splits.items():
+                for i, prob in enumerate(problems):
+                    n = len(self.tok.encode(prob.prompt, add_special_tokens=False))
+                    if n + max_tokens > self.context:
+                        raise ValueError(f"GRPO: {task}: a {split} prompt ({prob.prompt[:60]!r}...) has {n} tokens; with "
+                                         f"max_tokens={max_tokens} it exceeds the model's context of {self.context}. Lower "
+                                         "max_tokens, shorten or drop the row, or use a model with a longer context.")
         # the frozen reference policy (not a submodule: it is neither optimised nor checkpointed)
         self._ref = [copy.deepcopy(self.policy).eval().requires_grad_(False)] if kl_coef > 0 else []
         self.engine: HFEngine | VLLMEngine | None = None
@@ -114,6 +124,9 @@ class GRPOModule(Objective):
                                      kv_cache_gib=h.vllm_kv_cache_gib, dtype=h.engine_dtype)
         else:
             self.engine = HFEngine(self.policy, self.tok.eos_token_id, self.tok.pad_token_id)
+        if self.trainer.accumulate_grad_batches != 1:
+            raise ValueError("GRPO: accumulate_grad_batches must be 1 (the stale queue advances once per batch and the "
+                             "policy version once per optimizer step); raise prompts instead")
         if self._ref:
             self._ref[0].to(self.device)
         self.sync_engine()  # also after a resume: the engine starts from the checkpoint's weights
@@ -188,7 +201,8 @@ class GRPOModule(Objective):
 
     def kl_to_reference(self, logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens: exp(d) - d - 1 with d = log pi_ref -
-        log pi_theta (non-negative, unbiased under pi_theta's samples), aggregated like the policy loss."""
+        log pi_theta, aggregated like the policy loss. Non-negative; unbiased for samples from pi_theta, so with
+        stale rollouts (drawn from pi_behav) it is the usual uncorrected approximation, as in verl."""
         d = (logp_ref - logp).clamp(-20.0, 20.0)
         return agg_loss(torch.exp(d) - d - 1.0, mask, self.hparams.agg)
 
@@ -227,8 +241,8 @@ class GRPOModule(Objective):
         packed = self._pack(flat)
         mask = packed["mask"]
         t0 = time.perf_counter()
-        logp_behav = self.token_logprobs(packed)
-        logp_ref = self.token_logprobs(packed, self._ref[0]) if self._ref else None
+        logp_behav = self.frozen_logprobs(packed)
+        logp_ref = self.frozen_logprobs(packed, self._ref[0]) if self._ref else None
         self._times["time/behav_s"] += time.perf_counter() - t0
         engine_lp = torch.zeros(logp_behav.shape)
         for i, r in enumerate(flat):
@@ -257,15 +271,25 @@ class GRPOModule(Objective):
                 {"ids": ids, "attention": attention, "mask": mask, "prompt_len": prompt_len}.items()}
 
     def token_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:
-        """(B, T) log-probs of the completion tokens under ``model`` (default: the current policy; 0 where masked)."""
+        """(B, T) log-probs of the completion tokens under ``model`` (default: the current policy; 0 where masked).
+        Only the B x T completion positions are normalised (in fp32), not the whole (B, L, V) logits."""
         ids, mask = packed["ids"], packed["mask"]
-        logits = (model or self.policy)(input_ids=ids, attention_mask=packed["attention"]).logits.float().log_softmax(-1)  # (B, L, V)
+        logits = (model or self.policy)(input_ids=ids, attention_mask=packed["attention"]).logits  # (B, L, V)
         B, T = mask.shape
         pos = (packed["prompt_len"] - 1).unsqueeze(-1) + torch.arange(T, device=ids.device).unsqueeze(0)  # (B, T): position predicting token k
         pos = pos.clamp(max=ids.shape[1] - 2)
         targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1))  # (B, T)
-        lp = logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        picked = logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])).float()  # (B, T, V)
+        lp = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
         return lp * mask
+
+    @torch.no_grad()
+    def frozen_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+        """``token_logprobs`` without gradients, ``logprob_rows`` sequences at a time (behaviour and reference passes)."""
+        rows = self.hparams.logprob_rows
+        parts = [self.token_logprobs({k: v[i : i + rows] for k, v in packed.items()}, model)
+                 for i in range(0, packed["ids"].shape[0], rows)]
+        return torch.cat(parts)
 
     @torch.no_grad()
     def metric(self) -> float:
@@ -289,7 +313,12 @@ class GRPOModule(Objective):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["grpo_fifo"] = list(self.fifo)
         checkpoint["grpo_rollouts_made"] = self.rollouts_made
+        checkpoint["grpo_staleness"] = self.hparams.staleness
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("grpo_staleness", self.hparams.staleness)
+        if saved != self.hparams.staleness:
+            raise ValueError(f"GRPO: the checkpoint was written by a run with staleness={saved}, this run has "
+                             f"staleness={self.hparams.staleness}; resume with the staleness the run was started with")
         self.fifo = deque(checkpoint.get("grpo_fifo", []))
         self.rollouts_made = checkpoint.get("grpo_rollouts_made", 0)

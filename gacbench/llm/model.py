@@ -90,4 +90,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
             f"model path {p} is not a local Hugging Face checkpoint directory (no config.json). Give a directory "
             "written by save_pretrained (e.g. a downloaded Qwen3-1.7B), or leave --model unset to build the tiny model."
         )
-    return AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
+    model, tok = AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
+    if tok.pad_token_id is None:  # many released checkpoints have none; padding positions are masked anyway
+        tok.pad_token = tok.eos_token
+    return model, tok

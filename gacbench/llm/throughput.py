@@ -31,7 +31,7 @@ def _grpo_stats(model_path: str, engine: str, steps: int, prompts: int, group: i
 
     module = GRPOModule(model_path, engine=engine, prompts=prompts, group=group, max_tokens=max_tokens, steps=steps,
                         eval_every=10**9)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_steps=steps, accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module)
     stats = module.run_stats
@@ -57,6 +57,8 @@ def main(args) -> int:
     else:
         model_path = args.model
     model, tok = load(model_path)
+    if torch.cuda.is_available():  # the HF engine generates where training would run
+        model.to("cuda")
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
     prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in ArithmeticTask().batch("train", 0, args.prompts)]
     built = {}
