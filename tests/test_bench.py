@@ -62,7 +62,7 @@ def test_grid_writes_summary_and_never_reruns_a_finished_cell(tmp_path):
         assert CELL_KEYS <= set(c) and c["status"] == "done"
     for g in summary["groups"]:
         assert GROUP_KEYS <= set(g)
-    assert (out / "summary.md").read_text().count("Recovered share") == 1
+    assert (out / "summary.md").read_text().count("Recovered share of the stale–sync gap: (") == 1
     assert {p.name for p in report["figures"]} >= {"fig_cos.png", "fig_robustness.png", "fig_curves_quadratic.png"}
     mtimes = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
     second = run_grid(cells, out, workers=2)

@@ -69,6 +69,10 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
         "cos_abs_q90": s["q90_abs"], "cos_abs_le_005": s["frac_le_tol"], "cos_max_abs": s["max_abs"],
         "seconds": status.get("seconds"), "step_ms": status.get("step_ms"), "overhead_share": status.get("overhead_share"),
     })
+    reward = [v for _, v in series.get("reward/mean", [])]
+    if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
+        k = max(1, len(reward) // 5)
+        rec.update({"reward_first": float(np.mean(reward[:k])), "reward_last": float(np.mean(reward[-k:]))})
     return rec
 
 
@@ -97,6 +101,10 @@ def group_records(cells: list[dict]) -> list[dict]:
             "higher_is_better": recs[0]["higher_is_better"], "ablation": recs[0]["ablation"],
             "final_mean": float(np.mean(finals)), "final_std": float(np.std(finals)) if len(finals) > 1 else 0.0,
             "diverged_frac": float(np.mean([bool(r["diverged"]) for r in recs])),
+            **({"reward_last_mean": float(np.mean([r["reward_last"] for r in recs])),
+                "reward_last_std": float(np.std([r["reward_last"] for r in recs])),
+                "reward_first_mean": float(np.mean([r["reward_first"] for r in recs]))}
+               if all("reward_last" in r for r in recs) else {}),
             "cos_median": _nanmean([r["cos_median"] for r in recs]),
             "cos_abs_q90": _nanmean([r["cos_abs_q90"] for r in recs]),
             "cos_abs_le_005": _nanmean([r["cos_abs_le_005"] for r in recs]),
@@ -105,7 +113,11 @@ def group_records(cells: list[dict]) -> list[dict]:
     return out
 
 
-def recovered_shares(groups: list[dict]) -> list[dict]:
+def recovered_shares(groups: list[dict], key: str = "final") -> list[dict]:
+    """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
+    training reward over the last 20% of steps, for rollout objectives)."""
+    mean, std = f"{key}_mean", f"{key}_std"
+    groups = [g for g in groups if mean in g]
     by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
     rows = []
     for g in groups:
@@ -114,16 +126,16 @@ def recovered_shares(groups: list[dict]) -> list[dict]:
         sync, stale = by.get((g["task"], "sync", 0)), by.get((g["task"], "stale", g["staleness"]))
         if not sync or not stale:
             continue
-        gap = stale["final_mean"] - sync["final_mean"]
-        sign = -1.0 if g["higher_is_better"] else 1.0  # gap > 0 means stale is worse
-        share = (stale["final_mean"] - g["final_mean"]) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
+        gap = stale[mean] - sync[mean]
+        sign = -1.0 if (key == "reward_last" or g["higher_is_better"]) else 1.0  # gap > 0 means stale is worse
+        share = (stale[mean] - g[mean]) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
         # standard error of the gap from the sample (ddof=1) std of each group; unknown with a single seed
         if min(sync["n"], stale["n"]) < 2:
             se = math.nan
         else:
-            se = math.sqrt(sum((x["final_std"] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
+            se = math.sqrt(sum((x[std] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
         rows.append({"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
-                     "sync": sync["final_mean"], "stale": stale["final_mean"], "value": g["final_mean"],
+                     "sync": sync[mean], "stale": stale[mean], "value": g[mean],
                      "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
                      "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)})
     return rows
@@ -135,7 +147,23 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path) -> str:
+def _share_table(title: str, shares: list[dict]) -> list[str]:
+    lines = [f"## {title}", "",
+             "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
+             "| task | s | method | sync | stale | method | share |", "|---|---|---|---|---|---|---|"]
+    for r in shares:
+        share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
+        if not r["no_gap"] and r["gap_within_noise"]:
+            share += " (gap < 2 s.e. of seeds: not meaningful)"
+        elif not r["no_gap"] and r["gap_within_noise"] is None:
+            share += " (one seed: noise unknown)"
+        lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {_fmt(r['sync'], 4)} | {_fmt(r['stale'], 4)} | "
+                     f"{_fmt(r['value'], 4)} | {share} |")
+    return lines + [""]
+
+
+def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
+             reward_shares: list[dict] | None = None) -> str:
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     tasks = sorted({g["task"] for g in groups})
@@ -157,18 +185,24 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
             lines.append(f"| {m} | " + " | ".join(cells_txt) + " |")
         lines.append("")
     if shares:
-        lines += ["## Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", "",
-                  "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
-                  "| task | s | method | sync | stale | method | share |", "|---|---|---|---|---|---|---|"]
-        for r in shares:
-            share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
-            if not r["no_gap"] and r["gap_within_noise"]:
-                share += " (gap < 2 s.e. of seeds: not meaningful)"
-            elif not r["no_gap"] and r["gap_within_noise"] is None:
-                share += " (one seed: noise unknown)"
-            lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {_fmt(r['sync'], 4)} | {_fmt(r['stale'], 4)} | "
-                         f"{_fmt(r['value'], 4)} | {share} |")
-        lines.append("")
+        lines += _share_table("Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", shares)
+    rewarded = [g for g in main if "reward_last_mean" in g]
+    if rewarded:
+        for task in sorted({g["task"] for g in rewarded}):
+            tg = [g for g in rewarded if g["task"] == task]
+            svals = sorted({g["staleness"] for g in tg})
+            lines += [f"## {task}: training reward, mean over the last 20% of steps (first 20% in brackets), mean ± std over seeds", "",
+                      "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
+            for m in dict.fromkeys(g["method"] for g in tg):
+                row = []
+                for s in svals:
+                    g = next((x for x in tg if x["method"] == m and x["staleness"] == s), None)
+                    row.append("" if g is None else f"{_fmt(g['reward_last_mean'], 3)} ± {_fmt(g['reward_last_std'], 2)} "
+                                                    f"({_fmt(g['reward_first_mean'], 3)})")
+                lines.append(f"| {m} | " + " | ".join(row) + " |")
+            lines.append("")
+    if reward_shares:
+        lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)", reward_shares)
     lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
               "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |", "|---|---|---|---|---|---|---|"]
     for g in main:
@@ -328,9 +362,10 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     groups = group_records(records)
     shares = recovered_shares(groups)
-    summary = {"cells": records, "groups": groups, "recovered": shares}
+    reward_shares = recovered_shares(groups, "reward_last")
+    summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares}
     write_json(root / "summary.json", _json_safe(summary))
-    (root / "summary.md").write_text(markdown(records, groups, shares, root))
+    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares))
     figs = figures(root, records, specs, groups) if groups else []
     shares_oh = [r["overhead_share"] for r in records if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     return {"figures": figs, "overhead_share_median": statistics.median(shares_oh) if shares_oh else math.nan, "summary": summary}

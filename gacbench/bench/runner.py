@@ -156,10 +156,20 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
             "wall_s": wall, "cells_per_min": 60.0 * len(results) / wall if results and wall > 0 else 0.0}
 
 
+def _needs_fresh_process(cells: list[dict]) -> bool:
+    """Objectives that hold an in-process engine (GRPO with vLLM) do not give all its memory back when a
+    cell ends; a worker that ran many such cells grew until the kernel killed it. Those grids run every
+    cell in a fresh worker process (a few seconds of start-up per cell)."""
+    from gacbench.objectives import objective_class
+
+    return any(getattr(objective_class(o), "fresh_process", False) for o in {c["objective"] for c in cells})
+
+
 def _run_pool(pending: list[dict], root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
     results = []
+    fresh = {"max_tasks_per_child": 1} if _needs_fresh_process(pending) else {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,)) as pool:
+                             initializer=_init_worker, initargs=(threads,), **fresh) as pool:
         futures = {pool.submit(run_cell, c, str(root), threads) for c in pending}
         display.update(running=min(workers, len(futures)))
         while futures:
@@ -179,7 +189,7 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
         address = os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  **({} if address else {"num_cpus": workers}))
-    remote = ray.remote(num_cpus=1)(run_cell)
+    remote = ray.remote(num_cpus=1, max_calls=1 if _needs_fresh_process(pending) else 0)(run_cell)
     refs = [remote.remote(c, str(root.resolve()), threads) for c in pending]
     results = []
     display.update(running=min(workers, len(refs)))

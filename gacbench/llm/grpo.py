@@ -59,6 +59,7 @@ class GRPOModule(Objective):
     higher_is_better = True
     rollout_staleness = True
     uses_loss_stabilizer = True
+    fresh_process = True  # the bench runner gives each cell its own process (an in-process vLLM engine keeps memory)
 
     def __init__(self, model_path: str | None = None, engine: str = "hf", staleness: int = 0, prompts: int = 8,
                  group: int = 8, max_tokens: int = 6, lr: float = 1e-4, clip_low: float = 0.2, clip_high: float = 0.2,
