@@ -147,6 +147,19 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def _method_table(title: str, groups: list[dict], cell) -> list[str]:
+    """A markdown table, one row per method and one column per staleness, each entry ``cell(group)``."""
+    svals = sorted({g["staleness"] for g in groups})
+    lines = [f"## {title}", "", "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
+    for m in dict.fromkeys(g["method"] for g in groups):
+        row = []
+        for s in svals:
+            g = next((x for x in groups if x["method"] == m and x["staleness"] == s), None)
+            row.append("" if g is None else cell(g))
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
 def _share_table(title: str, shares: list[dict]) -> list[str]:
     lines = [f"## {title}", "",
              "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
@@ -172,35 +185,19 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         tg = [g for g in main if g["task"] == task]
         if not tg:
             continue
-        svals = sorted({g["staleness"] for g in tg})
         metric, hib = tg[0]["metric"], tg[0]["higher_is_better"]
-        lines += [f"## {task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std over seeds [diverged share]", "",
-                  "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
-        for m in dict.fromkeys(g["method"] for g in tg):
-            cells_txt = []
-            for s in svals:
-                g = next((x for x in tg if x["method"] == m and x["staleness"] == s), None)
-                cells_txt.append("" if g is None else f"{_fmt(g['final_mean'], 4)} ± {_fmt(g['final_std'], 2)}"
-                                 + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
-            lines.append(f"| {m} | " + " | ".join(cells_txt) + " |")
-        lines.append("")
+        lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std over seeds "
+                               "[diverged share]", tg,
+                               lambda g: f"{_fmt(g['final_mean'], 4)} ± {_fmt(g['final_std'], 2)}"
+                                         + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
     if shares:
         lines += _share_table("Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", shares)
     rewarded = [g for g in main if "reward_last_mean" in g]
-    if rewarded:
-        for task in sorted({g["task"] for g in rewarded}):
-            tg = [g for g in rewarded if g["task"] == task]
-            svals = sorted({g["staleness"] for g in tg})
-            lines += [f"## {task}: training reward, mean over the last 20% of steps (first 20% in brackets), mean ± std over seeds", "",
-                      "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
-            for m in dict.fromkeys(g["method"] for g in tg):
-                row = []
-                for s in svals:
-                    g = next((x for x in tg if x["method"] == m and x["staleness"] == s), None)
-                    row.append("" if g is None else f"{_fmt(g['reward_last_mean'], 3)} ± {_fmt(g['reward_last_std'], 2)} "
-                                                    f"({_fmt(g['reward_first_mean'], 3)})")
-                lines.append(f"| {m} | " + " | ".join(row) + " |")
-            lines.append("")
+    for task in sorted({g["task"] for g in rewarded}):
+        lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), mean ± std "
+                               "over seeds", [g for g in rewarded if g["task"] == task],
+                               lambda g: f"{_fmt(g['reward_last_mean'], 3)} ± {_fmt(g['reward_last_std'], 2)} "
+                                         f"({_fmt(g['reward_first_mean'], 3)})")
     if reward_shares:
         lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)", reward_shares)
     lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
