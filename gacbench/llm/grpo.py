@@ -34,7 +34,7 @@ from gacbench.llm.datasets import MathDataset, reward_fn
 from gacbench.llm.task import ArithmeticTask
 from gacbench.objectives.bandit import group_advantages
 from gacbench.objectives.base import Objective
-from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, agg_loss, clipped_surrogate, find_loss_stabilizer
+from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, agg_loss, policy_loss
 
 
 class GRPOModule(Objective):
@@ -100,8 +100,8 @@ class GRPOModule(Objective):
         self.policy.train()  # from_pretrained returns eval mode
         self.context = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0)
         if self.context and isinstance(self.task, MathDataset):  # fail now, not in the middle of a run
-            for split, problems in self.task._splits.items():
-                for i, prob in enumerate(problems):
+            for split, size in self.task.sizes.items():
+                for prob in self.task.batch(split, 0, size):
                     n = len(self.tok.encode(prob.prompt, add_special_tokens=False))
                     if n + max_tokens > self.context:
                         raise ValueError(f"GRPO: {task}: a {split} prompt ({prob.prompt[:60]!r}...) has {n} tokens; with "
@@ -189,11 +189,8 @@ class GRPOModule(Objective):
         clipped surrogate with clip_low / clip_high and ``agg``) plus kl_coef x KL to the reference."""
         logp = self.token_logprobs(data["packed"])
         pb = PolicyBatch(logp, data["logp_behav"], data["adv"].unsqueeze(-1).expand_as(logp), data["packed"]["mask"])
-        stabilizer = find_loss_stabilizer(self.trainer) if self._trainer is not None else None
-        if stabilizer is not None:
-            loss, metrics = stabilizer.policy_loss(pb)
-        else:
-            loss, metrics = clipped_surrogate(pb, self.hparams.clip_low, self.hparams.clip_high, self.hparams.agg)
+        h = self.hparams
+        loss, metrics = policy_loss(self._trainer, pb, h.clip_low, h.clip_high, h.agg)
         if self.hparams.kl_coef > 0:
             kl = self.kl_to_reference(logp, data["logp_ref"], pb.mask)
             loss = loss + self.hparams.kl_coef * kl

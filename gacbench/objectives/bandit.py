@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gacbench.objectives.base import Objective, step_loader
-from gacbench.stabilizers.base import PolicyBatch, clipped_surrogate, find_loss_stabilizer
+from gacbench.stabilizers.base import PolicyBatch, policy_loss
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -76,11 +76,7 @@ class SoftmaxBandit(Objective):
         logp = self.log_probs(data["ctx"]).gather(-1, data["actions"])  # (P, G): each sample is one token
         batch = PolicyBatch(logp.reshape(-1, 1), data["logp_behav"].reshape(-1, 1),
                             group_advantages(data["rewards"]).reshape(-1, 1), torch.ones(logp.numel(), 1, dtype=torch.bool))
-        stabilizer = find_loss_stabilizer(self.trainer)
-        if stabilizer is not None:
-            loss, metrics = stabilizer.policy_loss(batch)
-        else:
-            loss, metrics = clipped_surrogate(batch, self.hparams.clip_low, self.hparams.clip_high)
+        loss, metrics = policy_loss(self.trainer, batch, self.hparams.clip_low, self.hparams.clip_high)
         metrics.update({"stale/lag": float(self.lag), "reward/mean": data["rewards"].mean()})
         self.log_scalars(metrics)
         return loss

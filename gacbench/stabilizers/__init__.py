@@ -9,6 +9,7 @@ from gacbench.stabilizers.base import (
     agg_loss,
     clipped_surrogate,
     find_loss_stabilizer,
+    policy_loss,
 )
 from gacbench.stabilizers.importance import TIS, DecoupledPPO, decoupled_ppo_loss
 from gacbench.stabilizers.m2po import M2PO, m2po_mask, m2po_official_bounds
@@ -16,5 +17,5 @@ from gacbench.stabilizers.m2po import M2PO, m2po_mask, m2po_official_bounds
 __all__ = [
     "BAPO", "M2PO", "TIS", "DecoupledPPO", "LossStabilizer", "PolicyBatch", "Stabilizer", "agg_loss",
     "bapo_bounds", "clipped_surrogate", "decoupled_ppo_loss", "find_loss_stabilizer", "m2po_mask",
-    "m2po_official_bounds",
+    "m2po_official_bounds", "policy_loss",
 ]

@@ -5,8 +5,8 @@ A stabilizer is a ``lightning.Callback`` of one of two kinds:
 - gradient side (``kind = "gradient"``, e.g. GAC): transforms gradients in ``on_before_optimizer_step``;
 - loss side (``kind = "loss"``, e.g. M2PO, BAPO, TIS, decoupled PPO): subclasses :class:`LossStabilizer`
   and implements ``policy_loss(batch) -> (loss, metrics)`` on a :class:`PolicyBatch`; an RL module
-  (the bandit, the GRPO module) asks ``find_loss_stabilizer(trainer)`` for it and otherwise uses the
-  clipped surrogate.
+  (the bandit, the GRPO module) gets its loss from ``policy_loss(trainer, batch, ...)``, which uses the
+  run's loss-side stabilizer (``find_loss_stabilizer``) and otherwise the clipped surrogate.
 
 At most one loss-side stabilizer per run (a clear error otherwise); a gradient-side one composes with
 any loss-side one.
@@ -136,5 +136,16 @@ def find_loss_stabilizer(trainer: "pl.Trainer") -> LossStabilizer | None:
         raise ValueError(f"at most one loss-side stabilizer per run, got {names}; a gradient-side one (GAC) "
                          "composes with one loss-side stabilizer, e.g. method 'gac+m2po'")
     return found[0] if found else None
+
+
+def policy_loss(trainer: "pl.Trainer | None", batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
+                agg: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """What an RL module calls for its loss: the run's loss-side stabilizer on ``batch`` if one is
+    attached to ``trainer`` (None: no trainer), else the clipped surrogate with these bounds."""
+    stabilizer = find_loss_stabilizer(trainer) if trainer is not None else None
+    if stabilizer is not None:
+        return stabilizer.policy_loss(batch)
+    return clipped_surrogate(batch, clip_low, clip_high, agg)
+
 
 
