@@ -18,8 +18,11 @@ class Record(pl.Callback):
         self.gac, self.sim, self.rows = gac, sim, []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        metrics = trainer.callback_metrics  # every rank holds the agreed values, not only rank 0
         self.rows.append({"lag": self.sim.lag, "changed": self.gac.changed, "skipped": self.gac.skipped,
-                          "cos": self.gac.trace.values[-1] if self.gac.trace.values else None})
+                          "cos": self.gac.trace.values[-1] if self.gac.trace.values else None,
+                          "metric_cos": float(metrics["align/cos"]) if "align/cos" in metrics else None,
+                          "metric_lag": float(metrics["stale/lag"])})
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ def test_ddp_ranks_take_the_same_decisions(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
     assert r0["rows"] == r1["rows"]  # same lag, same cosine, same projections and skips on both ranks
+    for row in r0["rows"]:  # callback_metrics carry this step's values on every rank
+        assert row["metric_cos"] == row["cos"] and row["metric_lag"] == row["lag"]
     assert r0["params"] == r1["params"]
     assert len({row["lag"] for row in r0["rows"][3:]}) > 1  # the uniform schedule varied
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gacbench.functional import alignment_summary, cosine, dot, gac_decision, gac_project, sq_norm, validate_thresholds
 from gacbench.functional.alignment import KEEP, PROJECT, SHRINK, SKIP
+from gacbench.functional.gac import REFERENCES, GACTransform
 
 SHAPES = [(3, 4), (5,), (2, 2, 2)]
 
@@ -149,3 +150,60 @@ def test_alignment_summary_matches_numpy():
     assert s["max_abs"] == pytest.approx(a.max())
     assert s["frac_le_tol"] == pytest.approx(np.mean(a <= 0.05))
     assert math.isnan(alignment_summary([0.1], warmup=5)["q90_abs"])
+
+
+def _run_transform(gac: GACTransform, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> list:
+    """Steps ``gac`` on each gradient (a flat vector), then moves the parameters by -0.1 * applied gradient."""
+    out = []
+    for g in grads:
+        for p, gi in zip(params, split(g)):
+            p.grad = gi.clone()
+        step = gac.step(params)
+        applied = [p.grad.clone() if p.grad is not None else None for p in params]
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+        out.append((step.decision, applied))
+    return out
+
+
+@pytest.mark.parametrize("reference", REFERENCES)
+def test_transform_state_round_trip_continues_bit_for_bit(reference):
+    """state_dict -> load_state_dict, into a fresh transform (before it has seen the parameters) and
+    into one that already has a reference, continues exactly as the uninterrupted transform."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(N, generator=gen, dtype=torch.float64)
+    grads = [base + 0.7 * torch.randn(N, generator=gen, dtype=torch.float64) for _ in range(6)]  # aligned: GAC acts
+    start = [torch.nn.Parameter(t) for t in split(torch.randn(N, generator=gen, dtype=torch.float64))]
+
+    full, params = GACTransform(reference=reference), [torch.nn.Parameter(p.detach().clone()) for p in start]
+    head = _run_transform(full, params, grads[:3])
+    saved = full.state_dict()
+    theta = [p.detach().clone() for p in params]  # the parameters at the cut
+    assert saved["has_ref"] and saved["ref"].shape == (N,)
+    tail = _run_transform(full, params, grads[3:])
+    assert any(d.changed for d, _ in head + tail)
+
+    early, late = GACTransform(reference=reference), GACTransform(reference=reference)
+    early.load_state_dict(saved)
+    assert early.state.ref is None and early.state.saved is not None  # waits for the parameters
+    _run_transform(late, [torch.nn.Parameter(t.clone()) for t in theta], grads[5:])  # holds another reference
+    late.load_state_dict(saved)
+    for resumed in (early, late):
+        got = _run_transform(resumed, [torch.nn.Parameter(t.clone()) for t in theta], grads[3:])
+        assert [d for d, _ in got] == [d for d, _ in tail]
+        for (_, a), (_, b) in zip(got, tail):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert torch.equal(resumed.state_dict()["ref"], full.state_dict()["ref"])
+
+
+def test_transform_state_refuses_a_foreign_checkpoint():
+    gac = GACTransform()
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    params[0].grad = torch.ones(3)
+    gac.step(params)
+    with pytest.raises(ValueError, match="5 elements but the model has 3"):
+        gac.load_state_dict({"has_ref": True, "ref": torch.zeros(5)})
+    with pytest.raises(ValueError, match="keys 'has_ref' and 'ref'"):
+        gac.load_state_dict({"ref": torch.zeros(3)})

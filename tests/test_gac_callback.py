@@ -74,27 +74,64 @@ def test_every_reference_keeps_parameters_finite_and_logs(reference):
 
 def test_swap_path_equals_copy_path():
     """The storage-swapping fast path and the plain copy path give the same parameters."""
-    runs = []
+    runs, swapped_steps = [], []
     for swap in (True, False):
         model = UserRegressor(optimizer="adamw")
         gac = GAC()
+        t = gac.transform
+        step, swapping, calls = t.step, t._step_swapping, []
+        t._step_swapping = lambda *args: (calls.append(1), swapping(*args))[1]
         if not swap:
-            step = gac.transform.step
-            gac.transform.step = lambda params, reduce, swap, keep_alias: step(params, reduce, swap=False)
+            t.step = lambda params, reduce, swap, keep_alias: step(params, reduce, swap=False)
         make_trainer([StalenessSimulator(3), gac], max_steps=15).fit(model)
         runs.append(flat_params(model))
+        swapped_steps.append(len(calls))
+    assert swapped_steps == [15, 0]  # the fast path really ran, at every step, in the first run only
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
 
 
+class StepAudit(pl.Callback):
+    """Listed after GAC: snapshots the parameters and the optimizer state just before each optimizer
+    step and compares them just after it, noting whether GAC skipped that step."""
+
+    def __init__(self, gac):
+        self.gac, self.rows, self._skips = gac, [], 0
+
+    @staticmethod
+    def _snapshot(pl_module, optimizer):
+        params = [p.detach().clone() for p in pl_module.parameters()]
+        state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in pl_module.parameters()]
+        return params, state
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        skipped, self._skips = self.gac.skipped > self._skips, self.gac.skipped
+        self._before = (skipped, *self._snapshot(pl_module, optimizer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        skipped, params, state = self._before
+        params_after, state_after = self._snapshot(pl_module, trainer.optimizers[0])
+        self.rows.append({
+            "skipped": skipped,
+            "params_equal": all(torch.equal(a, b) for a, b in zip(params, params_after)),
+            "state_equal": all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                               for a, b in zip(state, state_after)),
+            "state_nonempty": all(state),
+        })
+
+
 def test_skip_mode_leaves_parameters_and_optimizer_state_untouched():
-    before = GradTap()
     gac = GAC(c_low=0.0, c_high=1e-6, high_mode="skip")  # any positive alignment skips
-    trainer = make_trainer([StalenessSimulator(4), before, gac], max_steps=10)
-    model = UserRegressor(optimizer="adamw")
-    trainer.fit(model)
-    skips = trainer.logger.values("align/skip")
-    assert sum(skips) > 0
-    assert gac.skipped == sum(skips)
+    audit = StepAudit(gac)
+    trainer = make_trainer([StalenessSimulator(4), gac, audit], max_steps=10)
+    trainer.fit(UserRegressor(optimizer="adamw"))
+    skipped = [r for r in audit.rows if r["skipped"]]
+    applied = [r for r in audit.rows if not r["skipped"]]
+    assert len(skipped) == gac.skipped == sum(trainer.logger.values("align/skip")) > 0
+    assert applied and applied[0] is audit.rows[0]  # the first step has no reference and is applied
+    # AdamW has state (exp_avg, exp_avg_sq, step) by the first skip; a skipped step changes none of it
+    assert all(r["state_nonempty"] for r in skipped)
+    assert all(r["params_equal"] and r["state_equal"] for r in skipped)
+    assert not any(r["params_equal"] or r["state_equal"] for r in applied)  # the audit sees real steps
 
 
 class NaNAt(UserRegressor):
@@ -185,3 +222,27 @@ def test_monitor_is_passive_beside_gac_and_gac_reports_the_summary():
     trainer.fit(UserRegressor())
     assert mon.passive and gac.summary["n"] == 6
     assert len(trainer.logger.values("align/cos")) == 7  # one writer, one value per step after the first
+
+
+class RawAlignmentLogger(pl.Callback):
+    """A third-party gradient-side callback that declares it logs c_t of the raw gradient."""
+
+    logs_raw_alignment = True
+
+
+def test_monitor_goes_passive_on_the_declared_capability_not_the_class():
+    mon = AlignmentMonitor(warmup=0)
+    trainer = make_trainer([StalenessSimulator(2), mon, RawAlignmentLogger()], max_steps=5)
+    trainer.fit(UserRegressor())
+    assert mon.passive and mon.trace.values == []
+    assert trainer.logger.values("align/cos") == []  # the monitor left align/cos to the declaring callback
+
+
+def test_monitor_stays_active_beside_gac_with_another_reference():
+    mon, gac = AlignmentMonitor(warmup=0), GAC(reference="applied", warmup=0)
+    assert not gac.logs_raw_alignment and GAC().logs_raw_alignment
+    trainer = make_trainer([StalenessSimulator(2), mon, gac], max_steps=6)
+    trainer.fit(UserRegressor())
+    assert not mon.passive
+    assert trainer.logger.values("align/cos") == mon.trace.values and len(mon.trace.values) == 5
+    assert len(trainer.logger.values("align/ref_cos")) == 5  # GAC's own cosine, under its own name

@@ -1,6 +1,7 @@
 """StalenessSimulator: the delayed gradient is exactly the gradient at theta_{t-s}; s = 0 is the identity."""
 
 import copy
+import math
 
 import lightning.pytorch as pl
 import numpy as np
@@ -44,7 +45,8 @@ def grad_at(model: UserRegressor, theta: dict, batches, accumulate: int) -> dict
     return {n: p.grad.detach().clone() for n, p in probe.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule,s,accumulate", [("fixed", 3, 1), ("uniform", 4, 1), ("fixed", 2, 3), ("uniform", 3, 2)])
+@pytest.mark.parametrize("schedule,s,accumulate",
+                         [("fixed", 3, 1), ("uniform", 4, 1), ("fixed", 2, 3), ("uniform", 3, 2)])
 def test_applied_gradient_is_the_gradient_at_theta_t_minus_s(schedule, s, accumulate):
     model = UserRegressor(n=96, batch_size=8, lr=0.05)
     sim = StalenessSimulator(s, schedule=schedule, seed=7)
@@ -133,13 +135,34 @@ def test_manual_optimization_is_refused():
         make_trainer([StalenessSimulator(2)], max_steps=2).fit(ManualModule())
 
 
-def test_bf16_mixed_precision_and_clipping_run_and_stay_exact():
+def test_bf16_mixed_precision_stays_exact():
+    """Under bf16 autocast the applied gradient is the one an autocast computation gets at theta_{t-s}."""
     model = UserRegressor()
     sim = StalenessSimulator(2)
     rec = Recorder(sim)
     make_trainer([sim, rec], max_steps=6, precision="bf16-mixed").fit(model)
     assert [s["lag"] for s in rec.steps] == [0, 1, 2, 2, 2, 2]
+    for t, step in enumerate(rec.steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = grad_at(model, rec.steps[t - step["lag"]]["theta"], step["batches"], 1)
+        for n in expected:
+            torch.testing.assert_close(step["grad"][n], expected[n], rtol=1e-6, atol=1e-7)
     assert torch.isfinite(flat_params(model)).all()
-    clipped = UserRegressor()
-    make_trainer([StalenessSimulator(2)], max_steps=6, gradient_clip_val=0.01).fit(clipped)
-    assert torch.isfinite(flat_params(clipped)).all()
+
+
+def test_clipping_applies_to_the_stale_gradient():
+    """Lightning clips after on_before_optimizer_step: the update is theta_t - lr * clip(g(theta_{t-s}))."""
+    model = UserRegressor(lr=0.05)
+    sim = StalenessSimulator(2)
+    rec = Recorder(sim)
+    clip = 0.01
+    make_trainer([sim, rec], max_steps=6, gradient_clip_val=clip).fit(model)
+    for t in range(5):
+        step = rec.steps[t]
+        expected_grad = grad_at(model, rec.steps[t - step["lag"]]["theta"], step["batches"], 1)
+        norm = math.sqrt(sum(float((g * g).sum()) for g in expected_grad.values()))
+        assert norm > clip  # clipping really acts
+        scale = clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_
+        for n, theta in step["theta"].items():
+            lr = 0.05 if n.startswith("net.0") else 0.025
+            torch.testing.assert_close(rec.steps[t + 1]["theta"][n], theta - lr * scale * expected_grad[n])

@@ -3,6 +3,7 @@ within stated tolerances on objectives whose constants are known."""
 
 import json
 
+import lightning.pytorch as pl
 import pytest
 import sympy as sp
 import torch
@@ -10,6 +11,7 @@ from conftest import UserRegressor, make_trainer
 
 from gacbench import AssumptionMonitor, StalenessSimulator
 from gacbench.cli import main
+from gacbench.functional import eta_max
 from gacbench.objectives import LogisticRegression, NoisyQuadratic
 from gacbench.theory import bounds
 from gacbench.theory import delayed_quadratic as dq
@@ -74,8 +76,13 @@ def test_bound_holds_on_measured_runs():
 
 def test_eta_max_solves_the_step_size_condition():
     for L, s, d in [(1.0, 0, 0.0), (2.0, 8, 0.0), (0.5, 32, 0.45)]:
-        e = bounds.eta_max(L, s, d)
+        e = eta_max(L, s, d)
         assert L * e + L**2 * e**2 * s**2 == pytest.approx(1 - d)
+        assert L * (e * 1.01) + L**2 * (e * 1.01) ** 2 * s**2 > 1 - d  # the largest such step
+    assert eta_max(1.0, 4, 1.0) == 0.0
+    with pytest.raises(ValueError, match="L=0"):
+        eta_max(0, 4)
+    assert bounds.check_eta_max()  # the sympy root and the number a run uses agree
 
 
 @pytest.mark.slow
@@ -117,6 +124,27 @@ def test_assumption_monitor_on_logistic_regression_stays_below_the_data_constant
     am = AssumptionMonitor(every=5)
     _fit(model, [am], 200)
     assert 0 < am.L_hat <= model.L * (1 + 1e-6)
+    assert am.s_max == 0  # nothing logs stale/lag: a synchronous run
+
+
+class LagLoggingQuadratic(NoisyQuadratic):
+    """A module that reports its own data staleness with self.log, as a stale-rollout module would."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("stale/lag", float(min(self.global_step, 5)), on_step=True, on_epoch=False)
+        return super().training_step(batch, batch_idx)
+
+
+def test_assumption_monitor_reads_the_logged_lag():
+    am = AssumptionMonitor(every=5)
+    trainer = make_trainer([am], max_steps=20)
+    trainer.fit(LagLoggingQuadratic(steps=20, lr=0.01))
+    assert am.s_max == 5
+    assert trainer.logger.last("assume/staleness") == 5.0
+
+
+class Swapper(pl.Callback):
+    swaps_parameters = True  # a third-party callback that, like StalenessSimulator, swaps in other iterates
 
 
 def test_assumption_monitor_refuses_what_it_cannot_do():
@@ -126,6 +154,9 @@ def test_assumption_monitor_refuses_what_it_cannot_do():
         _fit(UserRegressor(), [AssumptionMonitor()], 2)
     with pytest.raises(ValueError, match="before StalenessSimulator"):
         _fit(NoisyQuadratic(steps=5), [StalenessSimulator(2), AssumptionMonitor()], 2)
+    with pytest.raises(ValueError, match="before Swapper"):
+        _fit(NoisyQuadratic(steps=5), [Swapper(), AssumptionMonitor()], 2)
+    _fit(NoisyQuadratic(steps=5), [StalenessSimulator(0), AssumptionMonitor()], 2)  # s = 0 swaps nothing
 
 
 def test_assumption_monitor_leaves_training_unchanged():

@@ -122,14 +122,12 @@ def run_overhead(
         for p, r in zip(ps, ref):  # the first step stores the reference
             p.grad = r.clone()
         gac.step(ps, swap=True, keep_alias=True)
-        ref_state = [t.clone() for t in gac.ref]
-        ref_sq = gac._ref_sq
+        steady = gac.state.clone()
 
         def setup() -> None:
             for p, g in zip(ps, base_grads):
                 p.grad = g.clone()
-            gac.ref = [t.clone() for t in ref_state]
-            gac._ref_sq = ref_sq
+            gac.state = steady.clone()
 
         return (lambda: gac.step(ps, swap=True, keep_alias=True)), setup, gac
 

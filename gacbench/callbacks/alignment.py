@@ -1,5 +1,10 @@
 """AlignmentMonitor: logs c_t (``align/cos``) and ``grad/norm`` at every optimizer step, and
-the on-policy alignment statistics of paper Table 3 at the end of fit."""
+the on-policy alignment statistics of paper Table 3 at the end of fit.
+
+Capability: a callback that computes c_t of the raw gradient itself, and logs ``align/cos``,
+``grad/norm`` and the end-of-fit summary under the same names, declares
+``logs_raw_alignment = True`` (an attribute or property); beside one, the monitor stays passive.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from gacbench.callbacks._common import (
     CosineTrace,
@@ -17,8 +23,8 @@ from gacbench.callbacks._common import (
     check_automatic_optimization,
     check_strategy,
     is_sharded,
-    local,
     load_tensor,
+    local,
     log_metrics,
     optimizer_params,
     save_tensor,
@@ -31,9 +37,10 @@ class AlignmentMonitor(Callback):
     """c_t = cos(g_t, g_{t-1}) between the gradients of consecutive optimizer steps.
 
     The gradient is read in ``on_before_optimizer_step`` as this callback finds it: list it
-    *before* gradient-side stabilizers to measure the raw gradient. A ``GAC(reference="grad")``
-    in the same trainer already computes exactly this c_t and logs it; the monitor then stays
-    passive rather than keep a second copy of the previous gradient.
+    *before* gradient-side stabilizers to measure the raw gradient. When another callback of the
+    trainer declares ``logs_raw_alignment = True`` (``GAC(reference="grad")`` does: it computes
+    exactly this c_t), the monitor stays passive rather than keep a second copy of the previous
+    gradient and write a second value of each metric.
 
     Args:
         warmup: steps excluded from the end-of-fit summary (paper Table 3 uses 50).
@@ -51,20 +58,23 @@ class AlignmentMonitor(Callback):
         self.summary: dict[str, float] = {}
         self._prev = LazyFlatBuffer(buffer_dtype)
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
         check_automatic_optimization(pl_module, "AlignmentMonitor")
         check_strategy(trainer, "AlignmentMonitor", allow_sharded=True)
-        from gacbench.callbacks.gac import GAC
-
-        self.passive = any(isinstance(cb, GAC) and cb.reference == "grad" for cb in trainer.callbacks)
+        providers = [cb for cb in trainer.callbacks if cb is not self and getattr(cb, "logs_raw_alignment", False)]
+        self.passive = bool(providers)
         if self.passive:
-            rank_zero_info("AlignmentMonitor: GAC(reference='grad') already logs align/cos and grad/norm; the monitor stays passive.")
+            rank_zero_info(f"AlignmentMonitor: {type(providers[0]).__name__} already logs align/cos and grad/norm "
+                           "(logs_raw_alignment); the monitor stays passive.")
 
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "AlignmentMonitor")
 
+    @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         if self.passive:
             return
@@ -86,19 +96,24 @@ class AlignmentMonitor(Callback):
             prev.copy_from(grads)
             self.has_prev = True
 
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self.passive:
             self.summary = self.trace.log_summary(trainer)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"has_prev": self.has_prev, "trace": self.trace.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.has_prev = state["has_prev"]
-        self.trace.load_state_dict(state["trace"])
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.has_prev = state_dict["has_prev"]
+        self.trace.load_state_dict(state_dict["trace"])
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         save_tensor(checkpoint, self.state_key, self._prev.state())
 
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         self._prev.load(load_tensor(checkpoint, self.state_key))

@@ -7,8 +7,10 @@ Every ``every`` optimizer steps, at the current parameters theta_t and before th
 - L (local smoothness): the secant ||grad L(theta_t; B_t) - grad L(theta_{t-1}; B_t)|| / ||theta_t - theta_{t-1}||
   on the *same* batch, so the batch noise cancels where it does not depend on theta; the running
   maximum is logged. For a quadratic the secant lies in [mu, L] exactly.
-- the realised staleness (the StalenessSimulator's lag, or a module attribute ``lag``), its running maximum s,
-  and eta_max, the largest step with L eta + L^2 eta^2 s^2 <= 1 - delta (theory/README.md, results 2-3);
+- the realised staleness (the logged ``stale/lag`` in ``trainer.callback_metrics``: StalenessSimulator
+  logs it, and so does a stale-rollout module in its training_step; 0 when nothing logs it), its
+  running maximum s, and eta_max, the largest step with L eta + L^2 eta^2 s^2 <= 1 - delta
+  (theory/README.md, results 2-3);
   ``assume/ok`` is 1 when the optimizer's largest learning rate is at most eta_max.
 
 It costs three extra forward/backward passes every ``every`` steps and needs a side-effect-free loss:
@@ -24,11 +26,11 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from gacbench.callbacks._common import log_metrics, optimizer_params
-from gacbench.callbacks.staleness import StalenessSimulator
 from gacbench.functional.alignment import sq_norm
-from gacbench.theory.bounds import eta_max
+from gacbench.functional.stepsize import eta_max
 
 
 class AssumptionMonitor(Callback):
@@ -38,7 +40,8 @@ class AssumptionMonitor(Callback):
         every: estimate every this many optimizer steps (>= 1).
         loss_fn: ``loss_fn(module, batch) -> scalar`` without side effects; default ``module.loss_on``.
         delta: GAC's removed fraction bound for the step-size condition (0 without GAC).
-    List it before ``StalenessSimulator``, so that it sees theta_t and not the stale iterate.
+    List it before ``StalenessSimulator`` (and any callback that declares ``swaps_parameters = True``),
+    so that it sees theta_t and not the stale iterate.
     """
 
     def __init__(self, every: int = 10, loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
@@ -54,6 +57,7 @@ class AssumptionMonitor(Callback):
         self._prev_batch: Any = None
         self._prev_theta: list[torch.Tensor] | None = None
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
@@ -62,11 +66,13 @@ class AssumptionMonitor(Callback):
                 "AssumptionMonitor needs a side-effect-free loss: define loss_on(self, batch) -> loss on your "
                 "LightningModule, or pass AssumptionMonitor(loss_fn=lambda module, batch: ...)."
             )
-        position = {id(cb): i for i, cb in enumerate(trainer.callbacks)}
-        sims = [position[id(cb)] for cb in trainer.callbacks if isinstance(cb, StalenessSimulator)]
-        if sims and min(sims) < position[id(self)]:
-            raise ValueError("AssumptionMonitor must be listed before StalenessSimulator (it estimates at theta_t, "
-                             "before the simulator swaps in the stale iterate)")
+        for cb in trainer.callbacks:
+            if cb is self:
+                break
+            if getattr(cb, "swaps_parameters", False):
+                raise ValueError(f"AssumptionMonitor must be listed before {type(cb).__name__} (it estimates "
+                                 "at theta_t, before that callback swaps in another iterate); "
+                                 "move it up in callbacks=[...]")
 
     @property
     def sigma2_hat(self) -> float:
@@ -78,9 +84,11 @@ class AssumptionMonitor(Callback):
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._params = optimizer_params(trainer, "AssumptionMonitor")
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         t = trainer.global_step
         params = self._params
@@ -115,13 +123,19 @@ class AssumptionMonitor(Callback):
             metrics.update({"assume/eta_max": bound, "assume/ok": float(lr <= bound)})
         log_metrics(trainer, metrics)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # the realised lag of this step: the simulator (or a stale-rollout module) has set it by now
-        lag = next((cb.lag for cb in trainer.callbacks if isinstance(cb, StalenessSimulator)), getattr(pl_module, "lag", 0))
-        self.s_max = max(self.s_max, int(lag))
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # the realised lag of this step: StalenessSimulator logs it in on_train_batch_start, a stale-rollout
+        # module in training_step, both before this hook
+        lag = trainer.callback_metrics.get("stale/lag")
+        if lag is not None:
+            self.s_max = max(self.s_max, int(lag))
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"L_hat": self.L_hat, "sigma2_samples": list(self.sigma2_samples), "s_max": self.s_max}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.L_hat, self.sigma2_samples, self.s_max = state["L_hat"], list(state["sigma2_samples"]), state["s_max"]
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.L_hat, self.s_max = state_dict["L_hat"], state_dict["s_max"]
+        self.sigma2_samples = list(state_dict["sigma2_samples"])

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from gacbench.callbacks._common import (
     CosineTrace,
@@ -62,7 +63,8 @@ class GAC(Callback):
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
 
     Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``), ``grad/norm``,
-    ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``.
+    ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``, into
+    ``trainer.callback_metrics`` every step and to the loggers every ``log_every_n_steps``.
     """
 
     kind = "gradient"  # the stabilizer API: GAC acts on gradients, composes with one loss-side stabilizer
@@ -94,29 +96,40 @@ class GAC(Callback):
         return self.transform.reference
 
     @property
+    @override
     def state_key(self) -> str:
         t = self.transform
         return self._generate_state_key(c_low=t.c_low, c_high=t.c_high, high_mode=t.high_mode, reference=t.reference,
                                         shrink=t.shrink, ema_decay=t.ema_decay)
 
     @property
+    def logs_raw_alignment(self) -> bool:
+        """The capability AlignmentMonitor looks for: with the previous raw gradient as reference, GAC
+        computes c_t itself and logs ``align/cos``, ``grad/norm`` and the end-of-fit summary."""
+        return self.reference == "grad"
+
+    @property
     def cos_key(self) -> str:
         """The metric name of the cosine this instance thresholds."""
         return "align/cos" if self.reference == "grad" else "align/ref_cos"
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             check_automatic_optimization(pl_module, "GAC")
             check_strategy(trainer, "GAC", allow_sharded=True)
 
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
 
+    @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         params = self._params
         sharded = is_sharded(trainer)
         clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
-        out = self.transform.step(params, partial(agree, trainer, sharded=sharded), swap=not sharded, keep_alias=not clipping)
+        reduce = partial(agree, trainer, sharded=sharded)
+        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=not clipping)
         if out is None:  # no gradient at all (training_step returned None)
             return
         self.steps += 1
@@ -143,6 +156,7 @@ class GAC(Callback):
             metrics[self.cos_key] = d.cos
         log_metrics(trainer, metrics)
 
+    @override
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         self.transform.release(self._params)
 
@@ -159,26 +173,35 @@ class GAC(Callback):
         self.bad += 1
         self.skipped += 1
         if self.bad == 1:
-            rank_zero_warn(f"GAC: skipping step {trainer.global_step}: its gradient is {kind}. Later skips are counted in gac/bad_grad.")
+            rank_zero_warn(f"GAC: skipping step {trainer.global_step}: its gradient is {kind}. "
+                           "Later skips are counted in gac/bad_grad.")
         self.transform.skip(params)
         log_metrics(trainer, {"align/skip": 1.0, "gac/bad_grad": float(self.bad)})
 
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.reference == "grad":
             self.summary = self.trace.log_summary(trainer)
 
+    # Counters and the c_t trace travel through state_dict(); the transform's state (its reference
+    # tensors and whether it is set) travels as one unit in the checkpoint's tensor section.
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "changed": self.changed, "skipped": self.skipped, "bad": self.bad, "zero": self.zero,
-                "has_ref": self.transform.has_ref, "trace": self.trace.state_dict()}
+        return {"steps": self.steps, "changed": self.changed, "skipped": self.skipped, "bad": self.bad,
+                "zero": self.zero, "trace": self.trace.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps, self.changed, self.skipped, self.bad = state["steps"], state["changed"], state["skipped"], state["bad"]
-        self.zero = state.get("zero", 0)
-        self.transform.has_ref = state["has_ref"]
-        self.trace.load_state_dict(state["trace"])
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps, self.changed, self.skipped = state_dict["steps"], state_dict["changed"], state_dict["skipped"]
+        self.bad, self.zero = state_dict["bad"], state_dict["zero"]
+        self.trace.load_state_dict(state_dict["trace"])
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        save_tensor(checkpoint, self.state_key, self.transform.state())
+        save_tensor(checkpoint, self.state_key, self.transform.state_dict())
 
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        self.transform.load_state(load_tensor(checkpoint, self.state_key))
+        saved = load_tensor(checkpoint, self.state_key)
+        if saved is not None:
+            self.transform.load_state_dict(saved)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from gacbench.callbacks._common import (
     check_automatic_optimization,
@@ -61,15 +62,22 @@ class StalenessSimulator(Callback):
 
     Memory: s + 1 copies of the optimized parameters (on their device). List this callback
     first, before callbacks that read the parameters in ``on_before_optimizer_step``.
+
+    Logs ``stale/lag`` (s_t) every step into ``trainer.callback_metrics`` (and to the loggers every
+    ``log_every_n_steps``). Declares ``swaps_parameters`` (True when s > 0): between
+    ``on_train_batch_start`` and ``on_before_optimizer_step`` the parameters hold a stale iterate.
     """
 
-    def __init__(self, staleness: int, schedule: str = "fixed", seed: int = 0, trace: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, staleness: int, schedule: str = "fixed", seed: int = 0, trace: Sequence[int] | None = None
+    ) -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, (int, np.integer)):
             raise TypeError(f"StalenessSimulator: staleness={staleness!r} must be an integer number of optimizer steps")
         if staleness < 0:
             raise ValueError(f"StalenessSimulator: staleness={staleness} must be >= 0 (0 is synchronous training)")
         if schedule not in SCHEDULES:
-            raise ValueError(f"StalenessSimulator: schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+            choices = ", ".join(map(repr, SCHEDULES))
+            raise ValueError(f"StalenessSimulator: schedule={schedule!r} is not one of {choices}")
         trace = list(trace or [])
         if schedule == "trace":
             if not trace:
@@ -81,7 +89,7 @@ class StalenessSimulator(Callback):
             raise ValueError(f"StalenessSimulator: trace is only used with schedule='trace', not {schedule!r}")
         self.staleness, self.schedule, self.seed, self.trace = int(staleness), schedule, int(seed), trace
         self.step = 0  # optimizer steps taken under this callback (t)
-        self.lag = 0  # s_t of the step in progress
+        self.lag = 0  # s_t of the current step
         self._rng = np.random.default_rng(seed)
         self._history: deque[FlatBuffer] = deque(maxlen=self.staleness + 1)  # theta_{t-k}, newest last
         self._params: list[torch.nn.Parameter] = []
@@ -91,19 +99,28 @@ class StalenessSimulator(Callback):
         self._pending: list[torch.Tensor] | None = None
 
     @property
+    @override
     def state_key(self) -> str:
         return type(self).__qualname__  # one simulator per trainer; a changed staleness is caught on load
 
+    @property
+    def swaps_parameters(self) -> bool:
+        """The capability callbacks that must see theta_t look for (AssumptionMonitor): s_t > 0 is possible."""
+        return self.staleness > 0
+
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit" or self.staleness == 0:
             return
         check_automatic_optimization(pl_module, "StalenessSimulator")
         check_strategy(trainer, "StalenessSimulator", allow_sharded=False)
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         if self.staleness:
             self._params = optimizer_params(trainer, "StalenessSimulator")  # fixed for the fit
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         if self.staleness == 0 or self._swapped:
             return  # s = 0 is the identity; later micro-batches of a window reuse the swap
@@ -116,6 +133,7 @@ class StalenessSimulator(Callback):
             self._swapped = True
         log_metrics(trainer, {"stale/lag": float(lag)})
 
+    @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.staleness == 0:
             return
@@ -123,10 +141,12 @@ class StalenessSimulator(Callback):
         self.step += 1
 
     # Validation or a checkpoint can fall inside an accumulation window: both see theta_t.
+    @override
     def on_validation_start(self, trainer, pl_module) -> None:
         self._was_swapped = self._swapped
         self._restore()
 
+    @override
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._was_swapped:
             self._history[-1 - self.lag].copy_to(self._params)
@@ -164,15 +184,21 @@ class StalenessSimulator(Callback):
             return int(t.item())
         return lag
 
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "newest": self._newest, "rng": self._rng.bit_generator.state, "staleness": self.staleness}
+        return {"step": self.step, "newest": self._newest, "rng": self._rng.bit_generator.state,
+                "staleness": self.staleness}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["staleness"] != self.staleness:
-            raise ValueError(f"StalenessSimulator: the checkpoint was written with staleness={state['staleness']}, not {self.staleness}")
-        self.step, self._newest = state["step"], state["newest"]
-        self._rng.bit_generator.state = state["rng"]
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["staleness"] != self.staleness:
+            saved = state_dict["staleness"]
+            raise ValueError(f"StalenessSimulator: the checkpoint was written with staleness={saved}, not "
+                             f"{self.staleness}; resume with StalenessSimulator(staleness={saved})")
+        self.step, self._newest = state_dict["step"], state_dict["newest"]
+        self._rng.bit_generator.state = state_dict["rng"]
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if self._swapped:  # mid-window: the model weights in the checkpoint must be theta_t
             raise RuntimeError(
@@ -182,6 +208,7 @@ class StalenessSimulator(Callback):
         if self._history:
             save_tensor(checkpoint, self.state_key, [b.data.detach().clone() for b in self._history])
 
+    @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         saved = load_tensor(checkpoint, self.state_key)
         self._history.clear()

@@ -14,6 +14,7 @@ from gacbench.functional.alignment import (
 )
 from gacbench.functional.buffer import FlatBuffer
 from gacbench.functional.stats import alignment_summary
+from gacbench.functional.stepsize import eta_max
 
 __all__ = [
     "FlatBuffer",
@@ -23,6 +24,7 @@ __all__ = [
     "cosine",
     "cosine_from_scalars",
     "dot",
+    "eta_max",
     "gac_decision",
     "gac_project",
     "project_",

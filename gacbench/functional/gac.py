@@ -9,8 +9,9 @@ reference to the current step. The Lightning callback :class:`gacbench.GAC` and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,14 +73,41 @@ class GACStep:
         return self.decision.cos
 
 
+@dataclass
+class GACState:
+    """Everything a :class:`GACTransform` carries from one step to the next.
+
+    ``ref``: the reference direction r as parameter-shaped tensors (local shards), allocated when
+    the parameters are first seen (None before); all zeros until ``has_ref``.
+    ``has_ref``: r holds a direction (False until the first finite, non-zero gradient).
+    ``ref_sq``: the local ||r||^2 (0-d float32) when it is known without a pass over r, else None.
+    ``saved``: a flat reference restored before the parameters were known (shape (numel,));
+    it is copied into ``ref`` when ``ref`` is allocated.
+    """
+
+    ref: list[Tensor] | None = None
+    has_ref: bool = False
+    ref_sq: Tensor | None = None
+    saved: Tensor | None = None
+
+    def clone(self) -> "GACState":
+        """A deep copy (tensors cloned), e.g. to restore the same state before every timed run."""
+        return GACState(
+            ref=None if self.ref is None else [t.clone() for t in self.ref],
+            has_ref=self.has_ref,
+            ref_sq=None if self.ref_sq is None else self.ref_sq.clone(),
+            saved=None if self.saved is None else self.saved.clone(),
+        )
+
+
 class GACTransform:
     """Gradient Alignment Control over ``p.grad`` of a fixed list of parameters.
 
     Args: see :class:`gacbench.GAC`. ``reduce`` (given to ``step``) maps the local
     ``tensor([<g,r>, ||g||^2, ||r||^2])`` to the global one (an all-reduce under sharding).
 
-    State: the reference ``ref`` (a list of parameter-shaped tensors, or None before the
-    first step) and the local ||r||^2 when it is known without a pass over r.
+    State: ``self.state``, one :class:`GACState` (the reference, whether it is set, its cached
+    norm); ``state_dict`` / ``load_state_dict`` save and restore it as a unit.
 
     Memory traffic per step, in units of one gradient-sized read or write, for the default
     reference with ``swap=True``: keep = 5 (two dot passes, one copy); shrink/project = 6
@@ -108,10 +136,7 @@ class GACTransform:
         self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
         self.reference, self.ema_decay = reference, float(ema_decay)
         self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
-        self.ref: list[Tensor] | None = None
-        self.has_ref = False
-        self._ref_sq: Tensor | None = None  # local ||r||^2, when known
-        self._pending: Tensor | None = None
+        self.state = GACState()
 
     # -- the step -------------------------------------------------------------------------
     def step(
@@ -131,14 +156,15 @@ class GACTransform:
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
             return None
+        st = self.state
         ref = self._buffer(params)
-        if self.reference == "update" and self.has_ref:
+        if self.reference == "update" and st.has_ref:
             torch._foreach_sub_(ref, [local(p.detach()) for p in params])  # r = theta_{t-1} - theta_t
-            self._ref_sq = None
+            st.ref_sq = None
         # Parameters without a gradient this step take no part in it: g and r are restricted to the rest.
         g = [local(params[i].grad) for i in live]
         r = [ref[i] for i in live]
-        ref_sq = self._ref_sq if len(live) == len(params) else None
+        ref_sq = st.ref_sq if len(live) == len(params) else None
         local_scalars = alignment_scalars(g, r, ref_sq)
         scalars = reduce(local_scalars.clone())  # a collective may work in place
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
@@ -147,27 +173,29 @@ class GACTransform:
                 self._store_params(params)
             return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True, zero=g_sq == 0.0)
 
-        c = cosine_from_scalars(scalars) if self.has_ref else float("nan")
+        c = cosine_from_scalars(scalars) if st.has_ref else float("nan")
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
         swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
         if swap:
             self._step_swapping(params, g, r, alpha, skipped, keep_alias)
-            self._ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
+            st.ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
         else:
             if alpha:
                 project_(g, r, decision.coef, g_dot_r, r_sq)
             self._update_reference(params, live, g, r, alpha, skipped)
-            exact_copy = self.reference == "grad" and not alpha and len(live) == len(params) and g[0].dtype == r[0].dtype
-            if exact_copy:
-                self._ref_sq = local_scalars[1]
+            whole = len(live) == len(params)
+            if self.reference == "grad" and not alpha and whole and g[0].dtype == r[0].dtype:  # r is an exact copy of g
+                st.ref_sq = local_scalars[1]
         if skipped:
             self.skip(params)
-        self.has_ref = True
+        st.has_ref = True
         return GACStep(decision, g_sq)
 
-    def _step_swapping(self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool) -> None:
+    def _step_swapping(
+        self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool
+    ) -> None:
         """Reference 'grad' without copying the raw gradient twice: see the class docstring."""
         if alpha:
             for gi, ri in zip(g, r):
@@ -180,14 +208,14 @@ class GACTransform:
             torch._foreach_copy_(r, g)  # ri <- g; the optimizer gets r's storage, we keep g's
             for p, ri in zip(params, r):
                 p.grad = ri
-        self.ref = list(g)  # the raw gradient tensors
+        self.state.ref = list(g)  # the raw gradient tensors
 
     def release(self, params: Sequence[Tensor]) -> None:
         """Before ``zero_grad``: drop ``p.grad`` where it is the reference, so that a
         ``zero_grad(set_to_none=False)`` cannot zero the reference in place."""
-        if self.ref is None:
+        if self.state.ref is None:
             return
-        ids = {id(t) for t in self.ref}
+        ids = {id(t) for t in self.state.ref}
         for p in params:
             if p.grad is not None and id(p.grad) in ids:
                 p.grad = None
@@ -204,7 +232,8 @@ class GACTransform:
 
     # -- the reference --------------------------------------------------------------------
     def _buffer(self, params: Sequence[Tensor]) -> list[Tensor]:
-        if self.ref is None:
+        st = self.state
+        if st.ref is None:
             tensors = [local(p.detach()) for p in params]
             dtype = self.buffer_dtype or tensors[0].dtype
             if self.reference == "update" and torch.finfo(dtype).bits < torch.finfo(tensors[0].dtype).bits:
@@ -212,31 +241,33 @@ class GACTransform:
                     f"GAC: reference='update' stores parameters, so buffer_dtype={dtype} "
                     f"must not be below the parameters' {tensors[0].dtype}; drop buffer_dtype."
                 )
-            self.ref = [torch.zeros_like(t, dtype=dtype) for t in tensors]
-            if self._pending is not None:
-                self.load_state(self._pending)
-        return self.ref
+            st.ref = [torch.zeros_like(t, dtype=dtype) for t in tensors]
+            if st.saved is not None:
+                self._copy_saved(st.saved)
+        return st.ref
 
     def _store_params(self, params: Sequence[Tensor]) -> None:
-        torch._foreach_copy_(self.ref, [local(p.detach()) for p in params])  # theta_t, before the optimizer moves it
-        self._ref_sq = None
+        # theta_t, before the optimizer moves it
+        torch._foreach_copy_(self.state.ref, [local(p.detach()) for p in params])
+        self.state.ref_sq = None
 
     def _update_reference(self, params, live, g, r, alpha: float, skipped: bool) -> None:
         """Move the reference to step t. ``g`` already holds g_tilde = g_raw - alpha * r, so the raw
         gradient is recovered as g_tilde + alpha * r without keeping a second copy of it."""
-        self._ref_sq = None
+        st = self.state
+        st.ref_sq = None
         if self.reference == "update":
             self._store_params(params)
             return
         if self.reference == "applied":
-            if skipped and self.has_ref:
+            if skipped and st.has_ref:
                 return  # nothing was applied: the previous applied gradient stays the reference
             alpha = 0.0  # the reference is g_tilde itself
         # new r = a * r + b * g_raw = (a + b * alpha) * r + b * g_tilde, on the parameters with a gradient
-        a, b = (self.ema_decay, 1.0 - self.ema_decay) if self.reference == "ema" and self.has_ref else (0.0, 1.0)
-        if len(live) != len(self.ref):  # parameters without a gradient: g_raw = 0 there
-            dead = set(range(len(self.ref))) - set(live)
-            torch._foreach_mul_([self.ref[i] for i in sorted(dead)], a)
+        a, b = (self.ema_decay, 1.0 - self.ema_decay) if self.reference == "ema" and st.has_ref else (0.0, 1.0)
+        if len(live) != len(st.ref):  # parameters without a gradient: g_raw = 0 there
+            dead = set(range(len(st.ref))) - set(live)
+            torch._foreach_mul_([st.ref[i] for i in sorted(dead)], a)
         if a + b * alpha == 0.0:  # then b == 1: the reference is exactly the gradient
             torch._foreach_copy_(r, g)
         else:
@@ -244,28 +275,50 @@ class GACTransform:
             torch._foreach_add_(r, g, alpha=b)
 
     # -- checkpointing --------------------------------------------------------------------
-    def state(self) -> Tensor | None:
-        """The reference as one flat tensor (a copy), or None before the first step."""
-        if self.ref is None:
-            return None if self._pending is None else self._pending.clone()
-        return torch.cat([t.detach().reshape(-1) for t in self.ref])
+    def state_dict(self) -> dict[str, Any]:
+        """The state as ``{"has_ref": bool, "ref": flat tensor (numel,) or None}`` (tensors copied).
 
-    def load_state(self, flat: Tensor | None) -> None:
-        """Restore ``state()``; before the first step it is kept until the parameters are known."""
-        self._ref_sq = None
+        ``ref`` is None before the parameters are first seen (unless a restored one is waiting).
+        The cached norm is not saved: it is recomputed from the reference on the next step.
+        """
+        st = self.state
+        if st.ref is not None:
+            flat = torch.cat([t.detach().reshape(-1) for t in st.ref])
+        else:
+            flat = None if st.saved is None else st.saved.clone()
+        return {"has_ref": st.has_ref, "ref": flat}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``; before the parameters are known the reference waits in ``state.saved``."""
+        if not isinstance(state, Mapping) or set(state) != {"has_ref", "ref"}:
+            found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref' and 'ref'; "
+                f"got {found}. The checkpoint was written by a different version of gacbench: resume from "
+                "one written by this version."
+            )
+        flat, has_ref = state["ref"], bool(state["has_ref"])
+        if has_ref and flat is None:
+            raise ValueError("GAC: the saved state has has_ref=True but no reference tensor; the checkpoint is damaged")
+        st = self.state
+        st.has_ref, st.ref_sq = has_ref, None
         if flat is None:
             return
-        if self.ref is None:
-            self._pending = flat
-            return
-        numel = sum(t.numel() for t in self.ref)
+        if st.ref is None:
+            st.saved = flat
+        else:
+            self._copy_saved(flat)
+
+    def _copy_saved(self, flat: Tensor) -> None:
+        st = self.state
+        numel = sum(t.numel() for t in st.ref)
         if flat.numel() != numel:
             raise ValueError(
                 f"GAC: the saved reference has {flat.numel()} elements but the model has {numel}; "
                 "the checkpoint was written for a different model or parameter set"
             )
         offset = 0
-        for t in self.ref:
+        for t in st.ref:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-        self._pending = None
+        st.saved = None

@@ -14,9 +14,12 @@ and L eta + L^2 eta^2 s^2 <= 1 - delta, then
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import sympy as sp
+
+from gacbench.functional.stepsize import eta_max as eta_max  # the numeric step-size condition, beside its claim
 
 L, eta, s, T, Delta, sigma2, delta = sp.symbols("L eta s T Delta sigma2 delta", positive=True)
 SG, SD = sp.symbols("S_G S_D", nonnegative=True)  # sum_t E||grad f(theta_t)||^2, sum_t E||grad f(theta_{t-tau_t})||^2
@@ -34,7 +37,8 @@ def gac_bound_claim() -> sp.Expr:
 
 def telescoped(d: sp.Expr = sp.Integer(0)) -> sp.Expr:
     """The proof's summed inequality, written as (right side) - (left side) >= 0 in S_G:
-    (eta/2)(1-d) S_G <= Delta - (eta/2)(1 - d - L eta - L^2 eta^2 s^2) S_D + T (eta/2)(d + L eta + L^2 eta^2 s^2) sigma2.
+    (eta/2)(1-d) S_G <= Delta - (eta/2)(1 - d - L eta - L^2 eta^2 s^2) S_D
+                        + T (eta/2)(d + L eta + L^2 eta^2 s^2) sigma2.
     d = 0 is plain delayed SGD; d = delta adds GAC's removed component."""
     return (Delta - eta / 2 * (1 - d - L * eta - L**2 * eta**2 * s**2) * SD
             + T * eta / 2 * (d + L * eta + L**2 * eta**2 * s**2) * sigma2) - eta / 2 * (1 - d) * SG
@@ -50,7 +54,8 @@ def per_step_terms(d: sp.Expr) -> tuple[sp.Expr, tuple[sp.Symbol, sp.Symbol, sp.
 
 
 def check_per_step(d: sp.Expr) -> bool:
-    """The per-step bound regroups into -(eta/2)(1-d) G - (eta/2)(1-d-L eta) D + (eta/2) E + (eta/2)(d + L eta) sigma2."""
+    """The per-step bound regroups into
+    -(eta/2)(1-d) G - (eta/2)(1-d-L eta) D + (eta/2) E + (eta/2)(d + L eta) sigma2."""
     expr, (G, D, E) = per_step_terms(d)
     target = -eta / 2 * (1 - d) * G - eta / 2 * (1 - d - L * eta) * D + eta / 2 * E + eta / 2 * (d + L * eta) * sigma2
     return sp.simplify(expr - target) == 0
@@ -112,16 +117,24 @@ def check_rate() -> bool:
     return sp.simplify(val - (2 * sp.sqrt(2 * L * Delta * sigma2 / T) + 2 * L * Delta * s**2 / T)) == 0
 
 
-def eta_max(L_val: float, s_val: float, delta_val: float = 0.0) -> float:
-    """The largest eta with L eta + L^2 eta^2 s^2 <= 1 - delta (the positive root)."""
-    import math
+def eta_max_claim() -> sp.Expr:
+    """The largest eta with L eta + L^2 eta^2 s^2 <= 1 - delta (s > 0): the positive root of the quadratic."""
+    return (-1 + sp.sqrt(1 + 4 * s**2 * (1 - delta))) / (2 * L * s**2)
 
-    budget = 1.0 - delta_val
-    if budget <= 0:
-        return 0.0
-    if s_val == 0:
-        return budget / L_val
-    return (-1.0 + math.sqrt(1.0 + 4.0 * s_val**2 * budget)) / (2.0 * L_val * s_val**2)
+
+ETA_MAX_POINTS = ((1.0, 1, 0.0), (2.0, 8, 0.0), (0.5, 32, 0.45))  # (L, s, delta)
+
+
+def check_eta_max(points: tuple[tuple[float, float, float], ...] = ETA_MAX_POINTS) -> bool:
+    """The claimed root meets the condition with equality, and ``eta_max`` (the number a run uses,
+    :mod:`gacbench.functional.stepsize`) evaluates it at ``points`` of (L, s, delta)."""
+    e = eta_max_claim()
+    on_boundary = sp.simplify(L * e + L**2 * e**2 * s**2 - (1 - delta)) == 0
+    numeric = all(
+        math.isclose(eta_max(Lv, sv, dv), float(e.subs({L: Lv, s: sv, delta: dv})), rel_tol=1e-12)
+        for Lv, sv, dv in points
+    )
+    return on_boundary and numeric
 
 
 # -- GAC's per-step guarantees (sympy, in the plane of u and g's orthogonal part) ------------------
@@ -132,17 +145,19 @@ def check_gac_geometry() -> dict[str, bool]:
     # shrink ("component"): g~ = c_low n u + w
     inner_shrink = cl * c * n**2 + w2  # <g~, g>
     norm_shrink = cl**2 * n**2 + w2
-    ok_descent = sp.simplify(inner_shrink - (1 - ch**2) * n**2 - n**2 * ((ch - c) * (ch + c) + cl * c)) == 0  # both terms > 0 for c_low < c < c_high
+    # both terms of the difference are > 0 for c_low < c < c_high
+    ok_descent = sp.simplify(inner_shrink - (1 - ch**2) * n**2 - n**2 * ((ch - c) * (ch + c) + cl * c)) == 0
     ok_norm = sp.simplify(n**2 - norm_shrink - n**2 * (c - cl) * (c + cl)) == 0  # > 0 for c > c_low
     ok_component = sp.simplify(cl * n - (1 - (1 - cl / c)) * c * n) == 0  # <g~, u> = c_low n
     # shrink ("cosine"): aligned part a = c_low n sqrt(1-c^2)/sqrt(1-c_low^2) gives cos(g~, u) = c_low
     cl_c = sp.symbols("c_l", positive=True)
     a = cl_c * n * sp.sqrt(1 - c**2) / sp.sqrt(1 - cl_c**2)
-    ok_cosine = sp.simplify((a / sp.sqrt(a**2 + w2)).subs({c: sp.Rational(1, 4), cl_c: sp.Rational(1, 20)}) - sp.Rational(1, 20)) == 0 and \
-        sp.simplify((a**2 / (a**2 + w2)) - cl_c**2) == 0
+    at_a_point = (a / sp.sqrt(a**2 + w2)).subs({c: sp.Rational(1, 4), cl_c: sp.Rational(1, 20)})
+    ok_cosine = sp.simplify(at_a_point - sp.Rational(1, 20)) == 0 and sp.simplify((a**2 / (a**2 + w2)) - cl_c**2) == 0
     # full projection: g~ = w
     ok_project = sp.simplify(w2 - (1 - c**2) * n**2) == 0
     # removed fraction: |g - g~| = (c - c_low) n in the shrink regime, c n under projection
-    ok_removed = sp.simplify(sp.sqrt(((c - cl) * n) ** 2) - (c - cl) * n).subs(c, cl + sp.Symbol("eps", positive=True)) == 0
+    eps = sp.Symbol("eps", positive=True)
+    ok_removed = sp.simplify(sp.sqrt(((c - cl) * n) ** 2) - (c - cl) * n).subs(c, cl + eps) == 0
     return {"descent_shrink": ok_descent, "norm_shrink": ok_norm, "component_is_c_low": ok_component,
             "cosine_is_c_low": bool(ok_cosine), "projection": ok_project, "removed_fraction": bool(ok_removed)}

@@ -21,7 +21,8 @@ import torch
 from gacbench.callbacks import GAC, AlignmentMonitor, StalenessSimulator
 from gacbench.functional import gac_project
 from gacbench.objectives import NoisyQuadratic
-from gacbench.theory import bounds, delayed_quadratic as dq
+from gacbench.theory import bounds
+from gacbench.theory import delayed_quadratic as dq
 
 
 @dataclass
@@ -101,8 +102,8 @@ def check_delayed_quadratic(svals: range = range(0, 33)) -> CheckResult:
         details[f"lightning_s{s}"] = {"gap_ratio_at_0.9a*": gaps[0.9], "gap_ratio_at_1.1a*": gaps[1.1]}
         violations += not ok
     details["a_star"] = {s: dq.a_star(s) for s in (0, 1, 2, 8, 16, 32)}
-    return CheckResult("delayed-quadratic-stability", "x_{t+1} = x_t - a x_{t-s} is stable iff a < 2 sin(pi/(2(2s+1))), s = 0..32",
-                       symbolic, violations == 0, worst, violations, details)
+    statement = "x_{t+1} = x_t - a x_{t-s} is stable iff a < 2 sin(pi/(2(2s+1))), s = 0..32"
+    return CheckResult("delayed-quadratic-stability", statement, symbolic, violations == 0, worst, violations, details)
 
 
 # -- result 2 -----------------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def _bound_runs(claim: Callable[[dict], float], svals, seeds, steps, gac: bool) 
             measured = float(np.mean(rec.sq))
             row = {"s": s, "seed": seed, "eta": eta, "measured": measured}
             if gac:
-                removed = [float((b - a).norm() / b.norm()) for b, a in zip(before.grads, after.grads) if b is not None and a is not None]
+                removed = [float((b - a).norm() / b.norm()) for b, a in zip(before.grads, after.grads)
+                           if b is not None and a is not None]
                 # The assumption |g - g~| <= delta |g| holds with delta = the measured maximum; the
                 # theorem then applies if the step size still meets L eta + L^2 eta^2 s^2 <= 1 - delta.
                 delta = row["delta_hat"] = max(removed) if removed else 0.0
@@ -157,20 +159,26 @@ def _evaluate(expr_fn: Callable[[], sp.Expr]) -> Callable[[dict], float]:
     return lambda v: float(fn(*[v[k] for k in syms]))
 
 
-def check_sgd_bound(claim: Callable[[], sp.Expr] = bounds.sgd_bound_claim, seeds=(0, 1, 2), steps: int = 300) -> CheckResult:
+def check_sgd_bound(
+    claim: Callable[[], sp.Expr] = bounds.sgd_bound_claim, seeds=(0, 1, 2), steps: int = 300
+) -> CheckResult:
     symbolic = all([bounds.check_polarization(), bounds.check_cauchy_schwarz(), bounds.check_per_step(sp.Integer(0)),
                     bounds.check_staleness_sum(), bounds.check_claim(claim, sp.Integer(0)),
-                    bounds.check_step_size_condition(), bounds.check_rate()])
+                    bounds.check_step_size_condition(), bounds.check_eta_max(), bounds.check_rate()])
     worst, violations, details = _bound_runs(_evaluate(claim), (0, 8, 16, 32), seeds, steps, gac=False)
-    return CheckResult("delayed-sgd-bound", "min_t E|grad f|^2 <= 2 Delta/(eta T) + (L eta + L^2 eta^2 s^2) sigma^2 if L eta + L^2 eta^2 s^2 <= 1",
-                       symbolic, violations == 0, worst, violations, details)
+    statement = ("min_t E|grad f|^2 <= 2 Delta/(eta T) + (L eta + L^2 eta^2 s^2) sigma^2 "
+                 "if L eta + L^2 eta^2 s^2 <= 1")
+    return CheckResult("delayed-sgd-bound", statement, symbolic, violations == 0, worst, violations, details)
 
 
 # -- result 3 -----------------------------------------------------------------------------------
-def check_gac(claim: Callable[[], sp.Expr] = bounds.gac_bound_claim, seeds=(0, 1, 2), steps: int = 300, samples: int = 2000) -> CheckResult:
+def check_gac(
+    claim: Callable[[], sp.Expr] = bounds.gac_bound_claim, seeds=(0, 1, 2), steps: int = 300, samples: int = 2000
+) -> CheckResult:
     geometry = bounds.check_gac_geometry()
-    symbolic = all(geometry.values()) and bounds.check_per_step(bounds.delta) and bounds.check_claim(claim, bounds.delta) \
-        and sp.simplify(bounds.gac_bound_claim().subs(bounds.delta, 0) - bounds.sgd_bound_claim()) == 0
+    reduces_to_sgd = sp.simplify(bounds.gac_bound_claim().subs(bounds.delta, 0) - bounds.sgd_bound_claim()) == 0
+    symbolic = (all(geometry.values()) and bounds.check_per_step(bounds.delta)
+                and bounds.check_claim(claim, bounds.delta) and reduces_to_sgd)
     # per-step guarantees on random pairs (float64), every regime
     rng = np.random.default_rng(0)
     geo_violations = 0
@@ -202,12 +210,15 @@ def check_gac(claim: Callable[[], sp.Expr] = bounds.gac_bound_claim, seeds=(0, 1
 
 
 # -- result 4 -----------------------------------------------------------------------------------
-def measure_alignment(s: int, eta: float = 0.09, dim: int = 200, sigma2: float = 1.0, seed: int = 0) -> tuple[float, float]:  # noqa: E501
+def measure_alignment(
+    s: int, eta: float = 0.09, dim: int = 200, sigma2: float = 1.0, seed: int = 0
+) -> tuple[float, float]:
     """Mean c_t measured by AlignmentMonitor after a burn-in, and the stationary prediction."""
     r = dq.spectral_radius(eta, s)
     burn = int(min(2500, max(200, 5 / (1 - r))))
     measure = 2500
-    model = NoisyQuadratic(dim=dim, L=1.0, kappa=1.0, sigma2=sigma2, steps=burn + measure, lr=eta, seed=seed, init_scale=0.0)
+    model = NoisyQuadratic(dim=dim, L=1.0, kappa=1.0, sigma2=sigma2, steps=burn + measure, lr=eta, seed=seed,
+                           init_scale=0.0)
     mon = AlignmentMonitor(warmup=burn)
     callbacks = ([StalenessSimulator(s)] if s else []) + [mon]
     _fit(model, callbacks, burn + measure)
@@ -227,9 +238,10 @@ def check_alignment(svals=(0, 2, 4, 8, 16), tol: float = 0.03) -> CheckResult:
         worst = max(worst, err / tol)
         violations += err > tol
     increasing = all(b["predicted"] > a["predicted"] for a, b in zip(rows, rows[1:]))
-    return CheckResult("staleness-aligns-gradients",
-                       "stationary E<g_t,g_{t-1}>/E|g_t|^2 of delayed noisy GD (Lyapunov solution) matches AlignmentMonitor's c_t",
-                       symbolic and increasing, violations == 0, worst, violations, {"runs": rows, "tol": tol})
+    statement = ("stationary E<g_t,g_{t-1}>/E|g_t|^2 of delayed noisy GD (Lyapunov solution) "
+                 "matches AlignmentMonitor's c_t")
+    return CheckResult("staleness-aligns-gradients", statement, symbolic and increasing, violations == 0, worst,
+                       violations, {"runs": rows, "tol": tol})
 
 
 CHECKS: dict[str, Callable[[], CheckResult]] = {
@@ -261,14 +273,17 @@ def alignment_figure(path: str, rows: list[dict] | None = None) -> None:
     eta, per_dim = ALIGN_ETA, ALIGN_SIGMA2 / ALIGN_DIM
     s_pred = [s for s in range(0, 33) if eta < dq.a_star(s)]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    axes[0].plot(s_pred, [dq.predicted_cosine(eta, np.ones(1), per_dim, s) for s in s_pred], label="stationary prediction")
+    predicted = [dq.predicted_cosine(eta, np.ones(1), per_dim, s) for s in s_pred]
+    axes[0].plot(s_pred, predicted, label="stationary prediction")
     rows = rows or [{"s": s, "measured": measure_alignment(s)[0]} for s in (0, 2, 4, 8, 16)]
     axes[0].plot([r["s"] for r in rows], [r["measured"] for r in rows], "o", label="AlignmentMonitor (mean c_t)")
-    axes[0].set(xlabel="staleness s", ylabel="consecutive-gradient cosine", title=f"noisy quadratic, eta*lambda = {eta}")
+    axes[0].set(xlabel="staleness s", ylabel="consecutive-gradient cosine",
+                title=f"noisy quadratic, eta*lambda = {eta}")
     axes[0].legend(fontsize=8)
     ss = np.arange(0, 33)
     for rho in (0.5, 0.9, 0.98):
-        axes[1].plot(ss, [dq.predicted_cosine(rho * dq.a_star(s), np.ones(1), per_dim, s) for s in ss], label=f"eta*lambda = {rho} a*(s)")
+        near_limit = [dq.predicted_cosine(rho * dq.a_star(s), np.ones(1), per_dim, s) for s in ss]
+        axes[1].plot(ss, near_limit, label=f"eta*lambda = {rho} a*(s)")
     axes[1].plot(ss, np.cos(np.pi / (2 * ss + 1)), "k--", label="boundary mode cos(pi/(2s+1))")
     axes[1].set(xlabel="staleness s", title="closer to the stability limit, more aligned")
     axes[1].legend(fontsize=7)

@@ -40,11 +40,13 @@ def symbolic_boundary_root() -> bool:
 def symbolic_small_s() -> bool:
     """sympy: the exact stability region for s = 0 (|1 - a| < 1) and s = 1 (Jury: a < 1) matches a*(s)."""
     a = sp.symbols("a", positive=True)
-    ok0 = sp.nsimplify(a_star(0)) == 2 and sp.solve_univariate_inequality(sp.Abs(1 - a) < 1, a, relational=False) == sp.Interval.open(0, 2)
+    region0 = sp.solve_univariate_inequality(sp.Abs(1 - a) < 1, a, relational=False)
+    ok0 = sp.nsimplify(a_star(0)) == 2 and region0 == sp.Interval.open(0, 2)
     # s = 1: z^2 - z + a. Jury/Schur-Cohn for z^2 + b z + c: stable iff |c| < 1 and |b| < 1 + c; here b = -1, c = a.
     b, c = -1, a
     region = sp.solve_univariate_inequality(sp.Abs(c) < 1, a, relational=False).intersect(
-        sp.solve_univariate_inequality(sp.Abs(b) < 1 + c, a, relational=False)).intersect(sp.Interval.open(0, sp.oo))  # a = eta lambda > 0
+        sp.solve_univariate_inequality(sp.Abs(b) < 1 + c, a, relational=False)
+    ).intersect(sp.Interval.open(0, sp.oo))  # a = eta lambda > 0
     ok1 = region == sp.Interval.open(0, sp.simplify(2 * sp.sin(sp.pi / 6)))
     return bool(ok0 and ok1)
 
