@@ -10,6 +10,7 @@ from gacbench.stabilizers.base import (
     clipped_surrogate,
     find_loss_stabilizer,
     policy_loss,
+    resolve_loss_stabilizer,
 )
 from gacbench.stabilizers.importance import TIS, DecoupledPPO, decoupled_ppo_loss
 from gacbench.stabilizers.m2po import M2PO, m2po_mask, m2po_official_bounds
@@ -17,5 +18,5 @@ from gacbench.stabilizers.m2po import M2PO, m2po_mask, m2po_official_bounds
 __all__ = [
     "BAPO", "M2PO", "TIS", "DecoupledPPO", "LossStabilizer", "PolicyBatch", "Stabilizer", "agg_loss",
     "bapo_bounds", "clipped_surrogate", "decoupled_ppo_loss", "find_loss_stabilizer", "m2po_mask",
-    "m2po_official_bounds", "policy_loss",
+    "m2po_official_bounds", "policy_loss", "resolve_loss_stabilizer",
 ]

@@ -5,8 +5,12 @@ A stabilizer is a ``lightning.Callback`` of one of two kinds:
 - gradient side (``kind = "gradient"``, e.g. GAC): transforms gradients in ``on_before_optimizer_step``;
 - loss side (``kind = "loss"``, e.g. M2PO, BAPO, TIS, decoupled PPO): subclasses :class:`LossStabilizer`
   and implements ``policy_loss(batch) -> (loss, metrics)`` on a :class:`PolicyBatch`; an RL module
-  (the bandit, the GRPO module) gets its loss from ``policy_loss(trainer, batch, ...)``, which uses the
-  run's loss-side stabilizer (``find_loss_stabilizer``) and otherwise the clipped surrogate.
+  (the bandit, the GRPO module) finds the run's loss-side stabilizer once, in its ``setup`` hook
+  (``resolve_loss_stabilizer``), and gets its loss from ``policy_loss(stabilizer, batch, ...)``, which uses
+  that stabilizer and otherwise the clipped surrogate.
+
+Callbacks are told apart by what they declare, not by their class: a loss-side stabilizer is any callback
+with ``kind = "loss"`` and a ``policy_loss`` method.
 
 At most one loss-side stabilizer per run (a clear error otherwise); a gradient-side one composes with
 any loss-side one.
@@ -122,15 +126,15 @@ class LossStabilizer(Stabilizer):
         if not getattr(pl_module, "uses_loss_stabilizer", False):
             raise TypeError(
                 f"{type(self).__name__} is a loss-side stabilizer: it applies to policy-gradient modules that build "
-                f"their loss through find_loss_stabilizer (the bandit, the GRPO module); {type(pl_module).__name__} "
+                f"their loss through resolve_loss_stabilizer (the bandit, the GRPO module); {type(pl_module).__name__} "
                 "computes its own loss. Use a gradient-side stabilizer (GAC) there, or set uses_loss_stabilizer = True "
-                "on a module that calls find_loss_stabilizer."
+                "on a module that calls resolve_loss_stabilizer and policy_loss."
             )
 
 
 def find_loss_stabilizer(trainer: "pl.Trainer") -> LossStabilizer | None:
-    """The run's loss-side stabilizer, or None; two of them is an error."""
-    found = [cb for cb in trainer.callbacks if isinstance(cb, LossStabilizer)]
+    """The run's loss-side stabilizer (a callback declaring ``kind = "loss"``), or None; two of them is an error."""
+    found = [cb for cb in trainer.callbacks if getattr(cb, "kind", None) == "loss" and hasattr(cb, "policy_loss")]
     if len(found) > 1:
         names = ", ".join(type(cb).__name__ for cb in found)
         raise ValueError(f"at most one loss-side stabilizer per run, got {names}; a gradient-side one (GAC) "
@@ -138,11 +142,21 @@ def find_loss_stabilizer(trainer: "pl.Trainer") -> LossStabilizer | None:
     return found[0] if found else None
 
 
-def policy_loss(trainer: "pl.Trainer | None", batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
+def resolve_loss_stabilizer(trainer: "pl.Trainer | None", pl_module: "pl.LightningModule") -> LossStabilizer | None:
+    """Called once by an RL module in its ``setup`` hook: the run's loss-side stabilizer, or None (also without
+    a trainer). The module must declare ``uses_loss_stabilizer = True``."""
+    if trainer is None:
+        return None
+    if not getattr(pl_module, "uses_loss_stabilizer", False):
+        raise TypeError(f"{type(pl_module).__name__} resolves a loss-side stabilizer but does not declare "
+                        "uses_loss_stabilizer = True")
+    return find_loss_stabilizer(trainer)
+
+
+def policy_loss(stabilizer: LossStabilizer | None, batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
                 agg: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
-    """What an RL module calls for its loss: the run's loss-side stabilizer on ``batch`` if one is
-    attached to ``trainer`` (None: no trainer), else the clipped surrogate with these bounds."""
-    stabilizer = find_loss_stabilizer(trainer) if trainer is not None else None
+    """What an RL module calls for its loss: ``stabilizer.policy_loss(batch)`` when the run has a loss-side
+    stabilizer (``resolve_loss_stabilizer``), else the clipped surrogate with these bounds."""
     if stabilizer is not None:
         return stabilizer.policy_loss(batch)
     return clipped_surrogate(batch, clip_low, clip_high, agg)

@@ -1,0 +1,114 @@
+"""The shared stale-rollout queue, the advantage estimators and their registry, and exact resume of the
+bandit through the queue."""
+
+import pytest
+import torch
+from conftest import make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from gacbench.objectives import SoftmaxBandit
+from gacbench.rollout import advantages
+from gacbench.rollout.advantages import advantage_fn, register_advantage
+from gacbench.rollout.queue import StaleRolloutQueue
+
+
+def test_queue_lags_are_min_t_s_and_versions_stay_in_the_bound():
+    q = StaleRolloutQueue(3)
+    made = []
+
+    def produce(k):
+        made.append((t, k))
+        return {"made_at": t, "k": k}
+
+    lags, versions = [], []
+    for t in range(8):
+        batch, lag = q.step(t, produce)
+        lags.append(lag)
+        versions.append(batch["made_at"])
+        assert t - 3 <= batch["made_at"] <= t
+    assert lags == [0, 1, 2, 3, 3, 3, 3, 3]
+    assert versions == [0, 0, 0, 0, 1, 2, 3, 4]
+    assert made[:4] == [(0, 1), (0, 2), (0, 3), (0, 0)]  # the initial fill, then step 0's own batch
+    assert q.versions == [5, 6, 7]
+
+
+def test_queue_refuses_versions_outside_the_bound_and_going_backwards():
+    q = StaleRolloutQueue(2)
+    q.push("old", version=0)
+    with pytest.raises(RuntimeError, match="version 0, step 5 may consume versions 3..5"):
+        q.pop(5)
+    q.push("newer", version=4)
+    with pytest.raises(ValueError, match="never decrease"):
+        q.push("older", version=3)
+    assert q.pop(2) == ("old", 2)
+    with pytest.raises(RuntimeError, match="version 4, step 3"):  # from the future
+        q.pop(3)
+    with pytest.raises(RuntimeError, match="nothing to consume"):
+        StaleRolloutQueue(0).pop(0)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="staleness"):
+            StaleRolloutQueue(bad)
+
+
+def test_queue_state_round_trips_and_refuses_another_staleness():
+    q = StaleRolloutQueue(2)
+    for t in range(3):
+        q.step(t, lambda k: torch.tensor([t, k]))
+    r = StaleRolloutQueue(2)
+    r.load_state_dict(q.state_dict())
+    assert r.versions == q.versions == [1, 2]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(q.state_dict()["items"], r.state_dict()["items"]))
+    with pytest.raises(ValueError, match="staleness=2, this run has staleness=3"):
+        StaleRolloutQueue(3).load_state_dict(q.state_dict())
+
+
+def test_advantage_estimators_match_hand_computations():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: all equal
+    std = (1 / 3) ** 0.5
+    grpo = advantage_fn("grpo")(r)
+    assert torch.allclose(grpo[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(grpo[1], torch.zeros(4))
+    assert torch.equal(advantage_fn("dr-grpo")(r), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]))
+    # RLOO: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
+    assert torch.allclose(advantage_fn("rloo")(r), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0.0, 0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'.*dr-grpo, grpo, rloo"):
+        advantage_fn("gae")
+    with pytest.raises(ValueError, match="group >= 2"):
+        advantage_fn("grpo")(torch.ones(3, 1))
+
+
+def test_a_registered_estimator_is_used_by_the_bandit():
+    calls = []
+
+    @register_advantage("test-sign")
+    def sign(rewards):
+        calls.append(rewards.shape)
+        return torch.sign(rewards - rewards.mean(-1, keepdim=True))
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage("test-sign")(sign)
+        make_trainer([], max_steps=3).fit(SoftmaxBandit(steps=3, prompts=4, group=5, advantage="test-sign"))
+        assert calls == [(4, 5)] * 3
+    finally:
+        advantages.ADVANTAGES.pop("test-sign")
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`", "ignore:You're resuming from a checkpoint")
+def test_bandit_resume_in_the_middle_of_a_stale_run_is_exact(tmp_path):
+    full = SoftmaxBandit(steps=10, staleness=3, seed=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    t_full = make_trainer([ckpt], max_steps=10, enable_checkpointing=True)
+    t_full.fit(full)
+    assert t_full.logger.values("stale/lag") == [0, 1, 2, 3, 3, 3, 3, 3, 3, 3]
+    resumed = SoftmaxBandit(steps=10, staleness=3, seed=1)
+    trainer = make_trainer([], max_steps=10)
+    trainer.fit(resumed, ckpt_path=next(tmp_path.glob("*step=4.ckpt")))
+    assert trainer.logger.values("stale/lag") == [3] * 6
+    assert trainer.logger.values("reward/mean") == t_full.logger.values("reward/mean")[4:]
+    assert torch.equal(full.W, resumed.W)
+    assert resumed.queue.versions == full.queue.versions == [7, 8, 9]
+    with pytest.raises(ValueError, match="staleness=3, this run has staleness=2"):
+        make_trainer([], max_steps=10).fit(SoftmaxBandit(steps=10, staleness=2, seed=1),
+                                           ckpt_path=next(tmp_path.glob("*step=4.ckpt")))
