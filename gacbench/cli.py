@@ -35,11 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
     p.add_argument("--tasks", default=None, help="comma-separated task names of the suite (default: all)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an objective parameter in every cell, e.g. --param engine=hf (repeatable; use a fresh --out: "
-                        "a cell's directory does not encode its parameters)")
-    p.add_argument("--out", required=True, help="output directory; cells already done there are not rerun")
-    p.add_argument("--workers", type=_positive_int, default=2, help="parallel cells (default 2)")
-    p.add_argument("--executor", choices=["local", "ray"], default="local", help="local process pool, or a Ray cluster (RAY_ADDRESS)")
+                   help="override an objective parameter in every cell (repeatable), e.g. --param lr=3e-4; a dotted key "
+                        "sets one field of a section, e.g. --param engine.name=hf. Parameters are part of a cell's "
+                        "identity: if --out holds finished cells computed with other values, the run is refused before "
+                        "anything runs, naming the differing keys (use another --out, or delete those cells); failed or "
+                        "unfinished cells are rerun with the new values")
+    p.add_argument("--out", required=True,
+                   help="output directory; cells already done there with the same settings are reused, not rerun")
+    p.add_argument("--workers", type=_positive_int, default=2,
+                   help="parallel worker processes, each kept for the whole grid and running cell after cell (default 2)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="a local process pool, or Ray actors on the cluster at RAY_ADDRESS (else a local instance)")
 
     sub.add_parser("grpo", add_help=False,
                    help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml [overrides] "

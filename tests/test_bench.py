@@ -64,10 +64,26 @@ def test_grid_writes_summary_and_never_reruns_a_finished_cell(tmp_path):
         assert GROUP_KEYS <= set(g)
     assert (out / "summary.md").read_text().count("Recovered share of the stale–sync gap: (") == 1
     assert {p.name for p in report["figures"]} >= {"fig_cos.png", "fig_robustness.png", "fig_curves_quadratic.png"}
+    # two persistent workers ran all the cells (no process per cell), each recording its memory per cell
+    statuses = [json.loads(p.read_text()) for p in out.glob("cells/**/status.json")]
+    pids = {st["worker_pid"] for st in statuses}
+    assert len(pids) <= 2 and os.getpid() not in pids
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["workers"] == 2 and timing["ran"] == len(cells)
+    assert {w["pid"] for w in timing["per_worker"]} == pids
+    assert sum(w["cells"] for w in timing["per_worker"]) == len(cells)
+    for w in timing["per_worker"]:
+        assert len(w["rss_mb"]) == w["cells"] and w["rss_mb_max"] == max(w["rss_mb"]) > 0
+    assert timing["step_s"] == pytest.approx(sum(st["step_s"] for st in statuses))
+    assert timing["step_share"] == pytest.approx(timing["step_s"] / (2 * timing["wall_s"]))
+    assert 0 < timing["step_share"] < 1
+    assert summary["timing"] == timing
+    assert "Last run: step share" in (out / "summary.md").read_text()
     mtimes = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
     second = run_grid(cells, out, workers=2)
     assert second["ran"] == 0 and second["skipped_done"] == len(cells)
     assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+    assert json.loads((out / "timing.json").read_text()) == timing  # a run that executes no cell keeps the last timing
 
 
 def test_report_is_rebuilt_from_stored_runs_alone(tmp_path):
@@ -190,8 +206,9 @@ def test_ray_executor_on_a_local_instance(tmp_path):
     finally:
         ray.shutdown()
     assert result["ran"] == len(cells) and result["failed"] == 0
-    for c in cells:
-        assert json.loads((cell_dir(tmp_path / "out", c) / "status.json").read_text())["status"] == "done"
+    statuses = [json.loads((cell_dir(tmp_path / "out", c) / "status.json").read_text()) for c in cells]
+    assert all(st["status"] == "done" for st in statuses)
+    assert len({st["worker_pid"] for st in statuses}) <= 2 < len(cells)  # two actors ran every cell
 
 
 def test_param_overrides_are_parsed_and_checked():

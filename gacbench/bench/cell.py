@@ -1,8 +1,13 @@
 """One cell of a benchmark grid: (task, method, staleness, seed) -> a run directory.
 
 A cell directory holds ``config.json`` (what was run), ``metrics.csv`` (every logged scalar, per
-step, through Lightning's CSVLogger) and ``status.json`` (done or failed, the final metric, timing).
-Every file is written atomically, so a killed worker leaves either no status or a complete one.
+step, through Lightning's CSVLogger) and ``status.json`` (done or failed, the final metric, timing,
+the worker process and its resident memory after the cell). Every file is written atomically, so a
+killed worker leaves either no status or a complete one.
+
+The directory encodes the task, method, staleness and seed; the objective, its parameters and the
+step count are checked against the stored ``config.json`` instead (:func:`identity_diff`): a done
+cell is reused only for the same settings.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -20,9 +26,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
 from gacbench.callbacks import AlignmentMonitor, StalenessSimulator
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
+from gacbench.trainer import build_trainer
+
+#: The keys compared between a stored done cell and the cell asked for: those its results depend on
+#: that its directory does not encode, and the method (the directory encodes it only up to a
+#: substitution of unusual characters).
+IDENTITY_KEYS = ("objective", "params", "steps", "method")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -36,7 +49,11 @@ def read_json(path: Path) -> Any:
 
 
 class StepTimer(pl.Callback):
-    """Splits each optimizer step into the objective's own forward + backward and everything else."""
+    """Splits each optimizer step into the objective's own forward + backward and everything else.
+
+    A step is timed from the callbacks' ``on_train_batch_start`` to their ``on_train_batch_end``;
+    the objective's own ``on_train_batch_end`` (its periodic eval) runs after that and is not counted.
+    """
 
     def __init__(self) -> None:
         self.total: list[float] = []
@@ -58,6 +75,42 @@ class StepTimer(pl.Callback):
             return math.nan
         return 1.0 - statistics.median(self.model) / statistics.median(self.total)
 
+    def step_s(self) -> float:
+        """Seconds of all timed optimizer steps together."""
+        return float(sum(self.total))
+
+
+class EvalTimer:
+    """Wraps an objective's ``metric()`` on the instance and adds up the seconds spent in it."""
+
+    def __init__(self, model: pl.LightningModule) -> None:
+        self.seconds = 0.0
+        inner = model.metric
+
+        def metric(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        model.metric = metric
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MiB: VmRSS from /proc/self/status, else the peak from getrusage."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 1024.0)
+
 
 class DivergenceStop(pl.Callback):
     """Stops a run whose loss is no longer finite: later steps cannot change the verdict."""
@@ -73,14 +126,86 @@ def cell_dir(root: Path, cell: dict) -> Path:
     return root / "cells" / cell["task"] / method / f"s{cell['staleness']}" / f"seed{cell['seed']}"
 
 
+def stored_done(root: Path, cell: dict) -> dict | None:
+    """The stored status of ``cell``'s directory if it records a finished run, else None."""
+    path = cell_dir(root, cell) / "status.json"
+    if not path.exists():
+        return None
+    status = read_json(path)
+    return status if status.get("status") == "done" else None
+
+
+def stored_config(root: Path, cell: dict, status: dict | None = None) -> dict:
+    """The cell a directory's run was computed for: the status's copy, else ``config.json``."""
+    if status is not None and isinstance(status.get("cell"), dict):
+        return status["cell"]
+    path = cell_dir(root, cell) / "config.json"
+    return read_json(path) if path.exists() else {}
+
+
+def _canonical(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))  # as stored in config.json
+
+
+UNSET = object()  # a parameter one side of a comparison does not set
+
+
+def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"engine": {"name": "hf"}}`` -> ``{"engine.name": "hf"}`` (an empty section stays a value)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def identity_diff(stored: dict, cell: dict) -> dict[str, tuple[Any, Any]]:
+    """``{key: (stored, new)}`` for each identity key that differs (``params.NAME`` per parameter,
+    ``params.SECTION.NAME`` inside a section); a parameter set on one side only has the value ``UNSET``
+    on the other."""
+    diff: dict[str, tuple[Any, Any]] = {}
+    new = _canonical(cell)
+    for key in IDENTITY_KEYS:
+        if key == "params":
+            old_p, new_p = _flat(stored.get("params") or {}), _flat(new.get("params") or {})
+            for name in sorted(set(old_p) | set(new_p)):
+                a, b = old_p.get(name, UNSET), new_p.get(name, UNSET)
+                if a != b:
+                    diff[f"params.{name}"] = (a, b)
+        elif key in stored and stored.get(key) != new.get(key):
+            diff[key] = (stored.get(key), new.get(key))
+    return diff
+
+
+def show_change(key: str, old: Any, new: Any) -> str:
+    """``params.lr: 0.05 (stored) -> 0.2 (now)``."""
+    def show(v: Any) -> str:
+        return "unset" if v is UNSET else json.dumps(v, default=str)
+
+    return f"{key}: {show(old)} (stored) -> {show(new)} (now)"
+
+
+class CellMismatchError(ValueError):
+    """A finished cell in the output directory was computed with other settings than the one asked for."""
+
+
 def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None) -> dict:
-    """Run one cell unless its directory already records it as done; returns its status."""
+    """Run one cell unless its directory already records it as done; returns its status.
+
+    A done cell computed with other settings (:func:`identity_diff`) raises CellMismatchError.
+    """
     out = cell_dir(Path(root), cell)
     status_path = out / "status.json"
-    if status_path.exists():
-        status = read_json(status_path)
-        if status.get("status") == "done":
-            return status
+    done = stored_done(Path(root), cell)
+    if done is not None:
+        diff = identity_diff(stored_config(Path(root), cell, done), cell)
+        if diff:
+            changes = "; ".join(show_change(k, a, b) for k, (a, b) in diff.items())
+            raise CellMismatchError(f"{out} holds a finished run with other settings ({changes}); use another output "
+                                    "directory, or delete that cell directory to recompute it")
+        return done
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", cell)
     if threads:
@@ -90,7 +215,7 @@ def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None) ->
         status = _run(cell, out)
     except Exception as exc:  # a failed cell is recorded and never stops the grid
         status = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    status.update({"cell": cell, "seconds": time.perf_counter() - t0})
+    status.update({"cell": cell, "seconds": time.perf_counter() - t0, "worker_pid": os.getpid(), "rss_mb": rss_mb()})
     write_json(status_path, status)
     return status
 
@@ -117,12 +242,10 @@ def _run(cell: dict, out: Path) -> dict:
     callbacks += method_callbacks(cell["method"])
     timer = StepTimer()
     callbacks += [timer, DivergenceStop()]
+    evals = EvalTimer(model)
     initial = model.metric()
-    trainer = pl.Trainer(
-        max_steps=cell["steps"], accelerator="cpu", devices=1, callbacks=callbacks, log_every_n_steps=1,
-        logger=CSVLogger(save_dir=str(out), name="", version=""), enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-    )
+    trainer = build_trainer(cell["steps"], callbacks, CSVLogger(save_dir=str(out), name="", version=""),
+                            accelerator=getattr(cls, "accelerator", "cpu"))
     trainer.fit(model)
     final = model.metric()
     return {
@@ -130,4 +253,5 @@ def _run(cell: dict, out: Path) -> dict:
         "metric": model.metric_name, "higher_is_better": model.higher_is_better,
         "steps_run": trainer.global_step, "overhead_share": timer.overhead_share(),
         "step_ms": 1e3 * statistics.median(timer.total) if timer.total else math.nan,
+        "step_s": timer.step_s(), "eval_s": evals.seconds,
     }

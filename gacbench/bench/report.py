@@ -13,7 +13,10 @@ running anything. Definitions:
   gap smaller than twice its standard error over seeds (sqrt(s_sync²/n_sync + s_stale²/n_stale), s the
   sample standard deviation) is flagged (``gap_within_noise``; null with a single seed): the share is
   then a ratio of noise;
-- the c_t statistics use the steps after the suite's warm-up.
+- the c_t statistics use the steps after the suite's warm-up;
+- ``timing`` (from ``timing.json``, written by the last ``gacbench bench`` run that executed cells):
+  the wall time, cells per minute, the step share (optimizer-step seconds of the cells run /
+  (wall time x workers)) and each worker's resident memory after each of its cells.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     status = read_json(d / "status.json")
     rec: dict[str, Any] = {k: cell[k] for k in ("task", "method", "staleness", "seed")}
     rec.update({"status": status.get("status"), "ablation": bool(cell.get("ablation"))})
-    if cell["objective"] == "grpo":
-        rec["engine"] = cell.get("params", {}).get("engine", "hf")
+    if cell["objective"] == "grpo":  # the engine section's name, or a flat engine name
+        engine = cell.get("params", {}).get("engine") or "hf"
+        rec["engine"] = engine.get("name", "hf") if isinstance(engine, dict) else engine
     if status.get("status") != "done":
         rec.update({"error": status.get("error"), "metric": None, "higher_is_better": None, "final": None,
                     "diverged": None, "cos_median": None, "cos_abs_q90": None, "cos_abs_le_005": None})
@@ -68,6 +72,7 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
         "final": status["final"], "diverged": status["diverged"], "cos_median": s["median"],
         "cos_abs_q90": s["q90_abs"], "cos_abs_le_005": s["frac_le_tol"], "cos_max_abs": s["max_abs"],
         "seconds": status.get("seconds"), "step_ms": status.get("step_ms"), "overhead_share": status.get("overhead_share"),
+        "step_s": status.get("step_s"), "eval_s": status.get("eval_s"), "rss_mb": status.get("rss_mb"),
     })
     reward = [v for _, v in series.get("reward/mean", [])]
     if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
@@ -176,7 +181,7 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
 
 
 def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
-             reward_shares: list[dict] | None = None) -> str:
+             reward_shares: list[dict] | None = None, timing: dict | None = None) -> str:
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     tasks = sorted({g["task"] for g in groups})
@@ -218,8 +223,25 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += ["", "## Timing", "",
                   f"Median step {statistics.median(c['step_ms'] for c in done):.2f} ms; median share of step time outside the "
                   f"objective's forward+backward {statistics.median(c['overhead_share'] for c in done):.0%} "
-                  f"({len(done)} cells, {sum(c['seconds'] for c in done):.0f} s of cell time)."]
+                  f"({len(done)} cells, {sum(c['seconds'] for c in done):.0f} s of cell time)."
+                  + _step_share_note(timing)]
     return "\n".join(lines) + "\n"
+
+
+def _step_share_note(timing: dict | None) -> str:
+    if not timing or timing.get("step_share") is None:
+        return ""
+    return (f" Last run: step share {timing['step_share']:.0%} ({timing['ran']} cells, {timing['workers']} worker(s), "
+            f"{timing['wall_s']:.0f} s wall).")
+
+
+def read_timing(root: Path) -> dict | None:
+    """``timing.json`` of a bench directory, or None (not written yet, or unreadable)."""
+    path = root / "timing.json"
+    try:
+        return read_json(path) if path.exists() else None
+    except ValueError:
+        return None
 
 
 def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[dict]) -> list[Path]:
@@ -360,9 +382,12 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     groups = group_records(records)
     shares = recovered_shares(groups)
     reward_shares = recovered_shares(groups, "reward_last")
+    timing = read_timing(root)
     summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares}
+    if timing is not None:
+        summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
-    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares))
+    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing))
     figs = figures(root, records, specs, groups) if groups else []
     shares_oh = [r["overhead_share"] for r in records if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     return {"figures": figs, "overhead_share_median": statistics.median(shares_oh) if shares_oh else math.nan, "summary": summary}

@@ -1,16 +1,29 @@
 """``gacbench bench``: a grid of (task, method, staleness, seed) cells, each a stored run.
 
-Cells run in a local process pool (default) or on a Ray cluster. A cell whose directory records
-it as done is never rerun, so an interrupted grid resumes where it stopped; a failed cell is
-recorded with its error and the grid goes on. Summary tables and figures are then built from
-the stored runs alone (:mod:`gacbench.bench.report`).
+Cells run in a local process pool (default) or on Ray actors. Workers live for the whole grid
+and run cell after cell, so a worker's imports, and the rollout engine an LLM objective keeps per
+process, are paid once per worker rather than once per cell; pending cells are ordered so that
+cells sharing an objective and parameters (hence an engine configuration) run back to back. Local
+workers exit when the runner's process does.
+
+A cell whose directory records it as done is never rerun, so an interrupted grid resumes where it
+stopped; a done cell computed with other settings (objective, parameters, steps, method) is refused
+up front rather than reused. A failed cell is recorded with its error and the grid goes on. Summary
+tables and figures are then built from the stored runs alone (:mod:`gacbench.bench.report`). Each
+run that executes cells writes ``timing.json``: the wall time, cells per minute, the step share
+(optimizer-step seconds of the cells run / (wall time x workers)) and each worker's resident memory
+after each of its cells.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -19,9 +32,19 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gacbench.bench.cell import cell_dir, read_json, run_cell
+import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo)
+from gacbench.bench.cell import (
+    CellMismatchError,
+    cell_dir,
+    identity_diff,
+    run_cell,
+    show_change,
+    stored_config,
+    stored_done,
+    write_json,
+)
 from gacbench.methods import parse_method, split_top_level
-from gacbench.objectives import LAZY, OBJECTIVES
+from gacbench.objectives import is_registered, objective_class, registered_objectives
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUITES_DIR = REPO_ROOT / "tasks" / "suites"
@@ -46,9 +69,9 @@ def load_suite(name: str) -> dict[str, Any]:
         if key not in suite:
             raise ValueError(f"suite {name!r} has no {key!r}")
     for task, spec in suite["tasks"].items():
-        if spec.get("objective") not in OBJECTIVES and spec.get("objective") not in LAZY:
+        if not is_registered(spec.get("objective")):
             raise ValueError(f"suite {name!r}, task {task!r}: objective {spec.get('objective')!r} is not one of "
-                             f"{', '.join(list(OBJECTIVES) + list(LAZY))}")
+                             f"{', '.join(registered_objectives())}")
     return suite
 
 
@@ -96,14 +119,84 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
 
 
 def is_done(root: Path, cell: dict) -> bool:
-    status = cell_dir(root, cell) / "status.json"
-    return status.exists() and read_json(status).get("status") == "done"
+    return stored_done(root, cell) is not None
 
 
-def _init_worker(threads: int) -> None:
+def engine_key(cell: dict) -> tuple[str, str]:
+    """Cells with the same key share an objective and its parameters, hence an engine configuration."""
+    return cell["objective"], json.dumps(cell.get("params", {}), sort_keys=True, default=str)
+
+
+def order_cells(cells: list[dict]) -> list[dict]:
+    """``cells`` with those of equal :func:`engine_key` back to back; groups in order of first appearance,
+    the order within a group kept."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for c in cells:
+        groups.setdefault(engine_key(c), []).append(c)
+    return [c for group in groups.values() for c in group]
+
+
+def check_stored(cells: list[dict], root: Path) -> None:
+    """Refuse a grid whose done cells in ``root`` were computed with other settings (see cell.identity_diff)."""
+    mismatched: list[tuple[dict, dict]] = []
+    for c in cells:
+        done = stored_done(root, c)
+        if done is not None:
+            diff = identity_diff(stored_config(root, c, done), c)
+            if diff:
+                mismatched.append((c, diff))
+    if not mismatched:
+        return
+    changes: dict[str, int] = {}
+    for _, diff in mismatched:
+        for key, (old, new) in diff.items():
+            change = show_change(key, old, new)
+            changes[change] = changes.get(change, 0) + 1
+    lines = [f"{root} holds {len(mismatched)} finished cell(s) computed with other settings than this run asks for:"]
+    lines += [f"  {change}, in {n} cell(s)" for change, n in changes.items()]
+    dirs = [str(cell_dir(root, c)) for c, _ in mismatched]
+    lines.append("  cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more" if len(dirs) > 3 else ""))
+    tasks = sorted({c["task"] for c, _ in mismatched})
+    lines.append("A finished cell is reused only for the same objective, parameters, steps and method. Fix: use another "
+                 "--out, or delete the stored cells to recompute them with these settings ("
+                 + "; ".join(f"rm -r {root / 'cells' / t}" for t in tasks) + " removes every cell of a task).")
+    raise CellMismatchError("\n".join(lines))
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """End this worker when the process that started it ends, even by SIGKILL: on Linux the kernel
+    delivers SIGKILL (PR_SET_PDEATHSIG, which fires when the parent's thread that started the worker
+    ends: the pool starts its workers from the thread that submits the cells, which outlives the
+    pool); everywhere a daemon thread waits on the parent's sentinel."""
+    import multiprocessing
+    import signal
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent ended before the line above
+        os._exit(1)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        from multiprocessing.connection import wait as wait_ready
+
+        def watch() -> None:
+            wait_ready([parent.sentinel])
+            os._exit(1)
+
+        threading.Thread(target=watch, name="gacbench-parent-watch", daemon=True).start()
+
+
+def _init_worker(threads: int, parent_pid: int | None = None) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    _die_with_parent(parent_pid)
 
 
 class _Display:
@@ -122,16 +215,50 @@ class _Display:
         self.progress.update(self.task, advance=1 if finished is not None else 0, running=running, failed=self.failed)
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def timing_record(results: list[dict], wall: float, workers: int) -> dict[str, Any]:
+    """Step share, cell rate and per-worker memory of the cells run in one invocation (``results`` in
+    completion order, so each worker's list of resident memory is in the order it ran its cells)."""
+    step_s = sum(r["step_s"] for r in results if _finite(r.get("step_s")))
+    eval_s = sum(r["eval_s"] for r in results if _finite(r.get("eval_s")))
+    per: dict[int, list[float]] = {}
+    for r in results:
+        if r.get("worker_pid") is not None:
+            per.setdefault(int(r["worker_pid"]), []).append(r.get("rss_mb"))
+    per_worker = []
+    for pid, rss in per.items():
+        known = [x for x in rss if _finite(x)]
+        per_worker.append({"pid": pid, "cells": len(rss), "rss_mb": rss,
+                           "rss_mb_first": known[0] if known else None, "rss_mb_last": known[-1] if known else None,
+                           "rss_mb_max": max(known) if known else None})
+    return {
+        "wall_s": wall, "workers": workers,
+        "cells_per_min": 60.0 * len(results) / wall if results and wall > 0 else 0.0,
+        "step_s": step_s, "eval_s": eval_s,
+        "step_share": step_s / (wall * workers) if results and wall > 0 and workers > 0 else None,
+        "per_worker": per_worker,
+    }
+
+
 def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, executor: str = "local",
              console: Console | None = None) -> dict[str, Any]:
-    """Run every cell not yet done; returns timing figures."""
+    """Run every cell not yet done; returns timing figures (also written to ``out/timing.json`` when a
+    cell ran). Raises CellMismatchError, before running anything, if a done cell in ``out`` was
+    computed with other settings than its cell in ``cells``."""
     root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    console = console or Console()
-    pending = [c for c in cells if not is_done(root, c)]
-    done_before = len(cells) - len(pending)
     if workers < 1:
         raise ValueError(f"--workers {workers} must be >= 1")
+    if executor not in ("local", "ray"):
+        raise ValueError(f"--executor {executor!r} is not 'local' or 'ray'")
+    root.mkdir(parents=True, exist_ok=True)
+    check_stored(cells, root)
+    console = console or Console()
+    pending = order_cells([c for c in cells if not is_done(root, c)])
+    done_before = len(cells) - len(pending)
+    used = 1 if executor == "local" and workers == 1 else min(workers, len(pending))
     threads = max(1, (os.cpu_count() or 1) // workers)
     display = _Display(len(cells), done_before, console)
     t0 = time.perf_counter()
@@ -140,47 +267,58 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
         if not pending:
             pass
         elif executor == "ray":
-            results = _run_ray(pending, root, workers, threads, display)
-        elif executor == "local" and workers == 1:
+            results = _run_ray(pending, root, used, threads, display)
+        elif workers == 1:
             for cell in pending:
                 display.update(running=1)
                 results.append(run_cell(cell, root, threads))
                 display.update(running=0, finished=results[-1])
-        elif executor == "local":
-            results = _run_pool(pending, root, workers, threads, display)
         else:
-            raise ValueError(f"--executor {executor!r} is not 'local' or 'ray'")
+            results = _run_pool(pending, root, used, threads, display)
     wall = time.perf_counter() - t0
     failed = [r for r in results if r.get("status") != "done"]
-    return {"cells": len(cells), "ran": len(results), "skipped_done": done_before, "failed": len(failed),
-            "wall_s": wall, "cells_per_min": 60.0 * len(results) / wall if results and wall > 0 else 0.0}
-
-
-def _needs_fresh_process(cells: list[dict]) -> bool:
-    """Objectives that hold an in-process engine (GRPO with vLLM) do not give all its memory back when a
-    cell ends; a worker that ran many such cells grew until the kernel killed it. Those grids run every
-    cell in a fresh worker process (a few seconds of start-up per cell)."""
-    from gacbench.objectives import objective_class
-
-    return any(getattr(objective_class(o), "fresh_process", False) for o in {c["objective"] for c in cells})
+    timing = {"cells": len(cells), "ran": len(results), "skipped_done": done_before, "failed": len(failed),
+              "executor": executor, **timing_record(results, wall, used if results else 0)}
+    if results:
+        write_json(root / "timing.json", timing)
+    return timing
 
 
 def _run_pool(pending: list[dict], root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
+    """``workers`` spawned processes that each run cells until the queue is empty (in ``pending``'s order)."""
     results = []
-    fresh = {"max_tasks_per_child": 1} if _needs_fresh_process(pending) else {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,), **fresh) as pool:
+                             initializer=_init_worker, initargs=(threads, os.getpid())) as pool:
         futures = {pool.submit(run_cell, c, str(root), threads) for c in pending}
         display.update(running=min(workers, len(futures)))
         while futures:
             finished, futures = wait(futures, return_when=FIRST_COMPLETED)
             for f in finished:
-                results.append(f.result())
+                try:
+                    results.append(f.result())
+                except BrokenProcessPool as exc:
+                    raise RuntimeError(
+                        f"a worker process died while running cells ({exc}); most often the system ran out of memory and "
+                        "killed it. The cells finished so far are stored: rerun the same command to resume, with fewer "
+                        "--workers if memory is short") from exc
                 display.update(running=min(workers, len(futures)), finished=results[-1])
     return results
 
 
+class _CellWorker:
+    """A Ray actor that runs cells one after another in one process."""
+
+    def __init__(self, threads: int) -> None:
+        _init_worker(threads)
+
+    def run(self, cell: dict, root: str, threads: int) -> dict:
+        return run_cell(cell, root, threads)
+
+
 def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
+    """``workers`` Ray actors, each handed its next cell when it finishes one: a cell with the same
+    engine key as its last one if any is left, else the next in ``pending``'s order. A cell whose
+    actor dies is recorded as failed and the actor replaced."""
     try:
         import ray
     except ImportError:
@@ -189,28 +327,65 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
         address = os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  **({} if address else {"num_cpus": workers}))
-    remote = ray.remote(num_cpus=1, max_calls=1 if _needs_fresh_process(pending) else 0)(run_cell)
-    refs = [remote.remote(c, str(root.resolve()), threads) for c in pending]
+    options: dict[str, Any] = {"num_cpus": 1}
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and any(objective_class(o).accelerator != "cpu" for o in {c["objective"] for c in pending}):
+        options["num_gpus"] = min(1.0, gpus / workers)
+    actor_cls = ray.remote(**options)(_CellWorker)
+    root_s = str(root.resolve())
+    queue = list(pending)
+    actors = [actor_cls.remote(threads) for _ in range(workers)]
+    last: dict[int, tuple[str, str]] = {}
+    inflight: dict[Any, tuple[int, dict]] = {}
+
+    def dispatch(i: int) -> None:
+        j = next((k for k, c in enumerate(queue) if engine_key(c) == last.get(i)), 0)
+        cell = queue.pop(j)
+        last[i] = engine_key(cell)
+        inflight[actors[i].run.remote(cell, root_s, threads)] = (i, cell)
+
     results = []
-    display.update(running=min(workers, len(refs)))
-    while refs:
-        ready, refs = ray.wait(refs, num_returns=1)
-        results.append(ray.get(ready[0]))
-        display.update(running=min(workers, len(refs)), finished=results[-1])
+    try:
+        for i in range(workers):
+            if queue:
+                dispatch(i)
+        display.update(running=len(inflight))
+        while inflight:
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            i, cell = inflight.pop(ready[0])
+            try:
+                results.append(ray.get(ready[0]))
+            except ray.exceptions.RayActorError as exc:
+                status = {"status": "failed", "error": f"the Ray actor running this cell died: {exc}", "cell": cell}
+                out = cell_dir(root, cell)
+                out.mkdir(parents=True, exist_ok=True)
+                write_json(out / "status.json", status)
+                results.append(status)
+                actors[i] = actor_cls.remote(threads)
+                last.pop(i, None)
+            if queue:
+                dispatch(i)
+            display.update(running=len(inflight), finished=results[-1])
+    finally:
+        for actor in actors:
+            ray.kill(actor)
     return results
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
-    """``["engine=hf", "lr=1e-3"]`` -> ``{"engine": "hf", "lr": 0.001}`` (values read as YAML scalars)."""
+    """``["engine.name=hf", "lr=1e-3"]`` -> ``{"engine": {"name": "hf"}, "lr": 0.001}``: values read as YAML
+    scalars; a dotted key sets a field of a parameter that is a section (a dict)."""
     import yaml
 
-    out = {}
+    out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"--param {item!r}: expected KEY=VALUE, e.g. --param engine=hf")
-        if key in RESERVED_PARAMS:
+        path = key.split(".")
+        if not sep or not key or not all(path):
+            raise ValueError(f"--param {item!r}: expected KEY=VALUE or SECTION.KEY=VALUE, e.g. --param lr=3e-4 "
+                             "or --param engine.name=hf")
+        if path[0] in RESERVED_PARAMS:
             raise ValueError(f"--param {key}: set by the grid itself; use --seeds / --staleness, or the suite's 'steps'")
         try:
             parsed = yaml.safe_load(value) if value.strip() else value
@@ -218,25 +393,70 @@ def parse_params(items: list[str]) -> dict[str, Any]:
             parsed = value
         if isinstance(parsed, (dict, list)):  # e.g. a template "{problem}": keep the text
             parsed = value
-        out[key] = float(parsed) if isinstance(parsed, str) and _is_number(parsed) else parsed
+        parsed = float(parsed) if isinstance(parsed, str) and _is_number(parsed) else parsed
+        out = merge_params(out, _nest(path, parsed))
+    return out
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def merge_params(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` applied: a dict merges into a dict key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_params(out[key], value)
+        else:
+            out[key] = value
     return out
 
 
 RESERVED_PARAMS = ("seed", "steps", "staleness")
 
 
+def _section_fields(cls: type, name: str) -> set[str] | None:
+    """The fields of parameter ``name`` of ``cls.__init__`` when its type is a dataclass (a section), else None."""
+    import dataclasses
+    import typing
+
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(name)
+    except Exception:  # unresolvable annotations: no section check
+        return None
+    for arg in typing.get_args(hint) or (hint,):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return {f.name for f in dataclasses.fields(arg)}
+    return None
+
+
 def check_params(cells: list[dict]) -> None:
-    """Every cell's params must be arguments of its objective: a typo fails here, not in every cell."""
+    """Every cell's params must be arguments of its objective, and a section's keys fields of that
+    section: a typo fails here, not in every cell."""
     import inspect
 
-    from gacbench.objectives import objective_class
-
     for c in cells:
-        accepted = inspect.signature(objective_class(c["objective"]).__init__).parameters
-        unknown = sorted(set(c["params"]) - set(accepted))
+        cls = objective_class(c["objective"])
+        accepted = inspect.signature(cls.__init__).parameters
+        any_name = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        unknown = [] if any_name else sorted(set(c["params"]) - set(accepted))
         if unknown:
             raise ValueError(f"task {c['task']!r} ({c['objective']}): unknown parameter(s) {', '.join(unknown)}; "
                              f"accepted: {', '.join(k for k in accepted if k != 'self')}")
+        for name, value in c["params"].items():
+            fields = _section_fields(cls, name)
+            if fields is None or value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ValueError(f"task {c['task']!r} ({c['objective']}): parameter {name!r} is a section with the "
+                                 f"fields {', '.join(sorted(fields))}; set a field: --param {name}.FIELD=VALUE")
+            bad = sorted(set(value) - fields)
+            if bad:
+                raise ValueError(f"task {c['task']!r} ({c['objective']}): unknown {name} setting(s) "
+                                 f"{', '.join(f'{name}.{k}' for k in bad)}; the {name} section takes {', '.join(sorted(fields))}")
 
 
 def _is_number(text: str) -> bool:
@@ -261,7 +481,7 @@ def main(args) -> int:
     )
     overrides = parse_params(getattr(args, "param", None) or [])
     for c in cells:
-        c["params"] = {**c["params"], **overrides}
+        c["params"] = merge_params(c["params"], overrides)
     if overrides:
         check_params(cells)
     out = Path(args.out)
@@ -269,12 +489,33 @@ def main(args) -> int:
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")
     if not any(c["method"] == "sync" for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0): the recovered shares cannot be computed")
-    timing = run_grid(cells, out, args.workers, args.executor, console)
+    try:
+        timing = run_grid(cells, out, args.workers, args.executor, console)
+    except CellMismatchError as exc:
+        raise SystemExit(f"gacbench bench: {exc}") from None
     report = build_report(out, cells=cells)
     console.print(
         f"ran {timing['ran']} cells ({timing['skipped_done']} already done, {timing['failed']} failed) in "
         f"{timing['wall_s']:.1f} s: {timing['cells_per_min']:.1f} cells/min; median framework share of step time "
         f"{report['overhead_share_median']:.0%}"
     )
+    for line in timing_lines(timing):
+        console.print(line, highlight=False)
     console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures")
     return 1 if timing["failed"] else 0
+
+
+def timing_lines(timing: dict[str, Any]) -> list[str]:
+    """The step share and each worker's resident memory, as printed at the end of a run."""
+    if not timing.get("ran") or timing.get("step_share") is None:
+        return []
+
+    def mb(x: float | None) -> str:
+        return "?" if x is None else f"{x:.0f}"
+
+    lines = [f"step share {timing['step_share']:.0%}: {timing['step_s']:.1f} s of optimizer steps over "
+             f"{timing['workers']} worker(s) x {timing['wall_s']:.1f} s wall (eval {timing['eval_s']:.1f} s)"]
+    for w in timing["per_worker"]:
+        lines.append(f"  worker pid {w['pid']}: {w['cells']} cells, resident memory after its first cell "
+                     f"{mb(w['rss_mb_first'])} MB, after its last {mb(w['rss_mb_last'])} MB, max {mb(w['rss_mb_max'])} MB")
+    return lines

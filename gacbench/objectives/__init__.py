@@ -1,38 +1,25 @@
-"""Synthetic objectives as LightningModules with known constants, found by name."""
+"""Synthetic objectives as LightningModules with known constants, found by name.
+
+Objectives are looked up in a registry (:mod:`gacbench.objectives.registry`): the four synthetic
+ones register here; other packages register theirs (``gacbench.llm`` registers ``grpo``).
+"""
 
 from gacbench.objectives.bandit import SoftmaxBandit
 from gacbench.objectives.base import Objective
 from gacbench.objectives.logistic import LogisticRegression
 from gacbench.objectives.mlp import MLPClassifier
 from gacbench.objectives.quadratic import NoisyQuadratic
+from gacbench.objectives.registry import is_registered, objective_class, register_objective, registered_objectives
 
-OBJECTIVES: dict[str, type[Objective]] = {
-    "quadratic": NoisyQuadratic,
-    "logistic": LogisticRegression,
-    "mlp": MLPClassifier,
-    "bandit": SoftmaxBandit,
-}
-
-
-def _grpo():
-    from gacbench.llm.grpo import GRPOModule  # needs transformers: imported only when asked for
-
-    return GRPOModule
-
-
-LAZY = {"grpo": _grpo}
-
-
-def objective_class(name: str) -> type[Objective]:
-    if name in OBJECTIVES:
-        return OBJECTIVES[name]
-    if name in LAZY:
-        return LAZY[name]()
-    raise ValueError(f"unknown objective {name!r}; choose from {', '.join(list(OBJECTIVES) + list(LAZY))}")
+register_objective("quadratic", NoisyQuadratic)
+register_objective("logistic", LogisticRegression)
+register_objective("mlp", MLPClassifier)
+register_objective("bandit", SoftmaxBandit)
 
 
 def make_objective(name: str, **params) -> Objective:
     return objective_class(name)(**params)
 
 
-__all__ = ["LAZY", "objective_class", "OBJECTIVES", "LogisticRegression", "MLPClassifier", "NoisyQuadratic", "Objective", "SoftmaxBandit", "make_objective"]
+__all__ = ["LogisticRegression", "MLPClassifier", "NoisyQuadratic", "Objective", "SoftmaxBandit", "is_registered",
+           "make_objective", "objective_class", "register_objective", "registered_objectives"]

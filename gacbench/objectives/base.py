@@ -21,6 +21,7 @@ class Objective(pl.LightningModule):
     metric_name = "metric"
     higher_is_better = False
     rollout_staleness = False
+    accelerator = "cpu"  # a bench cell's Trainer accelerator: "cpu", "auto", "gpu" (gacbench.trainer.pick_accelerator)
 
     def __init__(self, eval_every: int = 10) -> None:
         super().__init__()
@@ -38,7 +39,7 @@ class Objective(pl.LightningModule):
             self.log_scalars({f"eval/{self.metric_name}": self.metric()})
 
     def log_scalars(self, metrics: dict) -> None:
-        """Scalars straight to the loggers (see gacbench.callbacks._common.log_metrics for why)."""
+        """Scalars to ``trainer.callback_metrics`` and the loggers (gacbench.callbacks._common.log_metrics says how)."""
         from gacbench.callbacks._common import log_metrics
 
         log_metrics(self.trainer, metrics)
