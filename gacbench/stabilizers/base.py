@@ -1,24 +1,33 @@
-"""The stabilizer API (docs/design.md).
+"""The stabilizer API (docs/design.md, docs/add-a-stabilizer.md).
 
 A stabilizer is a ``lightning.Callback`` of one of two kinds:
 
 - gradient side (``kind = "gradient"``, e.g. GAC): transforms gradients in ``on_before_optimizer_step``;
-- loss side (``kind = "loss"``, e.g. M2PO, BAPO, TIS, decoupled PPO): subclasses :class:`LossStabilizer`
-  and implements ``policy_loss(batch) -> (loss, metrics)`` on a :class:`PolicyBatch`; an RL module
-  (the bandit, the GRPO module) finds the run's loss-side stabilizer once, in its ``setup`` hook
-  (``resolve_loss_stabilizer``), and gets its loss from ``policy_loss(stabilizer, batch, ...)``, which uses
-  that stabilizer and otherwise the clipped surrogate.
+- loss side (``kind = "loss"``, e.g. M2PO, BAPO, TIS): subclasses :class:`LossStabilizer` and implements
+  ``policy_loss(batch) -> (loss, metrics)`` on a :class:`PolicyBatch`; an RL module (the bandit, the GRPO
+  module) finds the run's loss-side stabilizer once, in its ``setup`` hook (``resolve_loss_stabilizer``), and
+  gets its loss from ``policy_loss(stabilizer, batch)``, which uses that stabilizer and otherwise the clipped
+  surrogate.
+
+The module's loss settings (clip bounds, aggregation) travel in the :class:`PolicyBatch`, so every
+loss-side stabilizer sees the same settings as the default surrogate; a stabilizer that chooses its own
+bounds (BAPO, GSPO, M2PO's official variant) logs the bounds it used.
+
+Numerical safety, shared by every loss: :func:`sanitize` replaces masked-out positions by zeros with
+``torch.where`` before anything is computed (a NaN or inf in padding reaches neither the loss nor the
+gradients), and log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before ``exp``.
 
 Callbacks are told apart by what they declare, not by their class: a loss-side stabilizer is any callback
-with ``kind = "loss"`` and a ``policy_loss`` method.
-
-At most one loss-side stabilizer per run (a clear error otherwise); a gradient-side one composes with
-any loss-side one.
+with ``kind = "loss"`` and a ``policy_loss`` method. At most one loss-side stabilizer per run (a clear error
+otherwise); a gradient-side one composes with any loss-side one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -26,15 +35,30 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8: verl's safety bound for log-ratios
 
 
 @dataclass
 class PolicyBatch:
-    """Per-token tensors of one policy update, all of shape (B, T) (sequences x tokens).
+    """One policy update's tensors and the module's loss settings.
 
-    ``logp``: current policy log-probs (requires grad); ``logp_behav``: the behaviour policy's (the
-    version that generated the data); ``adv``: advantages; ``mask``: True on response tokens;
-    ``logp_prox``: the proximal policy's (decoupled PPO; default: the current policy, detached).
+    Tensors of shape (B, T) (sequences x tokens):
+
+    - ``logp``: current policy log-probs (requires grad);
+    - ``logp_behav``: the behaviour policy's, recomputed by the trainer for the version that generated the
+      data (the bandit: the sampler's own log-probs);
+    - ``adv``: advantages (constant along a sequence for GRPO);
+    - ``mask``: True on response tokens;
+    - ``logp_prox``: the proximal policy's (decoupled PPO; default: the current policy, detached);
+    - ``logp_engine``: the rollout engine's log-probs for the same tokens at the generating version, or
+      None when the module has no separate engine. Stabilizers that correct the engine/trainer gap (TIS on
+      the engine, MIS, IcePop) require it.
+
+    ``group``: (B,) integer id of the prompt group of each sequence (GRPO's groups), or None; VCPO's
+    baseline needs it.
+
+    Settings: ``clip_low``/``clip_high`` (ratio clipped to [1 - clip_low, 1 + clip_high]) and ``agg`` (one of
+    ``AGG_MODES``), as the module's own surrogate uses them.
     """
 
     logp: Tensor
@@ -42,14 +66,50 @@ class PolicyBatch:
     adv: Tensor
     mask: Tensor
     logp_prox: Tensor | None = None
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    agg: str = "token-mean"
+    logp_engine: Tensor | None = None
+    group: Tensor | None = None
 
     def __post_init__(self) -> None:
-        shapes = {k: tuple(getattr(self, k).shape) for k in ("logp", "logp_behav", "adv", "mask")}
-        if len(set(shapes.values())) != 1:
+        optional = [k for k in ("logp_prox", "logp_engine") if getattr(self, k) is not None]
+        names = ["logp", "logp_behav", "adv", "mask"] + optional
+        shapes = {k: tuple(getattr(self, k).shape) for k in names}
+        if len(set(shapes.values())) != 1 or len(shapes["logp"]) != 2:
             raise ValueError(f"PolicyBatch: tensors must share one (B, T) shape, got {shapes}")
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"PolicyBatch: agg={self.agg!r} is not one of {', '.join(AGG_MODES)}")
+        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
+            raise ValueError(f"PolicyBatch: need 0 <= clip_low < 1 and clip_high >= 0 (the ratio is clipped to "
+                             f"[1 - clip_low, 1 + clip_high]), got clip_low={self.clip_low}, "
+                             f"clip_high={self.clip_high}")
+        if self.group is not None and tuple(self.group.shape) != shapes["logp"][:1]:
+            raise ValueError(f"PolicyBatch: group must have shape (B,) = {shapes['logp'][:1]}, "
+                             f"got {tuple(self.group.shape)}")
         self.mask = self.mask.bool()
         if self.logp_prox is None:
             self.logp_prox = self.logp.detach()
+
+    def engine_logp(self, who: str) -> Tensor:
+        """``logp_engine``, or a clear error naming the stabilizer that needs it."""
+        if self.logp_engine is None:
+            raise ValueError(f"{who} corrects the gap between the rollout engine's and the trainer's log-probs, "
+                             "but this PolicyBatch has no logp_engine. Pass the engine's per-token log-probs as "
+                             "PolicyBatch(..., logp_engine=...) (a module whose sampler is the trainer's own policy "
+                             "passes its behaviour log-probs).")
+        return self.logp_engine
+
+
+def sanitize(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` with masked-out positions replaced by 0 (``torch.where``: no NaN or inf there reaches a result or a
+    gradient; the gradient at those positions is exactly 0)."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def safe_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
+    """log(num/den) from log-probs, (B, T): 0 at masked-out positions, clamped to +-LOG_RATIO_CLAMP."""
+    return (sanitize(num, mask) - sanitize(den, mask)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def global_sum(x: Tensor) -> Tensor:
@@ -61,44 +121,68 @@ def global_sum(x: Tensor) -> Tensor:
 
 
 def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
-    """Aggregate a (B, T) per-token loss over the mask.
+    """Aggregate a (B, T) per-token loss over the mask (masked-out positions are dropped with ``torch.where``).
 
     ``token-mean``: mean over all response tokens of the batch; ``seq-mean-token-mean``: mean over
     sequences of each sequence's token mean; ``seq-mean-token-sum``: mean over sequences of the token sum.
     """
-    m = mask.to(per_token.dtype)
+    mask = mask.bool()
+    x = sanitize(per_token, mask)
+    m = mask.to(x.dtype)
     if mode == "token-mean":
-        return (per_token * m).sum() / m.sum().clamp_min(1.0)
+        return x.sum() / m.sum().clamp_min(1.0)
     if mode == "seq-mean-token-mean":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
+        return (x.sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
     if mode == "seq-mean-token-sum":
-        return (per_token * m).sum(-1).mean()
+        return x.sum(-1).mean()
     raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp_min(1.0)
+    mask = mask.bool()
+    return sanitize(x, mask).sum() / mask.to(x.dtype).sum().clamp_min(1.0)
 
 
 def ratio_metrics(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     r = ratio.detach()
-    return {"is/ratio_mean": masked_mean(r, mask), "is/ratio_max": r.masked_fill(~mask, float("-inf")).max()}
+    mask = mask.bool()
+    # ratios are positive: filling masked-out positions with 0 leaves the max (0 for an empty mask)
+    return {"is/ratio_mean": masked_mean(r, mask), "is/ratio_max": sanitize(r, mask).max()}
 
 
-def clipped_surrogate(batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
-                      agg: str = "token-mean", ratio_low: float | None = None,
-                      ratio_high: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The PPO/GRPO clipped surrogate against the behaviour policy:
-    -agg(min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)), r = exp(logp - logp_behav), shapes (B, T).
-    ``ratio_low``/``ratio_high`` give the clip range as ratio values instead (BAPO's bounds)."""
-    lo = 1.0 - clip_low if ratio_low is None else ratio_low
-    hi = 1.0 + clip_high if ratio_high is None else ratio_high
-    ratio = torch.exp(batch.logp - batch.logp_behav)
-    pg_loss1 = -batch.adv * ratio
-    pg_loss2 = -batch.adv * ratio.clamp(lo, hi)
-    loss = agg_loss(torch.maximum(pg_loss1, pg_loss2), batch.mask, agg)
-    metrics = {"pg/clipfrac": masked_mean((pg_loss2 > pg_loss1).float(), batch.mask), **ratio_metrics(ratio, batch.mask)}
+def surrogate_terms(ratio: Tensor, adv: Tensor, lo: float, hi: float,
+                    dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token PPO loss -min(r A, clip(r, lo, hi) A) and the clipped-token indicator, shapes (B, T).
+
+    ``dual_clip`` = c > 1 (dual-clip PPO, arXiv 1912.09729, verl's ``clip_ratio_c``): for A < 0 the loss is
+    further capped at -c A, so a token whose ratio exceeds c carries no gradient."""
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(lo, hi)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return loss, clipped
+
+
+def clipped_surrogate(batch: PolicyBatch, ratio_low: float | None = None, ratio_high: float | None = None,
+                      dual_clip: float | None = None, weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The PPO/GRPO clipped surrogate against the behaviour policy, shapes (B, T):
+    -agg(w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)), r = exp(logp - logp_behav), with the batch's
+    clip bounds and aggregation. ``ratio_low``/``ratio_high`` give the clip range as ratio values instead (a
+    stabilizer that chooses its own bounds); ``dual_clip`` caps negative-advantage tokens (see
+    :func:`surrogate_terms`); ``weight`` (B, T) is a detached per-token weight (importance corrections)."""
+    lo = 1.0 - batch.clip_low if ratio_low is None else ratio_low
+    hi = 1.0 + batch.clip_high if ratio_high is None else ratio_high
+    m = batch.mask
+    ratio = torch.exp(safe_log_ratio(batch.logp, batch.logp_behav, m))
+    per_token, clipped = surrogate_terms(ratio, sanitize(batch.adv, m), lo, hi, dual_clip)
+    if weight is not None:
+        per_token = per_token * sanitize(weight.detach(), m)
+    loss = agg_loss(per_token, m, batch.agg)
+    metrics = {"pg/clipfrac": masked_mean(clipped.float(), m), **ratio_metrics(ratio, m)}
+    if dual_clip is not None:
+        adv = sanitize(batch.adv, m)
+        metrics["pg/clipfrac_dual"] = masked_mean(((adv < 0) & (ratio > dual_clip)).float(), m)
     return loss, metrics
 
 
@@ -109,14 +193,10 @@ class Stabilizer(Callback):
 
 
 class LossStabilizer(Stabilizer):
-    """A loss-side stabilizer: ``policy_loss(batch)`` returns the policy loss and its metrics."""
+    """A loss-side stabilizer: ``policy_loss(batch)`` returns the policy loss and its metrics. The loss settings
+    (``batch.clip_low``, ``batch.clip_high``, ``batch.agg``) come from the module, in the batch."""
 
     kind = "loss"
-
-    def __init__(self, agg: str = "token-mean") -> None:
-        if agg not in AGG_MODES:
-            raise ValueError(f"{type(self).__name__}: agg={agg!r} is not one of {', '.join(AGG_MODES)}")
-        self.agg = agg
 
     def policy_loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
@@ -153,13 +233,21 @@ def resolve_loss_stabilizer(trainer: "pl.Trainer | None", pl_module: "pl.Lightni
     return find_loss_stabilizer(trainer)
 
 
-def policy_loss(stabilizer: LossStabilizer | None, batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
-                agg: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(stabilizer: LossStabilizer | None, batch: PolicyBatch, clip_low: float | None = None,
+                clip_high: float | None = None, agg: str | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """What an RL module calls for its loss: ``stabilizer.policy_loss(batch)`` when the run has a loss-side
-    stabilizer (``resolve_loss_stabilizer``), else the clipped surrogate with these bounds."""
+    stabilizer (``resolve_loss_stabilizer``), else the clipped surrogate. The settings travel in the batch;
+    ``clip_low``/``clip_high``/``agg``, when given, replace the batch's for this call (and reach the stabilizer)."""
+    given = {k: v for k, v in (("clip_low", clip_low), ("clip_high", clip_high), ("agg", agg)) if v is not None}
+    if given:
+        batch = dataclasses.replace(batch, **given)
     if stabilizer is not None:
         return stabilizer.policy_loss(batch)
-    return clipped_surrogate(batch, clip_low, clip_high, agg)
+    return clipped_surrogate(batch)
 
 
-
+def check_positive(who: str, **values: float) -> None:
+    """A clear error for a setting that must be a finite positive number."""
+    for name, v in values.items():
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{who}: {name}={v!r} must be a finite positive number")

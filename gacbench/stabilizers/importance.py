@@ -1,71 +1,81 @@
-"""TIS (truncated importance sampling) and decoupled PPO (AReaL), as pure functions plus thin callbacks.
+"""Decoupled PPO (AReaL) and TIS on the staleness gap, as pure functions plus thin callbacks.
 
-Both separate the behaviour policy (the stale version that generated the data) from a proximal
-policy pi_prox (by default the current policy at the time the batch is consumed, detached):
-the behaviour correction w = pi_prox / pi_behav is a constant weight, and the trust region is
-taken against pi_prox. With one update per batch (this suite) pi_prox = pi_theta in value, so the
-clipped ratio r = pi_theta / pi_prox is 1 and only its gradient (grad log pi_theta) remains.
+Both separate the behaviour policy (the stale version that generated the data, ``logp_behav``) from a
+proximal policy pi_prox (``logp_prox``; by default the current policy at the time the batch is consumed,
+detached): the behaviour correction w = pi_prox / pi_behav is a constant (detached) weight, and the trust
+region is the module's clip range taken against pi_prox. With one update per batch (this suite)
+pi_prox = pi_theta in value, so the clipped ratio r = pi_theta / pi_prox is 1 and only its gradient
+(grad log pi_theta) remains: the objective is an importance-weighted policy gradient.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from gacbench.stabilizers.base import LossStabilizer, PolicyBatch, agg_loss, masked_mean, ratio_metrics
+from gacbench.stabilizers.base import (
+    LossStabilizer,
+    PolicyBatch,
+    agg_loss,
+    check_positive,
+    masked_mean,
+    ratio_metrics,
+    safe_log_ratio,
+    sanitize,
+    surrogate_terms,
+)
 
 
-def decoupled_ppo_loss(batch: PolicyBatch, clip_low: float = 0.2, clip_high: float = 0.2,
-                       weight_cap: float | None = None, agg: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
-    """-agg(w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)), shapes (B, T);
-    w = pi_prox / pi_behav (detached, truncated at ``weight_cap`` if given), r = pi_theta / pi_prox."""
-    w = torch.exp(batch.logp_prox - batch.logp_behav).detach()
+def decoupled_ppo_loss(batch: PolicyBatch, weight_cap: float | None = None,
+                       cap_mode: str = "truncate") -> tuple[Tensor, dict[str, Tensor]]:
+    """-agg(w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)), shapes (B, T), with the batch's clip bounds and
+    aggregation; w = pi_prox / pi_behav (detached), r = pi_theta / pi_prox.
+
+    ``weight_cap`` C: ``cap_mode="truncate"`` uses min(w, C) (TIS); ``"mask"`` drops tokens with w > C (AReaL's
+    rejection of over-weighted tokens)."""
+    if cap_mode not in ("truncate", "mask"):
+        raise ValueError(f"decoupled_ppo_loss: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
+    m = batch.mask
+    w_raw = torch.exp(safe_log_ratio(batch.logp_prox, batch.logp_behav, m)).detach()
+    w = w_raw
     if weight_cap is not None:
-        w = w.clamp(max=weight_cap)
-    r = torch.exp(batch.logp - batch.logp_prox)
-    pg1, pg2 = -batch.adv * r, -batch.adv * r.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = agg_loss(w * torch.maximum(pg1, pg2), batch.mask, agg)
+        w = w_raw.clamp(max=weight_cap) if cap_mode == "truncate" else torch.where(w_raw > weight_cap, 0.0, w_raw)
+    r = torch.exp(safe_log_ratio(batch.logp, batch.logp_prox, m))
+    per_token, clipped = surrogate_terms(r, sanitize(batch.adv, m), 1.0 - batch.clip_low, 1.0 + batch.clip_high)
+    loss = agg_loss(w * per_token, m, batch.agg)
     metrics = {
-        "pg/clipfrac": masked_mean((pg2 > pg1).float(), batch.mask),
-        **ratio_metrics(torch.exp(batch.logp.detach() - batch.logp_behav), batch.mask),
-        "is/weight_mean": masked_mean(w, batch.mask),
+        "pg/clipfrac": masked_mean(clipped.float(), m),
+        **ratio_metrics(torch.exp(safe_log_ratio(batch.logp.detach(), batch.logp_behav, m)), m),
+        "is/weight_mean": masked_mean(w, m),
     }
     if weight_cap is not None:
-        metrics["is/truncated_frac"] = masked_mean((torch.exp(batch.logp_prox - batch.logp_behav) > weight_cap).float(), batch.mask)
+        key = "is/truncated_frac" if cap_mode == "truncate" else "is/masked_frac"
+        metrics[key] = masked_mean((w_raw > weight_cap).float(), m)
     return loss, metrics
 
 
 class DecoupledPPO(LossStabilizer):
-    """AReaL's decoupled PPO objective: behaviour weight pi_prox/pi_behav times the clipped ratio to pi_prox."""
+    """AReaL's decoupled PPO objective: behaviour weight pi_prox/pi_behav times the clipped ratio to pi_prox
+    (the module's clip range and aggregation). ``weight_cap`` with ``cap_mode``: see decoupled_ppo_loss."""
 
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, weight_cap: float | None = None, agg: str = "token-mean") -> None:
-        super().__init__(agg)
-        _check_clip("DecoupledPPO", clip_low, clip_high)
-        if weight_cap is not None and not weight_cap > 0:
-            raise ValueError(f"DecoupledPPO: weight_cap={weight_cap!r} must be positive (or None for no cap)")
-        self.clip_low, self.clip_high, self.weight_cap = clip_low, clip_high, weight_cap
+    def __init__(self, weight_cap: float | None = None, cap_mode: str = "truncate") -> None:
+        if weight_cap is not None:
+            check_positive("DecoupledPPO", weight_cap=weight_cap)
+        if cap_mode not in ("truncate", "mask"):
+            raise ValueError(f"DecoupledPPO: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
+        self.weight_cap, self.cap_mode = weight_cap, cap_mode
 
     def policy_loss(self, batch: PolicyBatch):
-        return decoupled_ppo_loss(batch, self.clip_low, self.clip_high, self.weight_cap, self.agg)
+        return decoupled_ppo_loss(batch, self.weight_cap, self.cap_mode)
 
 
 class TIS(LossStabilizer):
-    """Truncated importance sampling: the decoupled objective with the behaviour weight truncated at C,
-    min(pi_prox / pi_behav, C)."""
+    """Truncated importance sampling on the staleness gap: the decoupled objective with the behaviour weight
+    truncated at C, min(pi_prox / pi_behav, C) (verl's token-TIS with the stale behaviour as the rollout policy)."""
 
-    def __init__(self, cap: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean") -> None:
-        super().__init__(agg)
-        _check_clip("TIS", clip_low, clip_high)
-        if not (isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap)):
-            raise ValueError(f"TIS: cap={cap!r} must be a positive number (the truncation C of min(w, C))")
-        self.cap, self.clip_low, self.clip_high = float(cap), clip_low, clip_high
+    def __init__(self, cap: float = 2.0) -> None:
+        check_positive("TIS (cap, the truncation C of min(w, C))", cap=cap)
+        self.cap = float(cap)
 
     def policy_loss(self, batch: PolicyBatch):
-        return decoupled_ppo_loss(batch, self.clip_low, self.clip_high, self.cap, self.agg)
-
-
-def _check_clip(who: str, clip_low: float, clip_high: float) -> None:
-    if not (0.0 <= clip_low < 1.0) or not clip_high >= 0.0:
-        raise ValueError(f"{who}: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+        return decoupled_ppo_loss(batch, self.cap, "truncate")

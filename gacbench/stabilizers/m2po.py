@@ -1,29 +1,51 @@
-"""M2PO (Zheng et al., arXiv 2510.01161): second-moment trust region on the log importance ratio.
+"""M2PO (Zheng, Zhao and Chen, arXiv 2510.01161): a second-moment trust region on the log importance ratio.
 
-Two variants, one option:
+r = pi_theta / pi_behav per token (the trainer's behaviour log-probs of the generating version). Three
+variants, one option (docs/baselines.md says where each was read):
 
-- ``variant="mask"`` (the paper's statement, as the issue and AReaL's implementation read it):
-  M2 = mean((log r)^2) over the batch's response tokens; if M2 > tau, mask the tokens with the largest
-  (log r)^2 until the M2 of the remaining tokens is at most tau. The loss is -agg(r A) over the kept
-  tokens, with no epsilon-clipping.
-- ``variant="official"`` (the authors' verl code): the budget is measured only on the *harmful*
-  tokens (A > 0 with r > 1, A < 0 with r < 1), nothing is masked; instead one threshold t is found by
-  water-filling (capping the harmful (log r)^2 at t^2 brings their mean to at most tau) and turned into
-  PPO clip bounds [exp(-t), exp(t)] applied to every token.
+- ``variant="paper"`` (default; Algorithm 1): the trust-region tokens are those PPO's clipping could act on,
+  A > 0 with r > 1 or A < 0 with r < 1. M2 = mean((log r)^2) over the trust-region tokens; while it exceeds
+  tau, the trust-region tokens with the largest (log r)^2 are masked (ties at the cut together) until the
+  remaining trust-region tokens' M2 <= tau (a batch with M2 exactly tau is not masked). Other tokens are never
+  masked. Loss: -agg(M r A) over all response tokens (a masked token counts as 0 in the denominator's token
+  count), no epsilon-clipping.
+- ``variant="areal"`` (AReaL's ``_apply_m2po_masking``): M2 over all response tokens, computed from the
+  proximal and behaviour log-probs, (log pi_prox - log pi_behav)^2; the largest are masked in sort order
+  until the remaining mean is strictly below tau (at least one token is kept); the loss is AReaL's decoupled
+  PPO (behaviour weight pi_prox/pi_behav, the module's epsilon-clipping against pi_prox) over the kept
+  tokens, with the kept tokens as the denominator.
+- ``variant="official"`` (the authors' verl code, ``compute_m2po_policy_loss``): M2 over the trust-region
+  tokens, nothing masked; a threshold t found by water-filling (capping the trust-region (log r)^2 at t^2
+  brings their mean within tau, at a breakpoint, conservatively) becomes the clip range [exp(-t), exp(t)]
+  of the PPO surrogate for every token.
 
-The mask variant drops whole tokens (no gradient) and never clips; the official one keeps every token
-and clips symmetrically in log-space, so harmless tokens outside the bounds lose their gradient too.
+Statistics are global: the values are all-gathered over data-parallel ranks (the authors' code and AReaL
+compute them per micro-batch on each rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gacbench.stabilizers.base import LossStabilizer, PolicyBatch, agg_loss, clipped_surrogate, masked_mean, ratio_metrics
+from gacbench.stabilizers.base import (
+    LossStabilizer,
+    PolicyBatch,
+    agg_loss,
+    check_positive,
+    clipped_surrogate,
+    masked_mean,
+    ratio_metrics,
+    safe_log_ratio,
+    sanitize,
+)
+from gacbench.stabilizers.importance import decoupled_ppo_loss
+
+VARIANTS = ("paper", "areal", "official")
 
 
 def _gather(values: Tensor) -> Tensor:
@@ -41,40 +63,78 @@ def _gather(values: Tensor) -> Tensor:
     return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)])
 
 
-def m2po_mask(log_ratio: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
-    """Keep-mask (bool, same shape as ``log_ratio``): drop the response tokens with the largest (log r)^2
-    until the mean (log r)^2 of the kept ones is at most ``tau``. Ties at the cut are dropped together
-    (the rule is a threshold on (log r)^2). Under DDP the threshold is global (values all-gathered)."""
-    if tau <= 0:
-        raise ValueError(f"m2po_mask: tau={tau!r} must be positive")
+def _suffix_means(desc: Tensor) -> Tensor:
+    """mean(desc[k:]) for every k, shape (n,)."""
+    counts = torch.arange(desc.numel(), 0, -1, device=desc.device, dtype=desc.dtype)
+    return desc.flip(0).cumsum(0).flip(0) / counts
+
+
+def trust_region_tokens(log_ratio: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) bool: response tokens with A > 0 and r > 1, or A < 0 and r < 1."""
+    return mask.bool() & (((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0)))
+
+
+def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, tokens: str = "trust-region") -> Tensor:
+    """Keep-mask (bool, (B, T)) of the paper's rule: among the candidate tokens (``"trust-region"``, default, or
+    ``"all"`` response tokens) drop those with the largest (log r)^2 until the candidates' remaining mean
+    (log r)^2 is at most ``tau``. Ties at the cut are dropped together (the rule is a threshold on (log r)^2);
+    non-candidate response tokens are always kept. Under DDP the values are all-gathered."""
+    if tokens not in ("trust-region", "all"):
+        raise ValueError(f"m2po_mask: tokens={tokens!r} is not 'trust-region' or 'all'")
+    check_positive("m2po_mask", tau=tau)
     mask = mask.bool()
-    v = (log_ratio.detach().float() ** 2)
-    vals = _gather(v[mask])
+    lr = sanitize(log_ratio.detach().float(), mask)
+    cand = trust_region_tokens(lr, adv, mask) if tokens == "trust-region" else mask
+    v = lr**2
+    vals = _gather(v[cand])
     if vals.numel() == 0 or float(vals.mean()) <= tau:
         return mask.clone()
     desc = torch.sort(vals, descending=True).values
-    suffix_sum = desc.flip(0).cumsum(0).flip(0)  # sum of desc[k:]
-    remaining = torch.arange(desc.numel(), 0, -1, device=desc.device, dtype=desc.dtype)  # n - k
-    ok = (suffix_sum / remaining) <= tau
-    k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else desc.numel()  # tokens to drop
-    if k == desc.numel():
-        return torch.zeros_like(mask)
-    # drop every token whose value reaches the last dropped one: ties at the cut go together, and
-    # removing more of the largest values can only lower the kept mean further
-    return mask & (v < desc[k - 1])
+    suffix_mean = _suffix_means(desc)
+    ok = suffix_mean <= tau
+    k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else desc.numel()  # candidates to drop
+    cut = desc[k - 1]
+    # every candidate whose value reaches the last dropped one goes: removing more of the largest values can
+    # only lower the remaining mean further
+    return mask & ~(cand & (v >= cut))
 
 
-def m2po_official_bounds(log_ratio: Tensor, adv: Tensor, mask: Tensor, budget: float = 0.04) -> tuple[float, float, float]:
-    """The official code's variant: (ratio_low, ratio_high, M2 of the harmful tokens).
+def m2po_mask_areal(log_sq: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
+    """AReaL's mask, (B, T) bool: sort the response tokens' values ``log_sq`` in descending order, drop the first k
+    for the smallest k whose remaining mean is strictly below ``tau`` (ties split by sort order, stable); if no
+    k qualifies, keep only the smallest value."""
+    check_positive("m2po_mask_areal", tau=tau)
+    mask = mask.bool()
+    vals = sanitize(log_sq.detach().float(), mask)[mask]
+    if vals.numel() == 0:
+        return mask.clone()
+    desc, order = torch.sort(vals, descending=True, stable=True)
+    suffix_mean = _suffix_means(desc)
+    below = torch.nonzero(suffix_mean < tau)
+    k = int(below[0]) if below.numel() else desc.numel() - 1
+    keep_sorted = torch.ones_like(desc, dtype=torch.bool)
+    keep_sorted[:k] = False
+    keep_flat = torch.empty_like(keep_sorted)
+    keep_flat[order] = keep_sorted
+    out = torch.zeros_like(mask)
+    out[mask] = keep_flat
+    return out
 
-    Harmful tokens: A > 0 with r > 1, or A < 0 with r < 1. If their mean (log r)^2 exceeds ``budget``,
-    find t with mean(min((log r)^2, t^2)) <= budget (water-filling at a breakpoint, conservative) and
-    return (exp(-t), exp(t)); otherwise no clipping (0, inf)."""
-    if budget <= 0:
-        raise ValueError(f"m2po_official_bounds: budget={budget!r} must be positive")
-    lr = log_ratio.detach().float()
-    harmful = mask.bool() & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
-    v = _gather((lr**2)[harmful])
+
+def m2po_official_bounds(log_ratio: Tensor, adv: Tensor, mask: Tensor, budget: float = 0.04,
+                         min_clip_low: float | None = None,
+                         min_clip_high: float | None = None) -> tuple[float, float, float]:
+    """The authors' code: (ratio_low, ratio_high, M2 of the trust-region tokens).
+
+    If the trust-region tokens' mean (log r)^2 exceeds ``budget``: sort their values ascending, v_0 <= ... ;
+    the capped mean at v_k is (sum_{j<=k} v_j + v_k (n - k - 1)) / n; the first k whose capped mean reaches
+    the budget (>=) fixes t^2 = v_{k-1} (t = 0 when k = 0), and the bounds are (exp(-t), exp(t)); otherwise no
+    clipping, (0, inf). ``min_clip_low``/``min_clip_high`` (the code's ``miniclip_low/high``, unset in its
+    scripts) keep the range at least [1 - min_clip_low, 1 + min_clip_high]."""
+    check_positive("m2po_official_bounds", budget=budget)
+    mask = mask.bool()
+    lr = sanitize(log_ratio.detach().float(), mask)
+    v = _gather((lr**2)[trust_region_tokens(lr, adv, mask)])
     if v.numel() == 0:
         return 0.0, math.inf, 0.0
     m2 = float(v.mean())
@@ -82,42 +142,56 @@ def m2po_official_bounds(log_ratio: Tensor, adv: Tensor, mask: Tensor, budget: f
         return 0.0, math.inf, m2
     asc = torch.sort(v).values
     n = asc.numel()
-    cums = asc.cumsum(0)
-    # capping at asc[k]: mean = (cums[k-1] + asc[k] * (n - k)) / n, increasing in k
-    capped = (torch.cat([torch.zeros(1, device=asc.device), cums[:-1]]) + asc * torch.arange(n, 0, -1, device=asc.device)) / n
-    over = torch.nonzero(capped > budget)
-    k = int(over[0]) if over.numel() else n
-    t2 = float(asc[k - 1]) if k > 0 else 0.0
-    t = math.sqrt(max(t2, 0.0))
-    return math.exp(-t), math.exp(t), m2
+    capped = (asc.cumsum(0) + asc * torch.arange(n - 1, -1, -1, device=asc.device, dtype=asc.dtype)) / n
+    reach = torch.nonzero(capped >= budget)
+    k = int(reach[0]) if reach.numel() else n
+    t = math.sqrt(max(float(asc[k - 1]), 0.0)) if k > 0 else 0.0
+    lo, hi = math.exp(-t), math.exp(t)
+    if min_clip_low is not None:
+        lo = min(lo, 1.0 - min_clip_low)
+    if min_clip_high is not None:
+        hi = max(hi, 1.0 + min_clip_high)
+    return lo, hi, m2
 
 
 class M2PO(LossStabilizer):
-    """M2PO as a loss-side stabilizer. ``tau``: the second-moment budget (paper: 0.04);
-    ``variant``: "mask" (default, the paper) or "official" (the authors' code); see the module docstring."""
+    """M2PO as a loss-side stabilizer. ``tau``: the second-moment budget (paper: 0.04); ``variant``: "paper"
+    (default, Algorithm 1), "areal" (AReaL's reading) or "official" (the authors' code); see the module
+    docstring. ``weight_cap`` (areal variant only): AReaL's rejection of tokens with pi_prox/pi_behav above it."""
 
-    def __init__(self, tau: float = 0.04, variant: str = "mask", agg: str = "token-mean") -> None:
-        super().__init__(agg)
-        if not (isinstance(tau, (int, float)) and tau > 0 and math.isfinite(tau)):
-            raise ValueError(f"M2PO: tau={tau!r} must be a positive number (the paper uses 0.04)")
-        if variant not in ("mask", "official"):
-            raise ValueError(f"M2PO: variant={variant!r} is not 'mask' or 'official'")
-        self.tau, self.variant = float(tau), variant
+    def __init__(self, tau: float = 0.04, variant: str = "paper", weight_cap: float | None = None) -> None:
+        check_positive("M2PO (tau, the paper uses 0.04)", tau=tau)
+        if variant not in VARIANTS:
+            raise ValueError(f"M2PO: variant={variant!r} is not one of {', '.join(VARIANTS)}")
+        if weight_cap is not None:
+            if variant != "areal":
+                raise ValueError("M2PO: weight_cap applies to variant='areal' only")
+            check_positive("M2PO", weight_cap=weight_cap)
+        self.tau, self.variant, self.weight_cap = float(tau), variant, weight_cap
 
     def policy_loss(self, batch: PolicyBatch):
-        log_ratio = batch.logp - batch.logp_behav
-        m2 = masked_mean(log_ratio.detach() ** 2, batch.mask)
+        m = batch.mask
+        log_ratio = safe_log_ratio(batch.logp, batch.logp_behav, m)
+        adv = sanitize(batch.adv, m)
+        m2 = masked_mean(log_ratio.detach() ** 2, m)
+        tr = trust_region_tokens(log_ratio.detach(), adv, m)
         if self.variant == "official":
-            lo, hi, m2_harmful = m2po_official_bounds(log_ratio, batch.adv, batch.mask, self.tau)
-            loss, metrics = clipped_surrogate(batch, agg=self.agg, ratio_low=lo, ratio_high=min(hi, 1e30))
-            metrics.update({"m2po/m2": m2, "m2po/m2_harmful": m2_harmful, "m2po/ratio_low": lo,
+            lo, hi, m2_tr = m2po_official_bounds(log_ratio, adv, m, self.tau)
+            loss, metrics = clipped_surrogate(batch, ratio_low=lo, ratio_high=min(hi, 1e30))
+            metrics.update({"m2po/m2": m2, "m2po/m2_trust_region": m2_tr, "m2po/ratio_low": lo,
                             "m2po/ratio_high": hi if math.isfinite(hi) else -1.0, "m2po/masked_frac": 0.0})
             return loss, metrics
-        keep = m2po_mask(log_ratio, batch.mask, self.tau)
-        ratio = torch.exp(log_ratio)
-        # -agg(r A) over kept tokens, normalised by all response tokens (a dropped token counts as zero)
-        loss = agg_loss(-batch.adv * ratio * keep.to(ratio.dtype), batch.mask, self.agg)
-        metrics = {"m2po/m2": m2, "m2po/m2_kept": masked_mean(log_ratio.detach() ** 2, keep),
-                   "m2po/masked_frac": 1.0 - keep.sum() / batch.mask.sum().clamp_min(1), "pg/clipfrac": 0.0,
-                   **ratio_metrics(ratio, batch.mask)}
+        if self.variant == "areal":
+            log_sq = safe_log_ratio(batch.logp_prox, batch.logp_behav, m) ** 2
+            keep = m2po_mask_areal(log_sq, m, self.tau)
+            loss, metrics = decoupled_ppo_loss(dataclasses.replace(batch, mask=keep), self.weight_cap, "mask")
+        else:
+            keep = m2po_mask(log_ratio, adv, m, self.tau)
+            ratio = torch.exp(log_ratio)
+            loss = agg_loss(torch.where(keep, -adv * ratio, 0.0), m, batch.agg)
+            metrics = {"pg/clipfrac": 0.0, **ratio_metrics(ratio, m)}
+        kept_scope = keep if self.variant == "areal" else keep & tr
+        metrics.update({"m2po/m2": m2, "m2po/m2_trust_region": masked_mean(log_ratio.detach() ** 2, tr),
+                        "m2po/m2_kept": masked_mean(log_ratio.detach() ** 2, kept_scope),
+                        "m2po/masked_frac": 1.0 - keep.sum() / m.sum().clamp_min(1)})
         return loss, metrics

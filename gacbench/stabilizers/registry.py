@@ -15,8 +15,12 @@ def _builtins() -> dict[str, type]:
     from gacbench.stabilizers.bapo import BAPO
     from gacbench.stabilizers.importance import TIS, DecoupledPPO
     from gacbench.stabilizers.m2po import M2PO
+    from gacbench.stabilizers.ppo import CISPO, GSPO, DualClipPPO
+    from gacbench.stabilizers.rollout_correction import MIS, IcePop, TISEngine
+    from gacbench.stabilizers.vcpo import VCPO
 
-    return {"gac": GAC, "m2po": M2PO, "bapo": BAPO, "tis": TIS, "decoupled-ppo": DecoupledPPO}
+    return {"gac": GAC, "m2po": M2PO, "bapo": BAPO, "tis": TIS, "decoupled-ppo": DecoupledPPO, "dual-clip": DualClipPPO,
+            "gspo": GSPO, "cispo": CISPO, "tis-engine": TISEngine, "mis": MIS, "icepop": IcePop, "vcpo": VCPO}
 
 
 def available() -> dict[str, dict[str, Any]]:
@@ -32,7 +36,8 @@ def available() -> dict[str, dict[str, Any]]:
     for name, info in found.items():
         kind = getattr(info["cls"], "kind", None)
         if kind not in KINDS:
-            raise TypeError(f"stabilizer {name!r} ({info['source']}): its class needs kind = 'gradient' or 'loss', got {kind!r}")
+            raise TypeError(f"stabilizer {name!r} ({info['source']}): its class needs kind = 'gradient' or 'loss', "
+                            f"got {kind!r}")
         info["kind"] = kind
         doc = " ".join((info["cls"].__doc__ or "").split())
         info["help"] = doc.split(". ")[0].rstrip(".") + "." if doc else ""

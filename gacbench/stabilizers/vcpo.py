@@ -1,0 +1,143 @@
+"""VCPO (Huang et al., arXiv 2602.17616; code mit-han-lab/vcpo): variance-controlled off-policy policy gradient.
+
+Two parts, both implemented:
+
+- ESS-scaled step: sequence importance weights w_i = exp(sum_t log(pi_prox / pi_behav)) (the current policy
+  against the generating version, per sequence), rho_ess = (sum w)^2 / (B sum w^2) over the update's batch
+  (summed over data-parallel ranks), and the optimizer's learning rate for this step multiplied by
+  sqrt(min(1, rho_ess / rho_base)) (restored after the step).
+- Off-policy optimal baseline (OPOB): per prompt group, b = sum_i W_i R_i / sum_i W_i with
+  W_i = w_i^2 ||grad log pi_theta(tau_i)||^2, and advantages (R_i - b) / sigma_group. With the module's
+  group-normalised advantages A_i = (R_i - mean) / sigma this is A_i - sum_j lambda_j A_j,
+  lambda_j = W_j / sum W, computed without the raw rewards. The per-sequence gradient norms take one
+  backward pass per sequence (``torch.autograd.grad`` of the sequence's summed log-probs with respect to
+  the module's trainable parameters).
+
+Loss (the authors' scripts: PPO clipping disabled, sequence-level truncated IS at 8): -agg(min(w_i, C) r A'),
+r = pi_theta / pi_prox, with the module's aggregation. The module's clip bounds are not used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from gacbench.stabilizers.base import (
+    LOG_RATIO_CLAMP,
+    LossStabilizer,
+    PolicyBatch,
+    agg_loss,
+    check_positive,
+    global_sum,
+    masked_mean,
+    safe_log_ratio,
+    sanitize,
+)
+
+
+def sequence_log_weights(batch: PolicyBatch) -> Tensor:
+    """(B,) log w_i = sum_t log(pi_prox / pi_behav) over each sequence's response tokens, clamped."""
+    log_w = safe_log_ratio(batch.logp_prox, batch.logp_behav, batch.mask).sum(-1)
+    return log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).detach()
+
+
+def ess_ratio(weights: Tensor) -> float:
+    """rho_ess = (sum w)^2 / (B sum w^2) for weights of shape (B,), summed over data-parallel ranks."""
+    w = weights.detach().double()
+    s = global_sum(torch.stack([w.sum(), (w**2).sum(), torch.tensor(float(w.numel()), dtype=w.dtype, device=w.device)]))
+    return float(s[0] ** 2 / s[1] / s[2]) if s[2] > 0 and s[1] > 0 else 0.0
+
+
+def ess_lr_scale(rho_ess: float, rho_base: float = 1.0) -> float:
+    """The learning-rate multiplier sqrt(min(1, rho_ess / rho_base))."""
+    return math.sqrt(min(1.0, rho_ess / rho_base))
+
+
+def opob_advantages(adv: Tensor, group: Tensor, weight: Tensor) -> Tensor:
+    """Per-sequence advantages with the off-policy optimal baseline, shapes (B,): A_i - sum_{j in g(i)} lambda_j A_j,
+    lambda_j = weight_j / sum_{k in g(j)} weight_k. A group whose weights are all zero keeps its advantages."""
+    adv, weight = adv.detach().double(), weight.detach().double()
+    _, gid = torch.unique(group, return_inverse=True)
+    n = int(gid.max()) + 1 if gid.numel() else 0
+    wsum = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, weight)
+    wa = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, weight * adv)
+    cnt = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, torch.ones_like(adv))
+    asum = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, adv)
+    base = torch.where(wsum > 0, wa / wsum.clamp_min(1e-300), asum / cnt)
+    return adv - base[gid]
+
+
+def per_sequence_grad_sq_norms(seq_logp: Tensor, params: list[Tensor]) -> Tensor:
+    """(B,) ||grad_params seq_logp_i||^2, one backward pass per sequence (the graph is kept)."""
+    out = torch.zeros(seq_logp.numel(), dtype=torch.float64, device=seq_logp.device)
+    for i in range(seq_logp.numel()):
+        grads = torch.autograd.grad(seq_logp[i], params, retain_graph=True, allow_unused=True)
+        out[i] = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
+    return out
+
+
+class VCPO(LossStabilizer):
+    """VCPO: ESS-scaled learning rate sqrt(min(1, rho_ess / rho_base)) and the off-policy optimal baseline, with the
+    sequence-level truncated IS loss of the authors' scripts (``is_cap`` = 8). ``baseline=False`` keeps the
+    module's advantages (no per-sequence backward passes); the baseline needs PolicyBatch.group."""
+
+    def __init__(self, rho_base: float = 1.0, is_cap: float = 8.0, baseline: bool = True) -> None:
+        check_positive("VCPO", rho_base=rho_base, is_cap=is_cap)
+        if not isinstance(baseline, bool):
+            raise ValueError(f"VCPO: baseline={baseline!r} must be True or False")
+        self.rho_base, self.is_cap, self.baseline = float(rho_base), float(is_cap), baseline
+        self._params: list[Tensor] = []
+        self._lr_scale = 1.0
+        self._pending = None  # (optimizer, base learning rates, step hook) while a step is scaled
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._params = [p for p in pl_module.parameters() if p.requires_grad]
+
+    def policy_loss(self, batch: PolicyBatch):
+        m = batch.mask
+        log_w = sequence_log_weights(batch)
+        w = torch.exp(log_w)
+        rho = ess_ratio(w)
+        self._lr_scale = ess_lr_scale(rho, self.rho_base)
+        adv_seq = sanitize(batch.adv, m).sum(-1) / m.sum(-1).clamp_min(1)
+        metrics: dict = {"vcpo/ess_ratio": rho, "vcpo/lr_scale": self._lr_scale, "is/weight_mean": w.mean()}
+        if self.baseline:
+            if batch.group is None:
+                raise ValueError("VCPO: the off-policy optimal baseline needs the prompt group of each sequence; pass "
+                                 "PolicyBatch(..., group=...) (shape (B,)), or use vcpo(baseline=False)")
+            if not self._params:
+                raise RuntimeError("VCPO: no trainable parameters recorded; the callback's setup hook did not run")
+            seq_logp = sanitize(batch.logp, m).sum(-1)
+            gsq = per_sequence_grad_sq_norms(seq_logp, self._params)
+            adv_seq = opob_advantages(adv_seq, batch.group, w.double() ** 2 * gsq).to(batch.logp.dtype)
+            metrics["vcpo/grad_sq_mean"] = gsq.mean()
+        r = torch.exp(safe_log_ratio(batch.logp, batch.logp_prox, m))
+        weight = w.clamp(max=self.is_cap).unsqueeze(-1)
+        loss = agg_loss(-weight * r * adv_seq.unsqueeze(-1), m, batch.agg)
+        metrics["is/truncated_frac"] = (w > self.is_cap).double().mean()
+        metrics["vcpo/adv_abs_mean"] = masked_mean(adv_seq.detach().abs().unsqueeze(-1).expand_as(r), m)
+        return loss, metrics
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Scale every parameter group's learning rate for this step; a one-shot hook restores it right after the
+        step (before any learning-rate scheduler reads it)."""
+        self._restore()
+        base = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * self._lr_scale
+        self._pending = (optimizer, base, optimizer.register_step_post_hook(lambda opt, args, kwargs: self._restore()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._restore()  # a step that did not run (e.g. a skipped non-finite step) leaves the rate unscaled too
+
+    def _restore(self) -> None:
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            optimizer, base, handle = pending
+            handle.remove()
+            for g, lr in zip(optimizer.param_groups, base):
+                g["lr"] = lr
