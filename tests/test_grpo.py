@@ -10,7 +10,7 @@ from conftest import TINY_TASK, make_trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from gacbench import GAC  # noqa: E402
-from gacbench.llm.engines import sequence_logprobs  # noqa: E402
+from gacbench.rollout.engines import sequence_logprobs  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
 from gacbench.stabilizers import M2PO  # noqa: E402
 
@@ -22,10 +22,28 @@ def model_dir(tiny_llm_dir):
     return tiny_llm_dir
 
 
+SECTIONS = {"engine": ("engine", "name"), "prompts": ("rollout", "prompts"), "group": ("rollout", "group"),
+            "max_tokens": ("rollout", "max_tokens"), "advantage": ("rollout", "advantage"),
+            "clip_low": ("loss", "clip_low"), "clip_high": ("loss", "clip_high"), "agg": ("loss", "agg"),
+            "kl_coef": ("loss", "kl_coef"), "max_ops": ("task", "max_ops"), "max_operand": ("task", "max_operand")}
+
+
+def grpo_args(model_dir, **kw) -> dict:
+    """GRPOModule's arguments from flat settings: each known key goes to its section."""
+    flat = dict(staleness=0, prompts=4, group=4, max_tokens=4, lr=3e-4, steps=8, engine="hf", **TASK)
+    flat.update(kw)
+    args: dict = {"model": {"path": model_dir}}
+    for key, value in flat.items():
+        if key in SECTIONS:
+            section, field = SECTIONS[key]
+            args.setdefault(section, {})[field] = value
+        else:
+            args[key] = value
+    return args
+
+
 def module(model_dir, **kw):
-    args = dict(staleness=0, prompts=4, group=4, max_tokens=4, lr=3e-4, steps=8, **TASK)
-    args.update(kw)
-    return GRPOModule(model_dir, **args)
+    return GRPOModule(**grpo_args(model_dir, **kw))
 
 
 def test_consumed_batch_is_exactly_s_versions_old_and_engine_follows(model_dir):
@@ -38,7 +56,7 @@ def test_consumed_batch_is_exactly_s_versions_old_and_engine_follows(model_dir):
 
 
 def test_behaviour_log_probs_are_the_trainers_at_generation_time(model_dir):
-    m = module(model_dir)
+    m = module(model_dir, staleness=1)
     make_trainer([], max_steps=1).fit(m)
     data = m.rollout()
     packed = data["packed"]
@@ -77,14 +95,18 @@ def test_resume_in_the_middle_of_a_stale_run_is_exact(model_dir, tmp_path):
     assert trainer.logger.values("stale/lag") == [2, 2, 2, 2]
     for a, b in zip(full.policy.parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b)
-    assert [d["version"] for d in resumed.fifo] == [d["version"] for d in full.fifo] == [6, 7]  # same queue
-    for a, b in zip(full.fifo, resumed.fifo):
+    assert resumed.queue.versions == full.queue.versions == [6, 7]  # same queue
+    for (_, a), (_, b) in zip(full.queue.state_dict()["items"], resumed.queue.state_dict()["items"]):
         assert torch.equal(a["packed"]["ids"], b["packed"]["ids"]) and torch.equal(a["logp_behav"], b["logp_behav"])
 
 
 def test_bad_settings_are_refused(model_dir, tmp_path):
-    with pytest.raises(ValueError, match="engine"):
+    with pytest.raises(ValueError, match="engine.name='sglang' is not a registered engine"):
         module(model_dir, engine="sglang")
+    with pytest.raises(ValueError, match="unknown rollout setting.*promts"):
+        GRPOModule(model={"path": model_dir}, rollout={"promts": 4})
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        module(model_dir, advantage="ppo-gae")
     with pytest.raises(ValueError, match="staleness"):
         module(model_dir, staleness=-1)
     with pytest.raises(FileNotFoundError, match="not a local Hugging Face checkpoint"):
@@ -96,7 +118,8 @@ def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tm
     from gacbench.bench.runner import run_grid
 
     base = {"task": "arith", "objective": "grpo", "steps": 4, "warmup": 0,
-            "params": dict(model_path=model_dir, engine="hf", prompts=4, group=4, max_tokens=4, eval_every=2, eval_size=8, **TASK)}
+            "params": {k: v for k, v in grpo_args(model_dir, eval_every=2, eval_size=8).items()
+                       if k not in ("staleness", "steps")}}
     cells = [{**base, "method": "sync", "staleness": 0, "seed": 0}, {**base, "method": "gac", "staleness": 2, "seed": 0}]
     assert run_grid(cells, tmp_path)["failed"] == 0
     summary = build_report(tmp_path, cells)["summary"]
@@ -105,7 +128,7 @@ def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tm
 
 
 def test_grpo_loss_with_kl_equals_a_hand_computation(model_dir):
-    m = module(model_dir, kl_coef=0.3, clip_low=0.1, clip_high=0.25)
+    m = module(model_dir, staleness=1, kl_coef=0.3, clip_low=0.1, clip_high=0.25)
     make_trainer([], max_steps=1).fit(m)
     data = m.rollout()  # behaviour log-probs of the current weights
     with torch.no_grad():  # move the policy so that ratios differ from 1 and some are clipped
@@ -178,3 +201,36 @@ def test_step_times_split_generation_from_training(model_dir):
     assert len(gen) == 3 and min(gen) > 0.0 and m.rollouts_made == 4  # step 0 also fills the pipeline
     stats = m.run_stats
     assert 0.0 < stats["generate_share"] < 1.0 and stats["generated_tokens"] > 0
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_cell_is_bit_identical_fresh_or_after_another_cell_in_the_same_worker(model_dir, tmp_path, engine):
+    """The bench runner keeps one worker (and its rollout engine) across cells: a cell run first, in a process
+    holding no engine, and the same cell run after a different one must store the same metrics."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    from gacbench.bench.cell import cell_dir, run_cell
+    from gacbench.rollout.engines import cached_engine, release_engines
+
+    params = {k: v for k, v in grpo_args(model_dir, engine=engine, eval_every=2, eval_size=8).items()
+              if k not in ("staleness", "steps")}
+    cell = {"task": "arith", "objective": "grpo", "steps": 4, "warmup": 0, "params": params, "method": "gac+m2po",
+            "staleness": 2, "seed": 3}
+    other = {**cell, "method": "stale", "staleness": 1, "seed": 5}
+    release_engines()
+    assert run_cell(cell, tmp_path / "fresh")["status"] == "done"
+    first = cached_engine(engine)
+    assert run_cell(other, tmp_path / "reused")["status"] == "done"
+    assert run_cell(cell, tmp_path / "reused")["status"] == "done"
+    assert cached_engine(engine) is first  # one engine served all three cells
+
+    def rows(root):
+        text = (cell_dir(root, cell) / "metrics.csv").read_text().splitlines()
+        header = text[0].split(",")
+        keep = [i for i, k in enumerate(header) if not k.startswith("time/")]  # wall-clock columns differ
+        return [[line.split(",")[i] for i in keep] for line in text]
+
+    fresh, reused = rows(tmp_path / "fresh"), rows(tmp_path / "reused")
+    assert len(fresh) > 4 and fresh == reused
+    if engine == "vllm":
+        release_engines()  # give the engine's memory back to the rest of the test session

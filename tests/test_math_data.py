@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gacbench.llm.datasets import MathDataset, extract_boxed, math_verify_reward, reward_fn
+from gacbench.llm.datasets import MathDataset, extract_boxed, math_verify_reward
+from gacbench.llm.tasks import reward_fn
 from gacbench.llm.task import _is_eval, exact_reward
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "tasks" / "math" / "example.jsonl"

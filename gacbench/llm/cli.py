@@ -4,29 +4,47 @@
                   [--method gac] [--trainer.max_steps=200] [--ckpt_path last]
 
 The config has LightningCLI's three sections: ``trainer`` (any ``lightning.Trainer`` argument, with
-callbacks and loggers as ``class_path``/``init_args``), ``model`` (``GRPOModule``'s arguments) and
-``seed_everything``. Two keys are gacbench's own: ``method`` (a method of ``gacbench methods``, a
+callbacks and loggers as ``class_path``/``init_args``), ``model`` (``GRPOModule``'s arguments:
+``staleness``, ``lr``, ``seed``, ``eval_every``, ``eval_size`` and the sections ``model``, ``engine``,
+``task``, ``rollout``, ``loss``, e.g. ``--model.engine.name hf``) and ``seed_everything``. Two keys are
+gacbench's own: ``method`` (a method of ``gacbench methods``, a
 stabilizer name, or a ``+`` combination such as ``gac+m2po``; its callbacks are added to the trainer,
 next to an ``AlignmentMonitor`` so that c_t is logged in every run) and ``ckpt_path`` (resume; ``last``
-takes the newest checkpoint of the run's checkpoint directory). ``trainer.max_steps`` is linked to
-``model.steps``. A logger whose ``version`` is null gets ``METHOD-sSTALENESS-seedSEED`` (runs of one config
-with other methods, staleness or seeds do not overwrite each other; set the version yourself when you vary
-anything else), and ``--ckpt_path last`` resumes into that directory, keeping the earlier steps' rows of
-``metrics.csv`` (the summary's c_t statistics cover the resumed segment only). At the end the run writes ``summary.json`` (initial and final ``eval/acc``, c_t
-statistics, time shares) into the logger's directory and prints it.
+takes the checkpoint of the run's checkpoint directory with the highest step recorded inside it).
+``trainer.max_steps`` is linked to ``model.steps``. A logger whose ``version`` is null gets
+``METHOD-sSTALENESS-seedSEED`` (runs of one config with other methods, staleness or seeds do not overwrite
+each other; set the version yourself when you vary anything else), and ``--ckpt_path last`` resumes into
+that directory.
+
+A resume keeps what the earlier sessions wrote. Lightning's CSVLogger deletes ``metrics.csv`` when fit
+starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed session ends,
+whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows before the checkpoint's
+step followed by the new rows, and the copy removed. If the process is killed, the copy stays and the
+next resume merges it. A resumed session saves its config as ``config.resume-N.yaml`` beside the first
+session's ``config.yaml``. The summary's c_t statistics cover the resumed segment only. At the end the
+run writes ``summary.json`` (initial and final ``eval/acc``, c_t statistics, time shares; non-finite
+numbers as null) into the logger's directory and prints it.
+
+A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
+from ``gacbench``), naming the option and the fix.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import time
 import warnings
 from pathlib import Path
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from gacbench.cli import UsageError
 from gacbench.llm.grpo import GRPOModule
+
+EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
 
 
 class GRPOCLI(LightningCLI):
@@ -35,24 +53,44 @@ class GRPOCLI(LightningCLI):
                             help="sync, stale, gac, gac-skip, m2po, bapo, tis, decoupled-ppo, gac+m2po, ... (`gacbench methods`, "
                                  "`gacbench stabilizers`); 'sync' requires model.staleness=0")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="resume from this checkpoint; 'last' = the newest one the run's ModelCheckpoint wrote")
+                            help="resume from this checkpoint; 'last' = the run's checkpoint with the highest step "
+                                 "recorded inside it")
         parser.add_argument("--alignment_warmup", type=int, default=5, help="steps the AlignmentMonitor leaves out of its statistics")
         parser.link_arguments("trainer.max_steps", "model.steps")
 
     def before_instantiate_classes(self) -> None:
-        from gacbench.methods import parse_method
+        from gacbench.methods import method_callbacks, parse_method
 
-        method, _ = parse_method(self.config.method)  # a clear error for an unknown name
-        if not method.stale and self.config.model.staleness > 0:
-            raise ValueError(f"--method {self.config.method} is synchronous but model.staleness={self.config.model.staleness}; "
+        try:
+            method, _ = parse_method(self.config.method)  # a clear error for an unknown name
+            method_callbacks(self.config.method)  # and for an unknown setting
+        except ValueError as exc:
+            raise UsageError(f"--method: {exc}") from None
+        staleness, max_steps = self.config.model.staleness, self.config.trainer.max_steps
+        if not method.stale and staleness > 0:
+            raise UsageError(f"--method {self.config.method} is synchronous but model.staleness={staleness}; "
                              "use --method stale (or gac, m2po, ...) for a stale run, or --model.staleness=0")
-        if self.config.trainer.max_steps is None or self.config.trainer.max_steps < 1:
-            raise ValueError("set trainer.max_steps (a GRPO run is measured in optimizer steps)")
+        if max_steps is None or max_steps < 1:
+            raise UsageError("set trainer.max_steps (a GRPO run is measured in optimizer steps)")
+        if staleness >= max_steps:
+            raise UsageError(f"--model.staleness {staleness} is not below --trainer.max_steps {max_steps}: the lag "
+                             f"at step t is at most t, so no step would be {staleness} steps stale; use a smaller "
+                             "staleness or more steps")
         logger = self.config.trainer.get("logger")
         init = logger.get("init_args") if hasattr(logger, "get") else None
         if init is not None and "version" in init and init.get("version") is None:  # one directory per run
             name = "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in self.config.method)
             init["version"] = f"{name}-s{self.config.model.staleness}-seed{self.config.model.seed}"
+
+    def instantiate_classes(self) -> None:
+        """Build the module and trainer; a ValueError or FileNotFoundError raised while building them from the
+        config (a setting the module refuses, a missing model directory) is the config's fault: a UsageError."""
+        try:
+            super().instantiate_classes()
+        except UsageError:
+            raise
+        except (ValueError, FileNotFoundError) as exc:
+            raise UsageError(f"the config: {exc}") from exc
 
     def instantiate_trainer(self, **kwargs):
         from gacbench.callbacks import AlignmentMonitor
@@ -63,68 +101,186 @@ class GRPOCLI(LightningCLI):
         return super().instantiate_trainer(callbacks=[*configured, *extra], **kwargs)
 
 
-def _resolve_ckpt(trainer, ckpt_path: str | None) -> str | None:
+class RunConfigSaver(SaveConfigCallback):
+    """LightningCLI's config saver, except that a resumed session (``--ckpt_path``) writes its config to
+    ``config.resume-N.yaml`` (the first free N) instead of overwriting the first session's ``config.yaml``."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.already_saved and self.config.get("ckpt_path") and trainer.log_dir:
+            log_dir = Path(trainer.log_dir)
+            if (log_dir / self.config_filename).exists():
+                n = 1
+                while (log_dir / f"config.resume-{n}.yaml").exists():
+                    n += 1
+                self.config_filename = f"config.resume-{n}.yaml"
+        super().setup(trainer, pl_module, stage)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The ``global_step`` recorded inside a Lightning checkpoint (its tensors memory-mapped, not read);
+    raises for a file that cannot be read as one."""
+    import torch
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    if not isinstance(step, int):
+        raise ValueError("it records no global_step (not a Lightning checkpoint)")
+    return step
+
+
+def _reason(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+
+
+def _name_step(path: Path) -> int | None:
+    m = re.search(r"step=(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def resolve_ckpt(trainer, ckpt_path: str | None) -> tuple[str | None, int | None]:
+    """``(path, step)`` of the checkpoint to resume from, or ``(None, None)`` for a fresh run.
+
+    ``last``: of the run's checkpoint directory, the checkpoint with the highest ``global_step`` recorded
+    inside it (not the newest file: a copied run directory has arbitrary modification times; at equal steps
+    a ``step=N`` file before ``last.ckpt``). An unreadable checkpoint that may be newer than the best readable
+    one (a higher ``step=N`` in its name, or, without one, a later modification time) is refused, naming it
+    and the previous good one; older unreadable ones are skipped with a warning."""
+    if ckpt_path is None:
+        return None, None
     if ckpt_path != "last":
-        if ckpt_path is not None and not Path(ckpt_path).is_file():
-            raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
-        return ckpt_path
+        path = Path(ckpt_path)
+        if not path.is_file():
+            raise UsageError(f"--ckpt_path {ckpt_path}: no such checkpoint file "
+                             "(--ckpt_path last takes the run's latest)")
+        try:
+            return str(path), checkpoint_step(path)
+        except Exception as exc:  # any failure to read the file: the file is the problem
+            raise UsageError(f"--ckpt_path {path} cannot be read as a checkpoint ({_reason(exc)}); give another "
+                             "checkpoint of the run, or --ckpt_path last") from None
     callback = trainer.checkpoint_callback
     ckpt_dir = callback.dirpath if callback else None
     if callback and ckpt_dir is None and trainer.loggers:  # ModelCheckpoint's own default, resolved only at fit time
         ckpt_dir = str(Path(trainer.loggers[0].log_dir) / "checkpoints")
-    found = sorted(Path(ckpt_dir).glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if ckpt_dir and Path(ckpt_dir).is_dir() else []
+    found = sorted(Path(ckpt_dir).glob("*.ckpt")) if ckpt_dir and Path(ckpt_dir).is_dir() else []
     if not found:
-        raise FileNotFoundError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path")
-    return str(found[-1])
+        raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path")
+    good: list[tuple[int, Path]] = []
+    bad: list[tuple[Path, str]] = []
+    for path in found:
+        try:
+            good.append((checkpoint_step(path), path))
+        except Exception as exc:  # an unreadable checkpoint: reported below
+            bad.append((path, _reason(exc)))
+    best = max(good, key=lambda sp: (sp[0], sp[1].name != "last.ckpt", sp[1].stat().st_mtime), default=None)
+    for path, reason in bad:
+        if best is None:
+            raise UsageError(f"--ckpt_path last: no readable checkpoint in {ckpt_dir} ({path} cannot be read: "
+                             f"{reason}); start the run without --ckpt_path")
+        step = _name_step(path)
+        if step > best[0] if step is not None else path.stat().st_mtime >= best[1].stat().st_mtime:
+            raise UsageError(f"--ckpt_path last: the newest checkpoint {path} cannot be read ({reason}); the "
+                             f"previous good one is {best[1]} (step {best[0]}): resume from it with --ckpt_path "
+                             f"{best[1]}, after moving {path} out of {ckpt_dir}")
+        warnings.warn(f"--ckpt_path last: skipping the unreadable older checkpoint {path} ({reason})", stacklevel=2)
+    return str(best[1]), best[0]
 
 
-def _metrics_path(trainer) -> Path | None:
-    return Path(trainer.logger.log_dir) / "metrics.csv" if trainer.logger is not None and trainer.logger.log_dir else None
+def _step(row: dict) -> int | None:
+    try:
+        return int(float(row.get("step") or ""))
+    except (TypeError, ValueError):
+        return None
 
 
-def _read_metrics(trainer) -> list[dict[str, str]]:
-    path = _metrics_path(trainer)
-    if path is None or not path.exists():
+def read_rows(path: Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv with a readable step (a row cut off by a crash keeps what it has)."""
+    if not path.is_file():
         return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    with path.open(newline="") as f:
+        rows = [{k: v for k, v in r.items() if k is not None and v is not None} for r in csv.DictReader(f)]
+    return [r for r in rows if _step(r) is not None]
 
 
-def _merge_metrics(trainer, earlier: list[dict[str, str]]) -> None:
-    """Lightning's CSVLogger starts metrics.csv afresh in a non-empty directory: after a resume into the same
-    directory, put the rows of the steps before the resume point back in front of the new ones."""
-    later = _read_metrics(trainer)
-    start = min((int(r["step"]) for r in later if r.get("step")), default=None)
-    kept = [r for r in earlier if start is None or (r.get("step") and int(r["step"]) < start)]
-    keys = list(dict.fromkeys(k for r in kept + later for k in r))
-    path = _metrics_path(trainer)
-    with path.open("w", newline="") as f:
+def combine_rows(earlier: list[dict], later: list[dict], start: int) -> list[dict]:
+    """The rows of ``earlier`` before step ``start`` (and its evaluation-only rows at ``start``: the eval
+    that closed the step the checkpoint was taken after, which the resumed session does not repeat),
+    then the rows of ``later``."""
+    def eval_only(row: dict) -> bool:
+        return all(k == "step" or k.startswith("eval/") for k, v in row.items() if v not in ("", None))
+
+    kept = [r for r in earlier if _step(r) < start or (_step(r) == start and eval_only(r))]
+    return kept + later
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` as a CSV (columns sorted, as Lightning's CSVLogger writes them), atomically."""
+    keys = sorted({k for r in rows for k in r})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
-        writer.writerows(kept + later)
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+class MetricsKeeper:
+    """Keeps the earlier sessions' rows of a run's metrics.csv across a resumed session (see the module doc)."""
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.path = Path(log_dir) / "metrics.csv"
+        self.earlier_path = Path(log_dir) / EARLIER
+        self.earlier: list[dict] = []
+
+    def before_resume(self) -> None:
+        """Copy the rows written so far (with those left by a killed session) to metrics.earlier.csv."""
+        saved, current = read_rows(self.earlier_path), read_rows(self.path)
+        if current:
+            saved = combine_rows(saved, current, min(_step(r) for r in current))
+        self.earlier = saved
+        if saved:
+            write_rows(self.earlier_path, saved)
+
+    def after_resume(self, start: int) -> None:
+        """metrics.csv := the earlier rows before step ``start``, then this session's; the copy removed."""
+        if self.earlier:
+            write_rows(self.path, combine_rows(self.earlier, read_rows(self.path), start))
+        self.earlier_path.unlink(missing_ok=True)
+
+
+def cli_trainer_defaults() -> dict:
+    """The bench cells' Trainer defaults (gacbench.trainer), with the accelerator chosen from the machine (the GPU
+    when one is present). Checkpointing stays Lightning's default: a config's ModelCheckpoint turns it on."""
+    from gacbench.trainer import TRAINER_DEFAULTS, pick_accelerator
+
+    defaults = {k: v for k, v in TRAINER_DEFAULTS.items() if k != "enable_checkpointing"}
+    return {**defaults, "accelerator": pick_accelerator("auto")}
 
 
 def run(argv: list[str]) -> int:
     with warnings.catch_warnings():  # `gacbench grpo ...` hands LightningCLI its own part of sys.argv on purpose
         warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
         cli = GRPOCLI(GRPOModule, run=False, args=argv, seed_everything_default=0, auto_configure_optimizers=False,
-                      save_config_kwargs={"overwrite": True},
-                      trainer_defaults={"accelerator": "auto", "devices": 1, "log_every_n_steps": 1,
-                                        "num_sanity_val_steps": 0, "enable_progress_bar": False},
+                      save_config_callback=RunConfigSaver, save_config_kwargs={"overwrite": True},
+                      trainer_defaults=cli_trainer_defaults(),
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
-    ckpt = _resolve_ckpt(trainer, cli.config.ckpt_path)
+    ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path)
+    log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+    keeper = MetricsKeeper(log_dir) if ckpt and log_dir else None
     device = trainer.strategy.root_device
     model.policy.to(device)  # evaluate where training runs (Lightning moves the module only inside fit)
     initial = model.metric()
-    earlier = _read_metrics(trainer) if ckpt else []
+    if keeper is not None:
+        keeper.before_resume()
     t0 = time.perf_counter()
-    trainer.fit(model, ckpt_path=ckpt)
+    try:
+        trainer.fit(model, ckpt_path=ckpt)
+    finally:  # also when the session fails: the earlier rows go back into metrics.csv
+        if keeper is not None:
+            keeper.after_resume(ckpt_step)
     wall = time.perf_counter() - t0
-    if earlier:
-        _merge_metrics(trainer, earlier)
     model.policy.to(device)
-    summary = {"method": cli.config.method, "engine": model.hparams.engine, "staleness": model.hparams.staleness,
+    summary = {"method": cli.config.method, "engine": model.engine_cfg.name, "staleness": model.staleness,
                "model_path": model.model_path, "steps": trainer.global_step, "resumed_from": ckpt,
                "eval_acc_initial": initial, "eval_acc_final": model.metric(), "wall_s": wall, **model.run_stats}
     monitor = next((c for c in trainer.callbacks if type(c).__name__ == "AlignmentMonitor"), None)
@@ -132,8 +288,12 @@ def run(argv: list[str]) -> int:
         summary["alignment"] = monitor.summary
     out = Path(trainer.log_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    print(json.dumps(summary, indent=2, default=float))
+    from gacbench.bench.cell import json_safe
+
+    plain = json.loads(json.dumps(summary, default=float))  # tensors and numpy scalars as floats
+    text = json.dumps(json_safe(plain), indent=2, allow_nan=False)  # NaN and infinities as null
+    (out / "summary.json").write_text(text)
+    print(text)
     print(f"wrote {out / 'summary.json'}")
     return 0
 

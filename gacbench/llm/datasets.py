@@ -18,7 +18,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 from gacbench.llm.task import Problem, _is_eval, exact_reward
 
@@ -92,6 +92,7 @@ class MathDataset:
     eval_fraction: float = 0.1
     seed: int = 0
     template: str = "{problem}"
+    default_reward: ClassVar[str] = "math-verify"
     _splits: dict[str, list[Problem]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -223,13 +224,3 @@ def math_verify_reward(completion: str, answer: str) -> float:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         return 0.0
-
-
-REWARDS: dict[str, Callable[[str, str], float]] = {"exact": exact_reward, "math-verify": math_verify_reward}
-
-
-def reward_fn(name: str) -> Callable[[str, str], float]:
-    """The reward ``(completion, answer) -> float`` called ``name`` in REWARDS."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARDS)}")
-    return REWARDS[name]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 OPS = "+-*"
 
@@ -37,6 +38,8 @@ class ArithmeticTask:
     max_operand: int = 9
     eval_fraction: float = 0.1
     seed: int = 0
+    default_reward: ClassVar[str] = "exact"
+    tiny_tokenizer: ClassVar[bool] = True  # prompts use only digits and +-*=
 
     def __post_init__(self) -> None:
         if self.max_ops < 1 or self.max_operand < 1:
