@@ -1,10 +1,54 @@
 """The ``gacbench`` command line. Each subcommand lives in its own module and is imported lazily,
-so ``gacbench --help`` stays fast."""
+so ``gacbench --help`` stays fast.
+
+Input the user can fix (an option's value, a suite file, an output path, a checkpoint) raises
+:class:`UsageError`; :func:`main` prints it as one line, ``gacbench CMD: error: MESSAGE``, and returns 2,
+as argparse does for its own errors. Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """Bad input that the user can fix; the message names the option or file and the fix."""
+
+
+def check_output_file(option: str, path: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only parent."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{option} {path} is a folder; give a file name, e.g. {target / 'result.json'}")
+    parent = target.parent
+    if not parent.exists():
+        raise UsageError(f"{option} {path}: the folder {parent} does not exist; create it (mkdir -p {parent}) "
+                         "or give another path")
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: {parent} is a file, not a folder; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{option} {path}: cannot write there (permission denied); give a writable path")
+
+
+def check_output_dir(option: str, path: str | os.PathLike) -> Path:
+    """Create ``path`` (with its parents) if needed and check that files can be written in it; a file in
+    the way, a read-only place or any other OSError becomes a UsageError naming ``option``."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option} {out} is a file, not a folder; give a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".gacbench-write-test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"{option} {out}: cannot create or write this folder ({reason}); "
+                         "give a writable folder") from None
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -84,13 +128,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run ``gacbench ARGV``; returns the exit status (2 for input the user can fix, printed as one line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    try:
+        return _run(argv)
+    except UsageError as exc:
+        message = " ".join(str(exc).split())
+        print(f"gacbench{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["grpo"]:  # LightningCLI parses its own arguments
         from gacbench.llm.cli import run as run_grpo
 
         return run_grpo(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    for option in ("json", "figure"):  # output files are checked before any work is done
+        value = getattr(args, option, None)
+        if isinstance(value, str):
+            check_output_file(f"--{option}", value)
     if args.version:
         from gacbench import __version__
 

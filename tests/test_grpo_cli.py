@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _small(model_dir: str, out: Path) -> list[str]:
-    return ["--config", str(ROOT / "tasks/llm/tiny.yaml"), "--model.model_path", model_dir, "--model.engine", "hf",
-            "--model.prompts", "4", "--model.group", "4", "--model.max_tokens", "4", "--model.eval_size", "8",
-            "--model.eval_every", "2", "--model.max_ops", str(TINY_TASK["max_ops"]),
-            "--model.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir", str(out)]
+    return ["--config", str(ROOT / "tasks/llm/tiny.yaml"), "--model.model.path", model_dir, "--model.engine.name", "hf",
+            "--model.rollout.prompts", "4", "--model.rollout.group", "4", "--model.rollout.max_tokens", "4",
+            "--model.eval_size", "8", "--model.eval_every", "2", "--model.task.max_ops", str(TINY_TASK["max_ops"]),
+            "--model.task.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir", str(out)]
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "tasks/llm").glob("*.yaml")))
@@ -55,13 +55,153 @@ def test_grpo_command_runs_checkpoints_and_resumes(tiny_llm_dir, tmp_path, capsy
     assert [float(r["stale/lag"]) for r in rows if r.get("stale/lag")] == [0, 1, 2, 2, 2, 2]
 
 
-def test_grpo_command_refuses_bad_settings(tiny_llm_dir, tmp_path):
-    with pytest.raises(ValueError, match="synchronous but model.staleness=3"):
-        main(["grpo", *_small(tiny_llm_dir, tmp_path), "--method", "sync", "--model.staleness", "3"])
-    with pytest.raises(ValueError, match="unknown method"):
-        main(["grpo", *_small(tiny_llm_dir, tmp_path), "--method", "nope"])
-    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        main(["grpo", *_small(tiny_llm_dir, tmp_path), "--ckpt_path", "last", "--trainer.max_steps", "1"])
+def test_grpo_command_refuses_bad_settings(tiny_llm_dir, tmp_path, capsys):
+    def refused(*args: str) -> str:  # one line on stderr, exit status 2, no traceback
+        assert main(["grpo", *_small(tiny_llm_dir, tmp_path), *args]) == 2
+        err = capsys.readouterr().err  # (model loading may print progress above)
+        errors = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("gacbench grpo: error: ") and "Traceback" not in err, err
+        return errors[0]
+
+    assert "synchronous but model.staleness=3" in refused("--method", "sync", "--model.staleness", "3")
+    assert "unknown method" in refused("--method", "nope")
+    assert "no checkpoint in" in refused("--ckpt_path", "last", "--trainer.max_steps", "1")
+    missing = str(tmp_path / "missing.ckpt")
+    assert "no such checkpoint file" in refused("--ckpt_path", missing, "--trainer.max_steps", "1")
+    assert "--model.staleness 8 is not below --trainer.max_steps 8" in refused("--method", "stale", "--model.staleness",
+                                                                               "8", "--trainer.max_steps", "8")
+    assert "engine.name='nope' is not a registered engine" in refused("--model.engine.name", "nope")
+
+
+RESUME_WARNINGS = pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint",
+                                           "ignore:.*exists and is not empty")
+
+
+def _ckpt_run(tiny_llm_dir, tmp_path) -> tuple[list[str], Path]:
+    """Arguments of a stale GRPO run that checkpoints every 2 steps, and its run directory."""
+    cfg = tmp_path / "ckpt.yaml"
+    cfg.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                   "      init_args: {every_n_train_steps: 2, save_top_k: -1}\n")
+    args = _small(tiny_llm_dir, tmp_path) + ["--config", str(cfg), "--method", "stale", "--model.staleness", "2"]
+    return args, tmp_path / "tiny" / "stale-s2-seed0"
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    """The steps of metrics.csv's training rows (one per step), in file order."""
+    import csv
+
+    return [int(r["step"]) for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("stale/lag")]
+
+
+def _strict_json(path: Path):
+    return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in {path}"))
+
+
+def _fail_at(monkeypatch, step: int) -> None:
+    from gacbench.llm.grpo import GRPOModule
+
+    original = GRPOModule.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == step:
+            raise RuntimeError(f"injected failure at step {step}")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(GRPOModule, "training_step", training_step)
+
+
+@RESUME_WARNINGS
+def test_a_resume_that_fails_keeps_the_earlier_metrics_and_config(tiny_llm_dir, tmp_path, monkeypatch):
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
+    config = (run_dir / "config.yaml").read_text()
+    _fail_at(monkeypatch, 6)  # after the checkpoint of step 6
+    with pytest.raises(RuntimeError, match="injected failure at step 6"):
+        main(["grpo", *args, "--trainer.max_steps", "8", "--ckpt_path", "last"])
+    assert _logged_steps(run_dir) == [0, 1, 2, 3, 4, 5]  # the first session's steps survive the failed one
+    assert not (run_dir / "metrics.earlier.csv").exists()
+    assert (run_dir / "config.yaml").read_text() == config  # the first session's config is kept
+    assert "max_steps: 8" in (run_dir / "config.resume-1.yaml").read_text()
+    monkeypatch.undo()
+    assert main(["grpo", *args, "--trainer.max_steps", "8", "--ckpt_path", "last"]) == 0
+    assert _logged_steps(run_dir) == list(range(8))  # each step once: 0-3, 4-5 of the failed session, 6-7
+    summary = _strict_json(run_dir / "summary.json")
+    assert summary["steps"] == 8 and summary["resumed_from"].endswith("step=6.ckpt")
+    assert (run_dir / "config.resume-2.yaml").exists() and (run_dir / "config.yaml").read_text() == config
+
+
+@RESUME_WARNINGS
+def test_a_killed_resume_is_merged_by_the_next_resume(tiny_llm_dir, tmp_path, monkeypatch):
+    from gacbench.llm.cli import MetricsKeeper
+
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
+    monkeypatch.setattr(MetricsKeeper, "after_resume", lambda self, start: None)  # as if killed: no clean-up ran
+    _fail_at(monkeypatch, 5)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        main(["grpo", *args, "--trainer.max_steps", "8", "--ckpt_path", "last"])
+    assert _logged_steps(run_dir) == [4] and (run_dir / "metrics.earlier.csv").exists()  # the earlier rows wait aside
+    monkeypatch.undo()
+    assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
+    assert _logged_steps(run_dir) == list(range(6)) and not (run_dir / "metrics.earlier.csv").exists()
+    summary = _strict_json(run_dir / "summary.json")  # 2 steps < the alignment warm-up: null statistics, not NaN
+    assert summary["alignment"]["median"] is None
+
+
+@RESUME_WARNINGS
+def test_a_corrupt_checkpoint_is_refused_before_the_run_is_touched(tiny_llm_dir, tmp_path, capsys):
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
+    ckpts = run_dir / "checkpoints"
+    newest, good = ckpts / "epoch=0-step=4.ckpt", ckpts / "epoch=0-step=2.ckpt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, e.g. by a full disk
+    metrics, config = (run_dir / "metrics.csv").read_bytes(), (run_dir / "config.yaml").read_bytes()
+
+    def refused(*extra: str) -> str:
+        capsys.readouterr()
+        assert main(["grpo", *args, "--trainer.max_steps", "6", *extra]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and errors[0].startswith("gacbench grpo: error: "), errors
+        assert (run_dir / "metrics.csv").read_bytes() == metrics and (run_dir / "config.yaml").read_bytes() == config
+        return errors[0]
+
+    line = refused("--ckpt_path", "last")
+    assert f"the newest checkpoint {newest} cannot be read" in line
+    assert f"the previous good one is {good} (step 2): resume from it with --ckpt_path {good}" in line
+    assert f"--ckpt_path {newest} cannot be read as a checkpoint" in refused("--ckpt_path", str(newest))
+    assert not list(run_dir.glob("config.resume-*.yaml"))
+    assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", str(good)]) == 0
+    assert _logged_steps(run_dir) == list(range(6))
+
+
+def test_ckpt_path_last_takes_the_highest_step_recorded_inside(tmp_path):
+    import os
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from gacbench.cli import UsageError
+    from gacbench.llm.cli import resolve_ckpt
+
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    for name, step in (("a.ckpt", 60), ("b.ckpt", 3), ("epoch=0-step=30.ckpt", 30)):
+        torch.save({"global_step": step}, d / name)
+    later = time.time() + 100
+    os.utime(d / "b.ckpt", (later, later))  # the newest file holds the lowest step, as in a copied run directory
+    trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(d)), loggers=[])
+    assert resolve_ckpt(trainer, "last") == (str(d / "a.ckpt"), 60)
+    torch.save({"global_step": 60}, d / "last.ckpt")  # the same step: the named file first
+    assert resolve_ckpt(trainer, "last") == (str(d / "a.ckpt"), 60)
+    (d / "epoch=0-step=90.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UsageError, match=r"newest checkpoint .*step=90.ckpt cannot be read.*previous good one is "
+                                         r".*a.ckpt \(step 60\)"):
+        resolve_ckpt(trainer, "last")
+    (d / "epoch=0-step=90.ckpt").rename(d / "epoch=0-step=10.ckpt")  # an older unreadable one is skipped
+    with pytest.warns(UserWarning, match="skipping the unreadable older checkpoint"):
+        assert resolve_ckpt(trainer, "last") == (str(d / "a.ckpt"), 60)
+    assert resolve_ckpt(trainer, None) == (None, None)
 
 
 def test_rollout_bench_writes_engines_side_by_side(tiny_llm_dir, tmp_path, capsys):
@@ -102,13 +242,16 @@ def test_grpo_on_a_local_math_dataset_with_a_real_tokenizer(tmp_path):
     data = ROOT / "tasks/math/example.jsonl"
     texts = [line for line in data.read_text().splitlines() if line.strip()]
     model_dir = _byte_bpe_checkpoint(tmp_path / "bpe", texts)
-    m = GRPOModule(model_dir, task=str(data), eval_fraction=0.25, prompts=2, group=3, max_tokens=6, steps=2, eval_size=4,
-                   template="Problem: {problem}\nAnswer: ")
+    task = {"name": "math", "path": str(data), "eval_fraction": 0.25, "template": "Problem: {problem}\nAnswer: "}
+    m = GRPOModule(model={"path": model_dir}, task=task, rollout={"prompts": 2, "group": 3, "max_tokens": 6}, steps=2,
+                   eval_size=4)
     assert m.reward.__name__ == "math_verify_reward"
     trainer = make_trainer([], max_steps=2)
     trainer.fit(m)
     assert trainer.logger.values("stale/lag") == [0.0, 0.0] and len(trainer.logger.values("reward/mean")) == 2
-    with pytest.raises(ValueError, match="Set model_path to a local checkpoint"):
-        GRPOModule(None, task=str(data))
+    with pytest.raises(ValueError, match="Set model.path to a local checkpoint"):
+        GRPOModule(task=task)
     with pytest.raises(ValueError, match="exceeds the model's context of 256"):  # checked for every row up front
-        GRPOModule(model_dir, task=str(data), eval_fraction=0.25, max_tokens=250)
+        GRPOModule(model={"path": model_dir}, task=task, rollout={"max_tokens": 250})
+    with pytest.raises(ValueError, match="task 'math' needs task.path"):
+        GRPOModule(model={"path": model_dir}, task={"name": "math"})

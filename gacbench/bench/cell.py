@@ -3,7 +3,10 @@
 A cell directory holds ``config.json`` (what was run), ``metrics.csv`` (every logged scalar, per
 step, through Lightning's CSVLogger) and ``status.json`` (done or failed, the final metric, timing,
 the worker process and its resident memory after the cell). Every file is written atomically, so a
-killed worker leaves either no status or a complete one.
+killed worker leaves either no status or a complete one. A cell counts as done only when its status
+says so *and* its stored files are complete (:func:`done_problem`): a status.json or config.json that
+is not valid JSON, or a metrics.csv that is empty, truncated or stops before the last step, makes the
+cell unfinished, so the next run recomputes it and the summary never reads it as finished.
 
 The directory encodes the task, method, staleness and seed; the objective, its parameters and the
 step count are checked against the stored ``config.json`` instead (:func:`identity_diff`): a done
@@ -46,6 +49,17 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with NaN and infinities replaced by None, so that it serialises to valid JSON (no bare NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 class StepTimer(pl.Callback):
@@ -126,13 +140,104 @@ def cell_dir(root: Path, cell: dict) -> Path:
     return root / "cells" / cell["task"] / method / f"s{cell['staleness']}" / f"seed{cell['seed']}"
 
 
-def stored_done(root: Path, cell: dict) -> dict | None:
-    """The stored status of ``cell``'s directory if it records a finished run, else None."""
-    path = cell_dir(root, cell) / "status.json"
+#: The keys of a done cell's status.json that the summary reads.
+DONE_KEYS = ("initial", "final", "diverged", "metric", "higher_is_better")
+
+
+def read_status(d: Path) -> tuple[dict | None, str | None]:
+    """``(status, problem)`` of the cell directory ``d``: ``(None, None)`` without a status.json, ``(None,
+    why)`` when it is not a JSON object."""
+    path = d / "status.json"
     if not path.exists():
+        return None, None
+    try:
+        status = read_json(path)
+    except (OSError, ValueError) as exc:
+        return None, f"{path} is not valid JSON ({_short(exc)})"
+    if not isinstance(status, dict):
+        return None, f"{path} holds a {type(status).__name__}, not a JSON object"
+    return status, None
+
+
+def _short(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
+
+
+def metrics_problem(path: Path, steps_run: Any) -> str | None:
+    """Why ``path`` (a finished cell's metrics.csv) is incomplete, or None: it must exist, end with a
+    newline, have a header with a ``step`` column, rows with as many fields as the header, numbers
+    only, and a row for the last step the run took (``steps_run - 1``: every step is logged)."""
+    import csv
+
+    if not path.is_file():
+        return f"{path} is missing"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"{path} cannot be read ({_short(exc)})"
+    if not text.strip():
+        return f"{path} is empty"
+    if not text.endswith("\n"):
+        return f"{path} is truncated (its last line is cut off)"
+    rows = list(csv.reader(text.splitlines()))
+    header, body = rows[0], [r for r in rows[1:] if r]
+    if "step" not in header:
+        return f"{path} has no 'step' column in its header"
+    at = header.index("step")
+    last = -1
+    for i, row in enumerate(body, start=2):
+        if len(row) != len(header):
+            return f"{path} is truncated (line {i} has {len(row)} of {len(header)} fields)"
+        try:
+            for value in row:
+                if value != "":
+                    float(value)
+            step = int(float(row[at]))
+        except ValueError:
+            return f"{path} is corrupt (line {i} holds a value that is not a number)"
+        last = max(last, step)
+    need = int(steps_run) - 1 if isinstance(steps_run, (int, float)) and not isinstance(steps_run, bool) else 0
+    if last < need:
+        return (f"{path} is truncated (its last row is step {last}, the run took {int(steps_run)} steps)" if body
+                else f"{path} has a header but no rows")
+    return None
+
+
+def done_problem(d: Path, status: dict) -> str | None:
+    """Why the cell directory ``d``, whose status says done, is not a finished cell (the first bad file,
+    named, and what is wrong with it), or None when config.json, status.json and metrics.csv are complete."""
+    missing = [k for k in DONE_KEYS if k not in status]
+    if missing:
+        return f"{d / 'status.json'} says done but lacks {', '.join(missing)}"
+    path = d / "config.json"
+    try:
+        config = read_json(path)
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except (OSError, ValueError) as exc:
+        return f"{path} is not valid JSON ({_short(exc)})"
+    if not isinstance(config, dict):
+        return f"{path} holds a {type(config).__name__}, not a JSON object"
+    return metrics_problem(d / "metrics.csv", status.get("steps_run"))
+
+
+def stored_state(root: Path, cell: dict) -> tuple[dict | None, str | None]:
+    """``(status, problem)`` of ``cell``'s directory: ``status`` is the stored status.json when it parses;
+    ``problem`` names the bad file when the directory claims (or may claim) a finished run that its files
+    do not hold: then the cell is not done."""
+    d = cell_dir(root, cell)
+    status, problem = read_status(d)
+    if status is not None and status.get("status") == "done":
+        problem = done_problem(d, status)
+    return status, problem
+
+
+def stored_done(root: Path, cell: dict) -> dict | None:
+    """The stored status of ``cell``'s directory if it records a finished run whose files are complete, else None."""
+    status, problem = stored_state(root, cell)
+    if problem is not None or status is None or status.get("status") != "done":
         return None
-    status = read_json(path)
-    return status if status.get("status") == "done" else None
+    return status
 
 
 def stored_config(root: Path, cell: dict, status: dict | None = None) -> dict:
@@ -140,7 +245,11 @@ def stored_config(root: Path, cell: dict, status: dict | None = None) -> dict:
     if status is not None and isinstance(status.get("cell"), dict):
         return status["cell"]
     path = cell_dir(root, cell) / "config.json"
-    return read_json(path) if path.exists() else {}
+    try:
+        stored = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 def _canonical(value: Any) -> Any:
@@ -207,6 +316,7 @@ def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None) ->
                                     "directory, or delete that cell directory to recompute it")
         return done
     out.mkdir(parents=True, exist_ok=True)
+    status_path.unlink(missing_ok=True)  # a failed or incomplete earlier run: unfinished until this one ends
     write_json(out / "config.json", cell)
     if threads:
         torch.set_num_threads(threads)

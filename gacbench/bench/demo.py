@@ -57,8 +57,17 @@ def main(args) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # keep the table readable
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a Lightning deprecation, not ours
+    from gacbench.cli import UsageError, check_output_file
+
     if args.staleness < 1:
-        raise SystemExit(f"gacbench demo: --staleness {args.staleness} must be >= 1 (the stale runs need a delay)")
+        raise UsageError(f"--staleness {args.staleness} must be >= 1 (the stale runs need a delay)")
+    if args.staleness >= args.steps:
+        raise UsageError(f"--staleness {args.staleness} is not below --steps {args.steps}: the lag at step t is at "
+                         f"most t, so it would never reach {args.staleness}; use a smaller --staleness or more --steps")
+    if not 0 <= args.seed <= 2**32 - 1:
+        raise UsageError(f"--seed {args.seed} must be in 0..{2**32 - 1}")
+    if args.json:
+        check_output_file("--json", args.json)  # before the runs, so that they are not lost
     results = [run_method(m, args.staleness, args.steps, args.seed) for m in ("sync", "stale", "gac")]
     table = Table(title=f"Noisy quadratic (d=100, kappa=10, sigma^2=10, SGD lr=0.1), {args.steps} steps, seed {args.seed}; "
                         f"f(theta_0)-f* = {results[0]['start_gap']:.3g}")
@@ -71,7 +80,9 @@ def main(args) -> int:
                       f"{r['proj_frac']:.2f}" if r["method"] == "gac" else "-", f"{r['seconds']:.1f}s")
     Console(width=120).print(table)
     if args.json:
+        from gacbench.bench.cell import json_safe
+
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(json_safe(results), f, indent=2, allow_nan=False)  # a diverged run's gap is null, not NaN
         print(f"wrote {args.json}")
     return 0

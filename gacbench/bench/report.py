@@ -1,7 +1,10 @@
 """Summary tables and figures of a benchmark directory, built from the stored runs alone.
 
 ``gacbench report DIR`` regenerates ``summary.json``, ``summary.md`` and the PNG figures without
-running anything. Definitions:
+running anything. The summary covers every cell stored in ``DIR`` (also when ``gacbench bench`` ran a
+subset of the grid into it). A cell whose status says done but whose stored files are incomplete
+(:func:`gacbench.bench.cell.done_problem`) is listed as ``incomplete``, with the bad file named, and
+never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes it. Definitions:
 
 - a cell's ``final`` is the objective's metric after the last step; ``diverged`` is non-finite
   parameters or metric, or (for loss-like metrics) a final 10x worse than the start;
@@ -30,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from gacbench.bench.cell import cell_dir, read_json, write_json
+from gacbench.bench.cell import cell_dir, json_safe, read_json, stored_state, write_json
 from gacbench.functional.stats import alignment_summary
 
 REFERENCE_METHODS = ("sync", "stale")
@@ -50,21 +53,29 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def recover_hint(root: Path, cell: dict) -> str:
+    """How to recover an incomplete cell."""
+    return (f"the cell is not counted; rerun the gacbench bench command of this grid with --out {root} to "
+            f"recompute it, or delete {cell_dir(root, cell)}")
+
+
 def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
-    d = cell_dir(root, cell)
-    if not (d / "status.json").exists():
+    """The summary's record of a stored cell (None when it has no status yet): ``status`` is ``done``,
+    ``failed``, or ``incomplete`` (a status that claims a finished run whose files are not complete)."""
+    status, problem = stored_state(root, cell)
+    if status is None and problem is None:
         return None
-    status = read_json(d / "status.json")
     rec: dict[str, Any] = {k: cell[k] for k in ("task", "method", "staleness", "seed")}
-    rec.update({"status": status.get("status"), "ablation": bool(cell.get("ablation"))})
-    if cell["objective"] == "grpo":  # the engine section's name, or a flat engine name
-        engine = cell.get("params", {}).get("engine") or "hf"
+    rec.update({"status": "incomplete" if problem else status.get("status"), "ablation": bool(cell.get("ablation"))})
+    if cell.get("objective") == "grpo":  # the engine section's name, or a flat engine name
+        engine = (cell.get("params") or {}).get("engine") or "hf"
         rec["engine"] = engine.get("name", "hf") if isinstance(engine, dict) else engine
-    if status.get("status") != "done":
-        rec.update({"error": status.get("error"), "metric": None, "higher_is_better": None, "final": None,
+    if problem is not None or status.get("status") != "done":
+        error = f"{problem}: {recover_hint(root, cell)}" if problem else status.get("error")
+        rec.update({"error": error, "metric": None, "higher_is_better": None, "final": None,
                     "diverged": None, "cos_median": None, "cos_abs_q90": None, "cos_abs_le_005": None})
         return rec
-    series = read_metrics(d / "metrics.csv")
+    series = read_metrics(cell_dir(root, cell) / "metrics.csv")
     cos = [v for _, v in series.get("align/cos", [])]
     s = alignment_summary(cos, warmup=min(cell.get("warmup", 0), max(len(cos) - 1, 0)))
     rec.update({
@@ -215,9 +226,12 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += ["", "## Threshold ablation (c_low, c_high)", "", "| task | method | s | final (mean) | diverged |", "|---|---|---|---|---|"]
         for g in abl:
             lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {_fmt(g['final_mean'], 4)} | {g['diverged_frac']:.0%} |")
-    failed = [c for c in cells if c["status"] != "done"]
-    if failed:
-        lines += ["", "## Failed cells", ""] + [f"- {c['task']} / {c['method']} / s={c['staleness']} / seed {c['seed']}: {c.get('error')}" for c in failed]
+    sections = (("Failed cells", "failed"), ("Incomplete cells (stored files damaged; not counted)", "incomplete"))
+    for title, kind in sections:
+        listed = [c for c in cells if c["status"] != "done" and (c["status"] == "incomplete") == (kind == "incomplete")]
+        if listed:
+            lines += ["", f"## {title}", ""] + [f"- {c['task']} / {c['method']} / s={c['staleness']} / "
+                                                f"seed {c['seed']}: {c.get('error')}" for c in listed]
     done = [c for c in cells if c["status"] == "done" and c.get("step_ms")]
     if done:
         lines += ["", "## Timing", "",
@@ -359,24 +373,50 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
     return out
 
 
-def _json_safe(obj: Any) -> Any:
-    """NaN and infinities become null: summary.json stays valid JSON for every parser."""
-    if isinstance(obj, float) and not math.isfinite(obj):
+_json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
+
+
+def _spec_from_path(root: Path, d: Path) -> dict | None:
+    """A cell's identity from its directory ``cells/TASK/METHOD/sS/seedK`` (when neither config.json nor
+    the status's copy can be read)."""
+    task, method, s, seed = d.relative_to(root / "cells").parts
+    try:
+        return {"task": task, "method": method, "staleness": int(s[1:]), "seed": int(seed[4:]), "objective": None,
+                "params": {}}
+    except ValueError:
         return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def discover_cells(root: Path) -> list[dict]:
-    return [read_json(p) for p in sorted((root / "cells").glob("**/config.json"))]
+    """Every cell stored under ``root/cells`` (a directory with a config.json or a status.json): its config.json,
+    else the status's copy of it, else its identity read from the directory's path."""
+    specs = []
+    for d in sorted(p for p in (root / "cells").glob("*/*/s*/seed*") if p.is_dir()):
+        if not (d / "config.json").exists() and not (d / "status.json").exists():
+            continue
+        spec = None
+        for name, pick in (("config.json", lambda x: x), ("status.json", lambda x: x.get("cell"))):
+            try:
+                candidate = pick(read_json(d / name))
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(candidate, dict) and all(k in candidate for k in ("task", "method", "staleness", "seed")) \
+                    and cell_dir(root, candidate) == d:
+                spec = candidate
+                break
+        spec = spec or _spec_from_path(root, d)
+        if spec is not None:
+            specs.append(spec)
+    return specs
 
 
 def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str, Any]:
+    """Write summary.json, summary.md and the figures of ``root``. They cover every cell stored there:
+    ``cells`` (the cells of the grid just run, if given) and every other cell found on disk."""
     root = Path(root)
-    specs = cells if cells is not None else discover_cells(root)
+    specs = list(cells or [])
+    known = {cell_dir(root, c) for c in specs}
+    specs += [c for c in discover_cells(root) if cell_dir(root, c) not in known]
     records = sorted((r for r in (cell_record(root, c) for c in specs) if r is not None),
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     groups = group_records(records)
@@ -390,14 +430,24 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing))
     figs = figures(root, records, specs, groups) if groups else []
     shares_oh = [r["overhead_share"] for r in records if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
-    return {"figures": figs, "overhead_share_median": statistics.median(shares_oh) if shares_oh else math.nan, "summary": summary}
+    incomplete = [r["error"] for r in records if r["status"] == "incomplete"]
+    return {"figures": figs, "overhead_share_median": statistics.median(shares_oh) if shares_oh else math.nan,
+            "summary": summary, "incomplete": incomplete}
 
 
 def main(args) -> int:
+    import sys
+
+    from gacbench.cli import UsageError
+
     root = Path(args.dir)
-    if not (root / "cells").exists():
-        raise SystemExit(f"gacbench report: {root} holds no benchmark cells (expected {root / 'cells'}); run gacbench bench --out {root} first")
+    if not (root / "cells").is_dir():
+        raise UsageError(f"{root} holds no benchmark cells (expected the folder {root / 'cells'}); "
+                         f"run gacbench bench --out {root} first")
     rep = build_report(root)
+    for line in rep["incomplete"]:
+        print(f"gacbench report: incomplete cell: {line}", file=sys.stderr)
     print(f"wrote {root / 'summary.json'}, {root / 'summary.md'} and {len(rep['figures'])} figures "
-          f"from {len(rep['summary']['cells'])} stored cells")
+          f"from {len(rep['summary']['cells'])} stored cells"
+          + (f" ({len(rep['incomplete'])} incomplete, not counted)" if rep["incomplete"] else ""))
     return 0

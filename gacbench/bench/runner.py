@@ -6,10 +6,14 @@ process, are paid once per worker rather than once per cell; pending cells are o
 cells sharing an objective and parameters (hence an engine configuration) run back to back. Local
 workers exit when the runner's process does.
 
-A cell whose directory records it as done is never rerun, so an interrupted grid resumes where it
-stopped; a done cell computed with other settings (objective, parameters, steps, method) is refused
-up front rather than reused. A failed cell is recorded with its error and the grid goes on. Summary
-tables and figures are then built from the stored runs alone (:mod:`gacbench.bench.report`). Each
+A cell whose directory records it as done (with complete files: :func:`gacbench.bench.cell.done_problem`)
+is never rerun, so an interrupted grid resumes where it stopped; a done cell computed with other
+settings (objective, parameters, steps, method) is refused up front rather than reused. A failed or
+incomplete cell is recomputed, and a failed cell is recorded with its error and the grid goes on.
+The suite, the command-line lists and the parameters are checked before anything runs; bad input
+raises :class:`gacbench.cli.UsageError` naming the option or file. Summary tables and figures are
+then built from the stored runs alone (:mod:`gacbench.bench.report`), over every cell in the output
+directory (a run of a subset of a grid does not shrink the summary). Each
 run that executes cells writes ``timing.json``: the wall time, cells per minute, the step share
 (optimizer-step seconds of the cells run / (wall time x workers)) and each worker's resident memory
 after each of its cells.
@@ -43,7 +47,8 @@ from gacbench.bench.cell import (
     stored_done,
     write_json,
 )
-from gacbench.methods import parse_method, split_top_level
+from gacbench.cli import UsageError, check_output_dir
+from gacbench.methods import method_callbacks, parse_method, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,20 +64,150 @@ def suite_path(name: str) -> Path:
     if candidate.exists():
         return candidate
     known = sorted(x.stem for x in SUITES_DIR.glob("*.yaml")) if SUITES_DIR.exists() else []
-    raise ValueError(f"unknown suite {name!r}; known suites: {', '.join(known) or 'none (run from a clone of the repository)'}, "
+    raise UsageError(f"--suite: unknown suite {name!r}; known suites: "
+                     f"{', '.join(known) or 'none (run from a clone of the repository)'}, "
                      "or give the path of a suite YAML file")
 
 
+SEED_MAX = 2**32 - 1  # the seeds numpy (hence Lightning's seed_everything) accepts: 0..2**32 - 1
+EXAMPLES = {"--methods": "sync,stale,gac", "--staleness": "0,8,16", "--seeds": "0,1,2", "--tasks": "quadratic,bandit"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_list(where: str, key: str, value: Any, lo: int, hi: int | None = None) -> list[int]:
+    """A suite's list of integers in [lo, hi] without repeats, else a UsageError naming the key."""
+    example = "[0, 8, 16]" if key == "staleness" else "[0, 1, 2]"
+    if not isinstance(value, list) or not value:
+        raise UsageError(f"{where}: {key}: {value!r} must be a non-empty list, e.g. {key}: {example}")
+    for x in value:
+        if not _is_int(x) or x < lo or (hi is not None and x > hi):
+            bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise UsageError(f"{where}: {key}: {x!r} is not an integer {bound}")
+    _no_repeats(f"{where}: {key}:", value)
+    return value
+
+
+def _no_repeats(where: str, values: list) -> None:
+    seen: set = set()
+    for x in values:
+        if x in seen:
+            note = " (a repeated seed would count the same run twice)" if "seeds" in where else ""
+            raise UsageError(f"{where} lists {x} twice; give each value once{note}")
+        seen.add(x)
+
+
+def _check_methods(where: str, methods: Any) -> list[str]:
+    if not isinstance(methods, list) or not methods or not all(isinstance(m, str) and m.strip() for m in methods):
+        raise UsageError(f"{where}: {methods!r} must be a non-empty list of method names, e.g. [sync, stale, gac]")
+    _no_repeats(where, [m.strip() for m in methods])
+    for m in methods:
+        try:
+            method_callbacks(m)  # an unknown name or setting fails here, not in every cell
+        except ValueError as exc:
+            raise UsageError(f"{where} {exc}") from None
+    return methods
+
+
 def load_suite(name: str) -> dict[str, Any]:
-    suite = yaml.safe_load(suite_path(name).read_text())
+    """A suite YAML file, checked: a malformed or empty file, a missing key, or a value of the wrong kind
+    raises a UsageError that names the file and the key."""
+    path = suite_path(name)
+    where = f"suite {path}"
+    try:
+        suite = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        line = f" (line {mark.line + 1})" if mark else ""
+        raise UsageError(f"{where} is not valid YAML{line}: {problem}; fix the file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where} cannot be read ({exc})") from None
+    if suite is None:
+        raise UsageError(f"{where} is empty; a suite sets tasks, methods, staleness, seeds and steps "
+                         f"(see {SUITES_DIR / 'synthetic-smoke.yaml'})")
+    if not isinstance(suite, dict):
+        raise UsageError(f"{where} must be a mapping with the keys tasks, methods, staleness, seeds and steps; "
+                         f"it holds a {type(suite).__name__}")
     for key in ("tasks", "methods", "staleness", "seeds", "steps"):
         if key not in suite:
-            raise ValueError(f"suite {name!r} has no {key!r}")
+            raise UsageError(f"{where} has no {key!r}; a suite sets tasks, methods, staleness, seeds and steps")
+    if not _is_int(suite["steps"]) or suite["steps"] < 1:
+        raise UsageError(f"{where}: steps: {suite['steps']!r} is not a positive integer (e.g. steps: 300)")
+    if not _is_int(suite.get("warmup", 0)) or suite.get("warmup", 0) < 0:
+        raise UsageError(f"{where}: warmup: {suite['warmup']!r} is not a non-negative integer")
+    _int_list(where, "staleness", suite["staleness"], 0)
+    _int_list(where, "seeds", suite["seeds"], 0, SEED_MAX)
+    _check_methods(f"{where}: methods:", suite["methods"])
+    if not isinstance(suite["tasks"], dict) or not suite["tasks"]:
+        raise UsageError(f"{where}: tasks: must map task names to {{objective: NAME, params: {{...}}}}")
     for task, spec in suite["tasks"].items():
+        at = f"{where}, task {task!r}"
+        if not isinstance(spec, dict):
+            raise UsageError(f"{at}: must be a mapping such as {{objective: quadratic, params: {{lr: 0.1}}}}")
         if not is_registered(spec.get("objective")):
-            raise ValueError(f"suite {name!r}, task {task!r}: objective {spec.get('objective')!r} is not one of "
+            raise UsageError(f"{at}: objective {spec.get('objective')!r} is not one of "
                              f"{', '.join(registered_objectives())}")
+        if spec.get("params") is None:
+            spec["params"] = {}
+        if not isinstance(spec["params"], dict):
+            raise UsageError(f"{at}: params: {spec['params']!r} must be a mapping of parameter names to values")
+        if "steps" in spec and (not _is_int(spec["steps"]) or spec["steps"] < 1):
+            raise UsageError(f"{at}: steps: {spec['steps']!r} is not a positive integer")
+        if "extra_methods" in spec:
+            _check_methods(f"{at}: extra_methods:", spec["extra_methods"])
+    ablation = suite.get("ablation")
+    if ablation is not None:
+        if not isinstance(ablation, dict) or not all(k in ablation for k in ("staleness", "c_low", "c_high")):
+            raise UsageError(f"{where}: ablation: must be a mapping with staleness, c_low and c_high "
+                             "(and optionally method)")
+        if not _is_int(ablation["staleness"]) or ablation["staleness"] < 1:
+            raise UsageError(f"{where}: ablation: staleness: {ablation['staleness']!r} is not a positive integer")
+        for key in ("c_low", "c_high"):
+            values = ablation[key]
+            numbers = isinstance(values, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                       for x in values)
+            if not values or not numbers:
+                raise UsageError(f"{where}: ablation: {key}: {values!r} must be a non-empty list of numbers")
+        _check_methods(f"{where}: ablation: method:", [ablation.get("method", "gac")])
     return suite
+
+
+def parse_list(option: str, text: str | None, split=None) -> list[str] | None:
+    """A comma-separated option value as a list; None (the suite's default) when the option is not given.
+    An empty value, an empty item (``0,``) or a repeated item is refused, naming the option."""
+    if text is None:
+        return None
+    example = f"e.g. {option} {EXAMPLES.get(option, 'a,b')}"
+    if not text.strip():
+        raise UsageError(f"{option} is empty; give comma-separated values ({example}), or leave {option} out for "
+                         "the suite's own")
+    items = [x.strip() for x in (split(text) if split else text.split(","))]
+    if "" in items:
+        raise UsageError(f"{option} {text!r} has an empty item (a stray comma?); {example}")
+    _no_repeats(f"{option} {text!r}", items)
+    return items
+
+
+def parse_int_list(option: str, text: str | None, lo: int, hi: int | None = None) -> list[int] | None:
+    """:func:`parse_list` of integers in [lo, hi]: ``2.5``, ``x`` or ``-1`` is refused, naming the option."""
+    items = parse_list(option, text)
+    if items is None:
+        return None
+    values = []
+    for x in items:
+        try:
+            v = int(x)
+        except ValueError:
+            raise UsageError(f"{option} {text!r}: {x!r} is not an integer; e.g. {option} {EXAMPLES[option]}") from None
+        if v < lo or (hi is not None and v > hi):
+            bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise UsageError(f"{option} {text!r}: {v} is not {bound}")
+        values.append(v)
+    _no_repeats(f"{option} {text!r}", values)
+    return values
 
 
 def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[int] | None = None,
@@ -84,11 +219,15 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     seeds = suite["seeds"] if seeds is None else seeds
     tasks = tasks or list(suite["tasks"])
     for s in staleness:
-        if not isinstance(s, int) or s < 0:
-            raise ValueError(f"staleness {s!r} must be a non-negative integer")
+        if not _is_int(s) or s < 0:
+            raise UsageError(f"staleness {s!r} must be a non-negative integer")
     for t in tasks:
         if t not in suite["tasks"]:
-            raise ValueError(f"task {t!r} is not in the suite; its tasks: {', '.join(suite['tasks'])}")
+            raise UsageError(f"--tasks: task {t!r} is not in the suite; its tasks: {', '.join(suite['tasks'])}")
+    _no_repeats("--tasks", list(tasks))
+    _no_repeats("--seeds", list(seeds))
+    _no_repeats("--staleness", list(staleness))
+    _no_repeats("--methods", list(methods))
     def base(task: str) -> dict:
         spec = suite["tasks"][task]
         return {"task": task, "objective": spec["objective"], "params": spec.get("params", {}),
@@ -115,7 +254,19 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                     for seed in seeds:
                         cells.append({**base(task), "method": f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})",
                                       "staleness": ablation["staleness"], "seed": seed, "ablation": True})
+    check_lag(cells)
     return cells
+
+
+def check_lag(cells: list[dict]) -> None:
+    """Refuse a staleness that no step of its cell would reach: the lag at step t is min(t, s), and t < steps,
+    so a cell with s >= steps would be labelled s while its gradients are never more than steps - 1 old."""
+    for c in cells:
+        if parse_method(c["method"])[0].stale and c["staleness"] >= c["steps"]:
+            raise UsageError(f"--staleness: staleness {c['staleness']} of task {c['task']!r} is not below its "
+                             f"{c['steps']} steps: the lag at step t is at most t, so no step would be "
+                             f"{c['staleness']} steps stale; use staleness values below {c['steps']}, or more steps "
+                             "in the suite")
 
 
 def is_done(root: Path, cell: dict) -> bool:
@@ -248,12 +399,11 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     """Run every cell not yet done; returns timing figures (also written to ``out/timing.json`` when a
     cell ran). Raises CellMismatchError, before running anything, if a done cell in ``out`` was
     computed with other settings than its cell in ``cells``."""
-    root = Path(out)
     if workers < 1:
-        raise ValueError(f"--workers {workers} must be >= 1")
+        raise UsageError(f"--workers {workers} must be >= 1")
     if executor not in ("local", "ray"):
-        raise ValueError(f"--executor {executor!r} is not 'local' or 'ray'")
-    root.mkdir(parents=True, exist_ok=True)
+        raise UsageError(f"--executor {executor!r} is not 'local' or 'ray'")
+    root = check_output_dir("--out", out)
     check_stored(cells, root)
     console = console or Console()
     pending = order_cells([c for c in cells if not is_done(root, c)])
@@ -322,7 +472,7 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
     try:
         import ray
     except ImportError:
-        raise RuntimeError("--executor ray needs Ray: pip install -e '.[ray]'") from None
+        raise UsageError("--executor ray needs Ray: pip install -e '.[ray]'") from None
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
@@ -383,10 +533,11 @@ def parse_params(items: list[str]) -> dict[str, Any]:
         key = key.strip()
         path = key.split(".")
         if not sep or not key or not all(path):
-            raise ValueError(f"--param {item!r}: expected KEY=VALUE or SECTION.KEY=VALUE, e.g. --param lr=3e-4 "
+            raise UsageError(f"--param {item!r}: expected KEY=VALUE or SECTION.KEY=VALUE, e.g. --param lr=3e-4 "
                              "or --param engine.name=hf")
         if path[0] in RESERVED_PARAMS:
-            raise ValueError(f"--param {key}: set by the grid itself; use --seeds / --staleness, or the suite's 'steps'")
+            raise UsageError(f"--param {key}: set by the grid itself; use --seeds / --staleness, "
+                             "or the suite's 'steps'")
         try:
             parsed = yaml.safe_load(value) if value.strip() else value
         except yaml.YAMLError:
@@ -418,45 +569,146 @@ def merge_params(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
 RESERVED_PARAMS = ("seed", "steps", "staleness")
 
 
-def _section_fields(cls: type, name: str) -> set[str] | None:
-    """The fields of parameter ``name`` of ``cls.__init__`` when its type is a dataclass (a section), else None."""
-    import dataclasses
+def _hints(target: Any) -> dict[str, Any]:
     import typing
 
     try:
-        hint = typing.get_type_hints(cls.__init__).get(name)
-    except Exception:  # unresolvable annotations: no section check
-        return None
+        return typing.get_type_hints(target)
+    except Exception:  # unresolvable annotations: no type check
+        return {}
+
+
+def _section_type(cls: type, name: str) -> type | None:
+    """The dataclass of parameter ``name`` of ``cls.__init__`` when its type is one (a section), else None."""
+    import dataclasses
+    import typing
+
+    hint = _hints(cls.__init__).get(name)
     for arg in typing.get_args(hint) or (hint,):
         if isinstance(arg, type) and dataclasses.is_dataclass(arg):
-            return {f.name for f in dataclasses.fields(arg)}
+            return arg
     return None
 
 
-def check_params(cells: list[dict]) -> None:
-    """Every cell's params must be arguments of its objective, and a section's keys fields of that
-    section: a typo fails here, not in every cell."""
+def _section_fields(cls: type, name: str) -> set[str] | None:
+    """The fields of parameter ``name`` of ``cls.__init__`` when its type is a dataclass (a section), else None."""
+    import dataclasses
+
+    section = _section_type(cls, name)
+    return None if section is None else {f.name for f in dataclasses.fields(section)}
+
+
+def type_ok(value: Any, hint: Any) -> bool | None:
+    """Whether ``value`` (read from YAML) fits the annotation ``hint``: True, False, or None when the
+    annotation is not one this check knows (then the objective itself decides)."""
+    import dataclasses
+    import types
+    import typing
+
+    if hint is None or hint is typing.Any:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        results = [type_ok(value, arm) for arm in typing.get_args(hint)]
+        return True if True in results else (None if None in results else False)
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _is_int(value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint in (list, tuple) or origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if hint is dict or origin is dict or (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+        return isinstance(value, dict)
+    return None
+
+
+def describe_type(hint: Any) -> str:
+    """``float | None`` -> ``a number or null``."""
+    import dataclasses
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(describe_type(a) for a in typing.get_args(hint)))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "text", type(None): "null",
+             dict: "a section", list: "a list", tuple: "a list"}
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return "a section"
+    return names.get(origin or hint, getattr(hint, "__name__", str(hint)))
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, str):
+        note = " (YAML reads 1e-3 as text: write 1.0e-3)" if _is_number(value) else ""
+        return f"the text {value!r}{note}"
+    return f"{json.dumps(value, default=str)} ({'true or false' if isinstance(value, bool) else type(value).__name__})"
+
+
+def _flat_keys(params: dict, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for key, value in params.items():
+        out |= _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return out
+
+
+def check_params(cells: list[dict], overrides: dict[str, Any] | None = None) -> None:
+    """Every cell's params must be arguments of its objective, of the annotated type, and a section's keys
+    fields of that section, of their types: a typo or a wrong type fails here, not in every cell. A bad
+    value that came from ``overrides`` (``--param``) is named as ``--param KEY``."""
     import inspect
 
+    from_cli = _flat_keys(overrides or {})
+    checked: set[tuple[str, str]] = set()
     for c in cells:
+        key = engine_key(c)
+        if key in checked:
+            continue
+        checked.add(key)
         cls = objective_class(c["objective"])
+        where = f"task {c['task']!r} ({c['objective']})"
         accepted = inspect.signature(cls.__init__).parameters
         any_name = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         unknown = [] if any_name else sorted(set(c["params"]) - set(accepted))
         if unknown:
-            raise ValueError(f"task {c['task']!r} ({c['objective']}): unknown parameter(s) {', '.join(unknown)}; "
+            raise UsageError(f"{where}: unknown parameter(s) {', '.join(unknown)}; "
                              f"accepted: {', '.join(k for k in accepted if k != 'self')}")
+        hints = _hints(cls.__init__)
+
+        def refuse(name: str, value: Any, hint: Any) -> None:
+            origin = f"--param {name}" if name in from_cli else f"{where}: parameter {name} (suite)"
+            raise UsageError(f"{origin}: {name} takes {describe_type(hint)}, got {_describe_value(value)}")
+
         for name, value in c["params"].items():
-            fields = _section_fields(cls, name)
-            if fields is None or value is None:
+            section = _section_type(cls, name)
+            if section is None:
+                if type_ok(value, hints.get(name)) is False:
+                    refuse(name, value, hints[name])
                 continue
+            if value is None:
+                continue
+            fields = _section_fields(cls, name)
             if not isinstance(value, dict):
-                raise ValueError(f"task {c['task']!r} ({c['objective']}): parameter {name!r} is a section with the "
+                raise UsageError(f"{where}: parameter {name!r} is a section with the "
                                  f"fields {', '.join(sorted(fields))}; set a field: --param {name}.FIELD=VALUE")
             bad = sorted(set(value) - fields)
             if bad:
-                raise ValueError(f"task {c['task']!r} ({c['objective']}): unknown {name} setting(s) "
+                raise UsageError(f"{where}: unknown {name} setting(s) "
                                  f"{', '.join(f'{name}.{k}' for k in bad)}; the {name} section takes {', '.join(sorted(fields))}")
+            field_hints = _hints(section)
+            for field, v in value.items():
+                if type_ok(v, field_hints.get(field)) is False:
+                    refuse(f"{name}.{field}", v, field_hints[field])
 
 
 def _is_number(text: str) -> bool:
@@ -472,20 +724,24 @@ def main(args) -> int:
 
     console = Console()
     suite = load_suite(args.suite)
+    methods = parse_list("--methods", args.methods, lambda t: split_top_level(t, ","))
+    if methods is not None:
+        _check_methods("--methods:", methods)
     cells = expand_cells(
         suite,
-        methods=split_top_level(args.methods, ",") if args.methods else None,
-        staleness=[int(x) for x in args.staleness.split(",")] if args.staleness else None,
-        seeds=[int(x) for x in args.seeds.split(",")] if args.seeds else None,
-        tasks=args.tasks.split(",") if args.tasks else None,
+        methods=methods,
+        staleness=parse_int_list("--staleness", args.staleness, 0),
+        seeds=parse_int_list("--seeds", args.seeds, 0, SEED_MAX),
+        tasks=parse_list("--tasks", args.tasks),
     )
+    if not cells:
+        raise UsageError("the grid has no cells: sync runs only at staleness 0 and the other methods only at a "
+                         "staleness > 0; check --methods and --staleness")
     overrides = parse_params(getattr(args, "param", None) or [])
     for c in cells:
         c["params"] = merge_params(c["params"], overrides)
-    if overrides:
-        check_params(cells)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_params(cells, overrides)
+    out = check_output_dir("--out", args.out)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")
     if not any(c["method"] == "sync" for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0): the recovered shares cannot be computed")
@@ -493,7 +749,9 @@ def main(args) -> int:
         timing = run_grid(cells, out, args.workers, args.executor, console)
     except CellMismatchError as exc:
         raise SystemExit(f"gacbench bench: {exc}") from None
-    report = build_report(out, cells=cells)
+    report = build_report(out, cells=cells)  # every cell stored in --out, not only this grid's
+    for line in report["incomplete"]:
+        console.print(f"[yellow]incomplete cell[/]: {line}", highlight=False)
     console.print(
         f"ran {timing['ran']} cells ({timing['skipped_done']} already done, {timing['failed']} failed) in "
         f"{timing['wall_s']:.1f} s: {timing['cells_per_min']:.1f} cells/min; median framework share of step time "
@@ -501,7 +759,8 @@ def main(args) -> int:
     )
     for line in timing_lines(timing):
         console.print(line, highlight=False)
-    console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures")
+    console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures "
+                  f"({len(report['summary']['cells'])} stored cells)")
     return 1 if timing["failed"] else 0
 
 
