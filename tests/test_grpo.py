@@ -234,3 +234,56 @@ def test_a_cell_is_bit_identical_fresh_or_after_another_cell_in_the_same_worker(
     assert len(fresh) > 4 and fresh == reused
     if engine == "vllm":
         release_engines()  # give the engine's memory back to the rest of the test session
+
+
+def test_an_engine_a_task_and_an_estimator_registered_from_outside_train_grpo(model_dir):
+    """Extending GRPO is one registration each: a counting engine (wrapping the hf one), a task of additions
+    only, and a sign advantage; a run with all three uses all three."""
+    from gacbench.llm import tasks
+    from gacbench.llm.task import ArithmeticTask
+    from gacbench.rollout import advantages, engines
+
+    calls = {"engine": 0, "task": 0, "adv": 0}
+
+    class CountingEngine(engines.HFEngine):
+        def generate(self, *args, **kwargs):
+            calls["engine"] += 1
+            return super().generate(*args, **kwargs)
+
+    @engines.register_engine("test-counting")
+    def _engine(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed):
+        return CountingEngine(policy, eos_token_id, pad_token_id)
+
+    class Additions:
+        default_reward = "exact"
+        tiny_tokenizer = True
+
+        def __init__(self, seed):
+            self.inner = ArithmeticTask(max_ops=1, max_operand=4, seed=seed)
+
+        def batch(self, split, start, size):
+            calls["task"] += 1
+            return [p for p in self.inner.batch(split, start, 4 * size) if "+" in p.prompt][:size]
+
+    @tasks.register_task("test-additions")
+    def _task(cfg, seed):
+        return Additions(seed)
+
+    @advantages.register_advantage("test-sign")
+    def _sign(rewards):
+        calls["adv"] += 1
+        return torch.sign(rewards - rewards.mean(-1, keepdim=True))
+
+    try:
+        args = grpo_args(model_dir, engine="test-counting", advantage="test-sign", steps=3)
+        m = GRPOModule(**{**args, "task": {"name": "test-additions"}})
+        trainer = make_trainer([], max_steps=3)
+        trainer.fit(m)
+        assert all(p.prompt.count("+") == 1 for p in m.task.batch("train", 0, 4))
+        assert calls["engine"] >= 3 and calls["task"] >= 3 and calls["adv"] == 3
+        assert type(m.engine) is CountingEngine and len(trainer.logger.values("reward/mean")) == 3
+    finally:
+        engines.release_engines("test-counting")
+        engines.ENGINES.pop("test-counting")
+        tasks.TASKS.pop("test-additions")
+        advantages.ADVANTAGES.pop("test-sign")
