@@ -1,24 +1,62 @@
-"""Rollout engines behind one small protocol, driven by ``gacbench.llm.grpo.GRPOModule``.
+"""Rollout engines behind one small protocol, a registry of them, and a per-process cache.
 
 An engine generates n samples per prompt with their token ids and log-probs, loads new weights
 without restarting, and reports the policy version those weights belong to:
 
-- ``HFEngine``: transformers ``generate`` with a KV cache, on its own copy of the model;
-- ``VLLMEngine``: vLLM in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), weights synced
-  through the model runner's in-place reload (docs/llm-notes.md); every sync can be verified against
-  the trainer's log-probs so that a run never continues silently on stale weights.
+- ``hf`` (:class:`HFEngine`): transformers ``generate`` with a KV cache on its own copy of the
+  policy; all prompts x n samples in one left-padded batch, each distinct prompt encoded once;
+- ``vllm`` (:class:`VLLMEngine`): vLLM in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+  On vLLM's CPU backend the weights are written straight into the model and its GEMM kernels are
+  rebuilt by vLLM's own post-processing (``weight_sync="direct"``); elsewhere, or for a model the direct
+  path does not cover, through the model runner's in-place reload (``weight_sync="reload"``). Either
+  way a sync can be verified against the trainer's log-probs (:func:`check_sync`), so that a run never
+  continues silently on stale weights.
 
-Log-probs are those of the sampling distribution at temperature 1 (the policy itself).
+Log-probs are those of the sampling distribution at temperature 1 (the policy itself). Every call of
+``generate`` is seeded by its ``seed`` argument alone, so the rollouts of a call depend only on (weights,
+prompts, n, max_tokens, seed), not on what the engine generated before.
+
+**Adding an engine** is one class and one registration. The class implements :class:`RolloutEngine`
+(``version``, ``generate``, ``load_weights``, ``close``; ``needs_sync_check = True`` if a weight sync
+can fail silently and must be verified once per run). The factory receives the run's engine settings
+and what the trainer has loaded, all by keyword::
+
+    @register_engine("myengine")
+    def _build_myengine(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed):
+        return MyEngine(model_path, dtype=spec.dtype)
+
+- ``spec``: the run's engine settings: any object with ``name``, ``dtype`` (e.g. "float32") and
+  ``kv_cache_gib`` (float or None) attributes, such as ``gacbench.llm.grpo.EngineConfig``
+  or :class:`EngineSpec`;
+- ``model_path``: the checkpoint directory the policy was loaded from;
+- ``policy``: the loaded policy module (the trainer's; an engine that keeps weights copies them);
+- ``eos_token_id`` / ``pad_token_id``: the tokenizer's ids;
+- ``max_model_len``: the model's context (None: unknown);
+- ``seed``: the run's seed (generation is seeded per call; an engine may use it for its own start-up).
+
+**Reuse across runs in one process**: :func:`acquire_engine` returns the engine already built in this
+process when its :func:`engine_key` (engine name, engine dtype, KV-cache size, checkpoint path, the
+policy's architecture, device and dtype, context) is the same, and otherwise closes the old engine of
+that name before building a new one, so at most one engine per name lives in a process. A reused engine
+reports ``version = -1`` until the caller loads its weights with ``load_weights(state_dict, version)``.
+After a failed generation or sync, :func:`discard_engine` closes the engine and drops it from the cache;
+:func:`release_engines` closes every cached engine.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
+
+UNSYNCED = -1  # the version of a reused engine before its first load_weights
 
 
 @dataclass
@@ -32,10 +70,24 @@ class Rollout:
 
 class RolloutEngine(Protocol):
     version: int
+    needs_sync_check: bool
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[list[Rollout]]: ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine settings for callers without a config of their own (benchmarks, tests): ``name`` (a
+    registered engine), ``dtype`` (the vllm engine's dtype; the hf engine runs in the policy's dtype),
+    ``kv_cache_gib`` (the vllm engine's KV-cache reservation; None = vLLM's default share of memory)."""
+
+    name: str = "hf"
+    dtype: str = "float32"
+    kv_cache_gib: float | None = 0.25
 
 
 def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
@@ -45,48 +97,307 @@ def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -
     return logits.log_softmax(-1).gather(-1, ids[0, len(prompt_ids):].unsqueeze(-1)).squeeze(-1).cpu()
 
 
+# -- the registry ----------------------------------------------------------------------------------------
+EngineFactory = Callable[..., RolloutEngine]
+ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str, factory: EngineFactory | None = None):
+    """Register ``factory`` under ``name`` (see the module docstring for its keyword arguments); usable as
+    ``register_engine(name, factory)`` or as the decorator ``@register_engine(name)``. A name can be
+    registered once."""
+
+    def add(f: EngineFactory) -> EngineFactory:
+        if name in ENGINES and ENGINES[name] is not f:
+            raise ValueError(f"register_engine: an engine named {name!r} is already registered")
+        ENGINES[name] = f
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def engine_names() -> list[str]:
+    return sorted(ENGINES)
+
+
+def _factory(name: str) -> EngineFactory:
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; registered engines: {', '.join(engine_names())} "
+                         "(gacbench.rollout.engines.register_engine adds one)")
+    return ENGINES[name]
+
+
+def build_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+                 max_model_len: int | None = None, seed: int = 0) -> RolloutEngine:
+    """A new engine from the registry (not cached: :func:`acquire_engine` is the cached path). ``spec``: an
+    engine name, or settings with ``name``, ``dtype`` and ``kv_cache_gib``."""
+    spec = EngineSpec(spec) if isinstance(spec, str) else spec
+    return _factory(spec.name)(spec, model_path=str(model_path), policy=policy, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id, max_model_len=max_model_len, seed=seed)
+
+
+# -- the per-process cache -------------------------------------------------------------------------------
+_LIVE: dict[str, tuple[Hashable, RolloutEngine]] = {}  # engine name -> (key, engine)
+
+
+def _architecture(policy: torch.nn.Module) -> str:
+    config = getattr(policy, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return type(policy).__qualname__
+    from gacbench.llm.model import config_key
+
+    return config_key(config)
+
+
+def engine_key(spec, *, model_path: str, policy: torch.nn.Module, max_model_len: int | None) -> Hashable:
+    """What an engine is built from, apart from weights and seeds: a cached engine is reused only for an
+    equal key."""
+    first = next(policy.parameters())
+    return (spec.name, str(getattr(spec, "dtype", None)), getattr(spec, "kv_cache_gib", None),
+            str(Path(model_path).resolve()), _architecture(policy), str(first.device), str(first.dtype), max_model_len)
+
+
+def acquire_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+                   max_model_len: int | None = None, seed: int = 0) -> RolloutEngine:
+    """The engine for these settings: the one this process already holds under ``spec.name`` if its
+    :func:`engine_key` is equal (its version is then :data:`UNSYNCED` until ``load_weights``), else a new one
+    from the registry, after closing the engine it replaces. Arguments as for :func:`build_engine`."""
+    spec = EngineSpec(spec) if isinstance(spec, str) else spec
+    _factory(spec.name)  # an unknown name fails before anything is closed
+    key = engine_key(spec, model_path=model_path, policy=policy, max_model_len=max_model_len)
+    held = _LIVE.get(spec.name)
+    if held is not None:
+        if held[0] == key:
+            engine = held[1]
+            engine.version = UNSYNCED
+            return engine
+        release_engines(spec.name)
+    engine = build_engine(spec, model_path=model_path, policy=policy, eos_token_id=eos_token_id,
+                          pad_token_id=pad_token_id, max_model_len=max_model_len, seed=seed)
+    _LIVE[spec.name] = (key, engine)
+    return engine
+
+
+def cached_engine(name: str) -> RolloutEngine | None:
+    """The engine this process holds under ``name`` (None if none)."""
+    held = _LIVE.get(name)
+    return None if held is None else held[1]
+
+
+def discard_engine(engine: RolloutEngine) -> None:
+    """Drop ``engine`` from the cache (if it is the cached one) and close it: after a failed generation or
+    sync, so that the next :func:`acquire_engine` builds a new engine instead of handing out a broken one."""
+    for name, (_, held) in list(_LIVE.items()):
+        if held is engine:
+            del _LIVE[name]
+    try:
+        engine.close()
+    finally:
+        gc.collect()
+
+
+def release_engines(name: str | None = None) -> None:
+    """Close and forget the cached engine ``name`` (all of them if None), giving its memory back."""
+    for n in [name] if name is not None else list(_LIVE):
+        held = _LIVE.pop(n, None)
+        if held is not None:
+            held[1].close()
+    gc.collect()
+
+
+# -- hf ------------------------------------------------------------------------------------------------
 class HFEngine:
-    """transformers ``generate`` on a private copy of the policy (so generation never sees
-    half-updated trainer weights). Sampling is seeded through torch's global generator."""
+    """transformers ``generate`` on a private copy of the policy (so generation never sees half-updated
+    trainer weights). One call generates every prompt x n sample as one batch, prompts left-padded with an
+    attention mask (positions follow the mask, so a row's tokens and log-probs are those of its unpadded
+    sequence). The prompts are encoded once each, not n times: one forward over the distinct prompts (all but
+    their last token) fills a KV cache that is repeated n times and handed to ``generate``, which then starts
+    from the last prompt token (where the model's cache cannot be repeated, ``generate`` encodes every row).
+    Sampling uses torch's generator seeded with ``seed`` inside a forked RNG state: the caller's random state
+    is left as it was."""
+
+    needs_sync_check = False  # a sync copies every tensor or raises
+    sync_method = "copy"
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int) -> None:
-        self.model = copy.deepcopy(model).eval()
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
         self.eos, self.pad = eos_token_id, pad_token_id
         self.version = 0
+        self._targets = self.model.state_dict()  # name -> the engine's tensor (shares its storage)
+        self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(state_dict)
+        """One fused copy of every tensor when the names and shapes are the engine's own (the usual case);
+        otherwise ``load_state_dict``, which names the missing, unexpected or mis-shaped entries."""
+        t = self._targets
+        if state_dict.keys() == t.keys() and all(v.shape == t[k].shape for k, v in state_dict.items()):
+            with torch.no_grad():
+                torch._foreach_copy_([t[k] for k in state_dict], [v.detach() for v in state_dict.values()])
+        else:
+            self.model.load_state_dict(state_dict)
         self.version = version
+
+    def close(self) -> None:
+        self.model = self._targets = None
+
+    def _prompt_cache(self, ids: torch.Tensor, attention: torch.Tensor, n: int):
+        """The KV cache of the distinct prompts without their last token, repeated to n rows per prompt; None
+        where the model's forward or cache does not allow it."""
+        if n < 2 or ids.shape[1] < 2 or not self._keep_logits:
+            return None
+        positions = (attention.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(input_ids=ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
+                         use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "past_key_values", None)
+        if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+            return None
+        cache.batch_repeat_interleave(n)
+        return cache
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[list[Rollout]]:
-        torch.manual_seed(seed)
-        out: list[list[Rollout]] = []
-        for prompt in prompts:  # prompts of one task have similar lengths; no padding needed per prompt
-            ids = torch.tensor([prompt] * n, device=self.model.device)
-            gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                                      top_p=1.0, max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
+        device = self.model.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            attention[i, width - len(prompt):] = 1
+        ids, attention = ids.to(device), attention.to(device)
+        cache = self._prompt_cache(ids, attention, n)
+        rng_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices):
+            torch.manual_seed(seed)
+            gen = self.model.generate(ids.repeat_interleave(n, 0), attention_mask=attention.repeat_interleave(n, 0),
+                                      past_key_values=cache, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                      max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
                                       output_scores=True, return_dict_in_generate=True)
-            new = gen.sequences[:, len(prompt):]
-            scores = torch.stack(gen.scores, 1).float().log_softmax(-1)  # (n, T, V)
-            lps = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            group = []
-            for row, lp in zip(new.tolist(), lps.tolist()):
-                length = row.index(self.eos) + 1 if self.eos in row else len(row)
-                group.append(Rollout(list(prompt), row[:length], lp[:length], self.version))
-            out.append(group)
-        return out
+        new = gen.sequences[:, width:]  # (rows, T); after a row's eos, generate writes pad
+        scores = torch.stack(gen.scores, 1).float().log_softmax(-1)  # (rows, T, V)
+        lps = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        is_eos = new == self.eos
+        has_eos = is_eos.any(1)
+        lengths = torch.where(has_eos, is_eos.int().argmax(1) + 1, new.shape[1])  # up to and including the first eos
+        new, lps, lengths = new.tolist(), lps.tolist(), lengths.tolist()
+        return [[Rollout(list(prompt), new[r][: lengths[r]], lps[r][: lengths[r]], self.version)
+                 for r in range(i * n, (i + 1) * n)] for i, prompt in enumerate(prompts)]
+
+
+@register_engine("hf")
+def _build_hf(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed) -> HFEngine:
+    return HFEngine(policy, eos_token_id, pad_token_id)
+
+
+# -- vllm ----------------------------------------------------------------------------------------------
+class _Unsupported(Exception):
+    pass
+
+
+class _DirectCpuSync:
+    """Writes a Hugging Face state dict into vLLM's model on the CPU backend without vLLM's reload machinery.
+
+    After loading, vLLM's CPU backend keeps the linear layers' weights only inside prepacked GEMM kernels
+    (the ``weight`` parameters are emptied, and the tied LM head has its own packed copy of the embedding),
+    so copying into parameters alone leaves the engine on the old weights. Here every kernel-backed layer
+    gets its full weight rebuilt from the trainer's tensors (shards of a fused layer, e.g. q/k/v into
+    ``qkv_proj``, concatenated in the order of the model's ``packed_modules_mapping``), and then the layer's
+    own ``quant_method.process_weights_after_loading`` builds the kernel exactly as at start-up; plain
+    parameters (norms, embedding rows, biases) are copied in place. The plan is made once, against the
+    live model; any layer or tensor it does not cover raises :class:`_Unsupported` (the engine then uses
+    vLLM's reload)."""
+
+    def __init__(self, model: torch.nn.Module, names: set[str], shapes: dict[str, tuple[int, ...]]) -> None:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise _Unsupported("not vLLM's CPU backend")
+        packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+        used: set[str] = set()
+        self.kernels: list[tuple[torch.nn.Module, list[str]]] = []  # weight rebuilt from these names, then repacked
+        self.repack: list[torch.nn.Module] = []  # kernels over a parameter copied in place (embedding, tied head)
+        self.copies: list[tuple[torch.Tensor, list[str]]] = []  # in place; several names are concatenated
+        fused_biases: set[int] = set()  # copied from concatenated shards above, not by name below
+        for mname, mod in model.named_modules():
+            qm = getattr(mod, "quant_method", None)
+            if not hasattr(mod, "cpu_linear"):
+                if qm is not None and isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                    raise _Unsupported(f"{mname}: a linear layer without a CPU kernel")
+                continue
+            if getattr(mod, "tp_size", 1) != 1:
+                raise _Unsupported(f"{mname}: tensor-parallel layer")
+            if isinstance(qm, UnquantizedEmbeddingMethod):
+                self.repack.append(mod)
+                if mname + ".weight" in names and mod.weight.numel():
+                    used.add(mname + ".weight")  # the tied head's name: the same tensor as the embedding
+                continue
+            if not isinstance(qm, UnquantizedLinearMethod) or mod.weight.numel() != 0:
+                raise _Unsupported(f"{mname}: {type(qm).__name__} layer")
+            prefix, _, leaf = mname.rpartition(".")
+            prefix = prefix + "." if prefix else ""
+            shards = [f"{prefix}{s}.weight" for s in packed.get(leaf, [leaf])]
+            if any(s not in names for s in shards):
+                raise _Unsupported(f"{mname}: no {', '.join(s for s in shards if s not in names)} in the state dict")
+            want = (int(mod.output_size_per_partition), int(mod.input_size_per_partition))
+            got = (sum(shapes[s][0] for s in shards), shapes[shards[0]][1] if len(shapes[shards[0]]) == 2 else -1)
+            if got != want:
+                raise _Unsupported(f"{mname}: weight {got} from {shards}, the layer needs {want}")
+            self.kernels.append((mod, shards))
+            used.update(shards)
+            if getattr(mod, "bias", None) is not None:
+                biases = [s[: -len("weight")] + "bias" for s in shards]
+                if any(b not in names for b in biases):
+                    raise _Unsupported(f"{mname}: bias without {biases} in the state dict")
+                self.copies.append((mod.bias, biases))
+                used.update(biases)
+                fused_biases.add(id(mod.bias))
+        for pname, p in model.named_parameters():
+            if id(p) in fused_biases or p.numel() == 0:
+                continue
+            if pname not in names:
+                raise _Unsupported(f"parameter {pname} has no tensor in the state dict")
+            src = shapes[pname]
+            if len(src) != p.dim() or src[0] > p.shape[0] or tuple(src[1:]) != tuple(p.shape[1:]):
+                raise _Unsupported(f"{pname}: {tuple(p.shape)} in the engine, {src} in the state dict")
+            self.copies.append((p, [pname]))  # a padded vocabulary: the first rows
+            used.add(pname)
+        if names - used:
+            raise _Unsupported(f"state-dict tensors with no place in the engine: {sorted(names - used)[:5]}")
+        if not self.kernels:
+            raise _Unsupported("no CPU GEMM kernels found")
+        self.dtype = next(p.dtype for p in model.parameters() if p.numel())
+
+    @torch.no_grad()
+    def __call__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        for dst, names in self.copies:
+            src = state_dict[names[0]] if len(names) == 1 else torch.cat([state_dict[n] for n in names])
+            dst[: src.shape[0]].copy_(src)
+        for mod, shards in self.kernels:
+            # an owned copy: a kernel that keeps the tensor (the plain-torch fallback) must not share trainer memory
+            w = torch.cat([state_dict[s] for s in shards]) if len(shards) > 1 else state_dict[shards[0]].clone()
+            mod.weight = torch.nn.Parameter(w.to(self.dtype).contiguous(), requires_grad=False)
+            mod.quant_method.process_weights_after_loading(mod)
+        for mod in self.repack:
+            mod.quant_method.process_weights_after_loading(mod)
 
 
 class VLLMEngine:
     """vLLM in this process. ``model_dir``: a checkpoint directory vLLM can load (the tiny model's
-    cache directory, or a local Qwen3 checkpoint); the engine starts from those weights (version 0)."""
+    cache directory, or a local Qwen3 checkpoint); the engine starts from those weights (version 0).
+    ``weight_sync``: "auto" (direct on vLLM's CPU backend where the model is covered, else reload),
+    "direct" (fail if not covered) or "reload" (``model_runner.reload_weights``); ``sync_method`` says
+    which one runs, decided at the first sync."""
+
+    needs_sync_check = True  # a reload that changed nothing would go unnoticed (docs/llm-notes.md)
 
     def __init__(self, model_dir: str, max_model_len: int | None = None, seed: int = 0, dtype: str = "float32",
-                 kv_cache_gib: float | None = 0.25) -> None:
+                 kv_cache_gib: float | None = 0.25, weight_sync: str = "auto") -> None:
         """``kv_cache_gib``: memory reserved for the KV cache (vLLM's ``kv_cache_memory_bytes``); None lets
         vLLM reserve ``gpu_memory_utilization`` (0.92) of the device, which on the CPU backend means 92% of
         the machine's RAM, so a second engine, or one beside a busy trainer, cannot start."""
+        if weight_sync not in ("auto", "direct", "reload"):
+            raise ValueError(f"VLLMEngine: weight_sync={weight_sync!r} is not 'auto', 'direct' or 'reload'")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by closure
         # vLLM logs every in-place reload (and warns that the rotary embedding has no weights to load): one
         # line per optimizer step; set VLLM_LOGGING_LEVEL=INFO to see them
@@ -101,24 +412,58 @@ class VLLMEngine:
             ) from exc
         memory = {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
         try:
-            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
-                           enable_prefix_caching=False, **memory)
+            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                           seed=seed, enable_prefix_caching=False, **memory)
         except Exception as exc:
             raise RuntimeError(f"vLLM could not start on {model_dir}: {type(exc).__name__}: {exc}. Check that the "
                                "directory is a Hugging Face checkpoint, that head_dim >= 32 on CPU, and that the KV "
-                               f"cache fits in free memory (kv_cache_gib={kv_cache_gib}; lower it, or free memory).") from exc
+                               f"cache fits in free memory (kv_cache_gib={kv_cache_gib}; lower it, or free "
+                               "memory).") from exc
         self.version = 0
+        self.weight_sync = weight_sync
+        self.sync_method: str | None = None  # "direct" or "reload", once decided
+        self.sync_note = ""  # why the direct path is not used, if it is not
+        self._direct: _DirectCpuSync | None = None
+
+    def _plan(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        if self.weight_sync == "reload":
+            self.sync_method = "reload"
+            return
+        try:
+            self._direct = _DirectCpuSync(model, set(state_dict), {k: tuple(v.shape) for k, v in state_dict.items()})
+            self.sync_method = "direct"
+        except _Unsupported as exc:
+            if self.weight_sync == "direct":
+                raise RuntimeError(f"VLLMEngine: the direct weight sync does not cover this model ({exc}); use "
+                                   "weight_sync='auto' or 'reload'") from None
+            self.sync_method, self.sync_note = "reload", str(exc)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        items = [(k, v.detach()) for k, v in state_dict.items()]  # the loader copies them into the engine's device
+        tensors = {k: v.detach() for k, v in state_dict.items()}
 
-        def reload(worker) -> bool:
-            worker.model_runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        def sync(worker) -> bool:
+            if self.sync_method is None:
+                self._plan(worker.model_runner.get_model(), tensors)
+            if self._direct is not None:
+                self._direct(tensors)
+            else:  # the loader copies the tensors into the engine's own storage
+                worker.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
             return True
 
-        if not all(self.llm.collective_rpc(reload)):
+        if not all(self.llm.collective_rpc(sync)):
             raise RuntimeError("vLLM weight sync failed on a worker; refusing to continue on stale weights")
         self.version = version
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (the engine core freezes its start-up objects out of
+        the garbage collector until shutdown)."""
+        llm = getattr(self, "llm", None)
+        self._direct = None
+        if llm is not None:
+            self.llm = None
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[list[Rollout]]:
         from vllm import SamplingParams
@@ -128,13 +473,16 @@ class VLLMEngine:
         # (call seed, prompt, sample) triple has its own stream, and consecutive call seeds never overlap.
         P = len(prompts)
         params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1, logprobs=0,
-                                 seed=(seed * P + i) * n) for i in range(P)]
+                                 seed=(seed * P + i) * n, detokenize=False) for i in range(P)]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        result = []
-        for prompt, o in zip(prompts, outs):
-            result.append([Rollout(list(prompt), list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                                   self.version) for c in o.outputs])
-        return result
+        return [[Rollout(list(prompt), list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                         self.version) for c in o.outputs] for prompt, o in zip(prompts, outs)]
+
+
+@register_engine("vllm")
+def _build_vllm(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed) -> VLLMEngine:
+    return VLLMEngine(model_path, max_model_len=max_model_len, seed=seed, dtype=spec.dtype,
+                      kv_cache_gib=spec.kv_cache_gib)
 
 
 def check_sync(engine: RolloutEngine, model, prompts: list[list[int]], tol: float = 1e-3, seed: int = 0) -> float:

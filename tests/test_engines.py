@@ -1,0 +1,278 @@
+"""Rollout engines: the registry, the per-process cache, the batched HF engine and the vLLM weight sync.
+
+The reuse tests check the contract that makes the cache safe: a cell's rollouts depend only on its
+weights, prompts and seeds, bit for bit, whether its engine was built for it or reused after other cells.
+"""
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from gacbench.llm.model import cached_model_dir, load, tiny_config  # noqa: E402
+from gacbench.llm.task import ArithmeticTask  # noqa: E402
+from gacbench.rollout import engines as E  # noqa: E402
+
+SMALL = dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
+
+
+@pytest.fixture
+def small(tmp_path):
+    """(checkpoint dir, model, tokenizer) of a freshly initialised small tiny Qwen3."""
+    d = cached_model_dir(tiny_config(**SMALL), tmp_path)
+    model, tok = load(d)
+    return str(d), model, tok
+
+
+@pytest.fixture(autouse=True)
+def no_cached_engines():
+    """Every test starts and ends with an empty engine cache."""
+    E.release_engines()
+    yield
+    E.release_engines()
+
+
+def _prompts(tok, k=4, split="train", **task):
+    return [tok.encode(p.prompt, add_special_tokens=False) for p in ArithmeticTask(**task).batch(split, 0, k)]
+
+
+def _perturb(model, scale=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def _flat(groups):
+    return [(r.completion_ids, r.logprobs) for g in groups for r in g]
+
+
+def _inputs(model_path, model, tok, **kw):
+    return {"model_path": model_path, "policy": model, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id, "max_model_len": 64, **kw}
+
+
+# -- the registry ---------------------------------------------------------------------------------------
+class _Fake:
+    needs_sync_check = False
+
+    def __init__(self, spec, seed):
+        self.spec, self.seed, self.version, self.closed = spec, seed, 0, False
+
+    def generate(self, prompts, n, max_tokens, seed):
+        return []
+
+    def load_weights(self, state_dict, version):
+        self.version = version
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_engine():
+    built = []
+
+    @E.register_engine("fake")
+    def _build(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed):
+        built.append(_Fake(spec, seed))
+        return built[-1]
+
+    yield built
+    E.release_engines()
+    E.ENGINES.pop("fake")
+
+
+def test_registry_lists_hf_and_vllm_and_refuses_unknown_or_duplicate_names(small, fake_engine):
+    d, model, tok = small
+    assert {"hf", "vllm"} <= set(E.engine_names()) and "fake" in E.engine_names()
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'; registered engines: fake, hf, vllm"):
+        E.build_engine("sglang", **_inputs(d, model, tok))
+    with pytest.raises(ValueError, match="unknown rollout engine 'sglang'"):
+        E.acquire_engine(E.EngineSpec("sglang"), **_inputs(d, model, tok))
+    with pytest.raises(ValueError, match="already registered"):
+        E.register_engine("hf", lambda spec, **kw: None)
+    engine = E.build_engine(E.EngineSpec("fake", dtype="bfloat16"), **_inputs(d, model, tok, seed=3))
+    assert isinstance(engine, _Fake) and engine.spec.dtype == "bfloat16" and engine.seed == 3
+    assert isinstance(E.build_engine("hf", **_inputs(d, model, tok)), E.HFEngine)
+
+
+def test_the_cache_reuses_an_engine_for_an_equal_key_and_replaces_it_otherwise(small, fake_engine):
+    d, model, tok = small
+    first = E.acquire_engine(E.EngineSpec("fake"), **_inputs(d, model, tok, seed=0))
+    first.load_weights({}, 7)
+    again = E.acquire_engine(E.EngineSpec("fake"), **_inputs(d, model, tok, seed=1))  # another seed: same engine
+    assert again is first and len(fake_engine) == 1
+    assert again.version == E.UNSYNCED  # until the caller loads its weights
+    other = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, model, tok))
+    assert other is not first and first.closed and not other.closed  # one engine per name at a time
+    assert E.cached_engine("fake") is other
+    bigger, _ = load(cached_model_dir(tiny_config(**{**SMALL, "layers": 3}), d + "-other"))
+    third = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, bigger, tok))  # other architecture
+    assert third is not other and other.closed
+    wider = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, copy.deepcopy(bigger).double(), tok))
+    assert wider is not third and third.closed  # the policy's dtype differs
+    third = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, bigger, tok, max_model_len=32))
+    assert third is not wider and wider.closed  # the context differs
+    E.release_engines("fake")
+    assert third.closed and E.cached_engine("fake") is None
+    broken = E.acquire_engine(E.EngineSpec("fake"), **_inputs(d, model, tok))
+    E.discard_engine(broken)  # after a failure: closed, and never handed out again
+    assert broken.closed and E.cached_engine("fake") is None
+    assert E.acquire_engine(E.EngineSpec("fake"), **_inputs(d, model, tok)) is not broken
+
+
+# -- hf ------------------------------------------------------------------------------------------------
+def test_hf_engine_generates_every_prompt_in_one_padded_batch_with_exact_log_probs(small):
+    d, model, tok = small
+    _perturb(model, 0.5)  # a less uniform policy: completions of different lengths, some ending in eos
+    prompts = _prompts(tok, 6, max_ops=3, max_operand=99)
+    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    engine = E.HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    calls = []
+    generate = engine.model.generate
+    engine.model.generate = lambda *a, **k: calls.append(a[0].shape) or generate(*a, **k)
+    state = torch.random.get_rng_state()
+    groups = engine.generate(prompts, n=5, max_tokens=6, seed=11)
+    assert calls == [(30, max(len(p) for p in prompts))]  # one call, prompts x samples rows
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is untouched
+    assert [len(g) for g in groups] == [5] * 6
+    lengths = set()
+    for prompt, group in zip(prompts, groups):
+        for r in group:
+            assert r.prompt_ids == prompt and len(r.logprobs) == len(r.completion_ids) >= 1
+            ids = r.completion_ids
+            assert tok.eos_token_id not in ids[:-1]  # cut at the first eos, which is kept
+            assert ids[-1] == tok.eos_token_id or len(ids) == 6
+            lengths.add(len(ids))
+            ref = sequence_logprobs_unpadded(model, r)
+            assert (ref - torch.tensor(r.logprobs)).abs().max() < 1e-5
+    assert len(lengths) > 1
+    assert any(r.completion_ids[-1] == tok.eos_token_id for g in groups for r in g)
+    assert _flat(engine.generate(prompts, n=5, max_tokens=6, seed=11)) == _flat(groups)  # seeded
+    assert _flat(engine.generate(prompts, n=5, max_tokens=6, seed=12)) != _flat(groups)
+    # the prompts were encoded once each (a cache of 6 rows, repeated to 30), and that changes nothing: generate
+    # encoding all 30 rows itself samples the same tokens with the same log-probs
+    shared, seen = engine._prompt_cache, []
+
+    def spy(ids, attention, n):
+        cache = shared(ids, attention, n)
+        seen.append((ids.shape[0], n, cache.get_seq_length()))  # before generate extends it
+        return cache
+
+    engine._prompt_cache = spy
+    engine.generate(prompts, n=5, max_tokens=6, seed=11)
+    assert seen == [(6, 5, max(len(p) for p in prompts) - 1)]
+    engine._prompt_cache = lambda *a: None
+    plain = engine.generate(prompts, n=5, max_tokens=6, seed=11)
+    for g, h in zip(groups, plain):
+        for r, q in zip(g, h):
+            assert r.completion_ids == q.completion_ids
+            assert max(abs(a - b) for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
+
+
+def sequence_logprobs_unpadded(model, r):
+    with torch.no_grad():
+        return E.sequence_logprobs(model, r.prompt_ids, r.completion_ids)
+
+
+def test_hf_engine_follows_the_trainer_after_a_weight_sync(small):
+    d, model, tok = small
+    engine = E.HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    prompts = _prompts(tok)
+    assert not engine.needs_sync_check and E.check_sync(engine, model, prompts) < 1e-5
+    _perturb(model)  # the trainer moves on: the engine is now stale, and the check notices
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        E.check_sync(engine, model, prompts)
+    engine.load_weights(model.state_dict(), version=1)
+    assert engine.version == 1 and E.check_sync(engine, model, prompts) < 1e-5
+    assert all(r.version == 1 for g in engine.generate(prompts, n=3, max_tokens=6, seed=5) for r in g)
+
+
+def test_hf_rollouts_are_bit_identical_from_a_fresh_or_a_reused_engine(small):
+    d, model, tok = small
+    cell_a = {k: v.clone() for k, v in model.state_dict().items()}
+    prompts = _prompts(tok, 4, max_ops=3, max_operand=99)
+    spec = E.EngineSpec("hf")
+    fresh = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
+    fresh.load_weights(model.state_dict(), 0)
+    expected = fresh.generate(prompts, n=4, max_tokens=6, seed=21)
+    # another cell in the same process: other weights, other seeds
+    _perturb(model, 0.3, seed=1)
+    engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=5))
+    assert engine is fresh and engine.version == E.UNSYNCED
+    engine.load_weights(model.state_dict(), 0)
+    other = engine.generate(prompts, n=4, max_tokens=6, seed=3)
+    assert _flat(other) != _flat(expected)
+    # the first cell again, on the reused engine
+    model.load_state_dict(cell_a)
+    engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
+    assert engine is fresh
+    engine.load_weights(model.state_dict(), 0)
+    assert _flat(engine.generate(prompts, n=4, max_tokens=6, seed=21)) == _flat(expected)
+
+
+# -- vllm ----------------------------------------------------------------------------------------------
+def _adamw_steps(model, prompts, steps, lr=3e-3):
+    """Optimizer-like updates: AdamW steps on a language-modelling loss, every parameter moves."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ids = torch.tensor([prompts[0] + prompts[1]])
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.slow
+def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_rollouts(small):
+    """One engine serves three cells (direct weight sync, checked after several AdamW updates); a second engine,
+    built with another seed and syncing through vLLM's reload, reproduces the first cell bit for bit."""
+    pytest.importorskip("vllm")
+    d, model, tok = small
+    prompts = _prompts(tok)
+    spec = E.EngineSpec("vllm")
+    engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
+    assert engine.needs_sync_check and engine.version == 0
+    cell_a = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.load_weights(model.state_dict(), 0)
+    assert engine.sync_method == "direct", engine.sync_note
+    expected = engine.generate(prompts, n=4, max_tokens=6, seed=21)
+    same = engine.generate([prompts[0]] * 2, n=4, max_tokens=6, seed=3)  # one prompt twice: independent samples
+    assert [r.completion_ids for r in same[0]] != [r.completion_ids for r in same[1]]
+
+    # cell B reuses the engine: several optimizer updates, each synced and checked
+    engine_b = E.acquire_engine(spec, **_inputs(d, model, tok, seed=1))
+    assert engine_b is engine and engine.version == E.UNSYNCED
+    engine.load_weights(model.state_dict(), 0)
+    for version in range(1, 5):
+        _adamw_steps(model, prompts, 2)
+        with pytest.raises(RuntimeError, match="weight sync failed"):
+            E.check_sync(engine, model, prompts, tol=1e-4)  # the engine is stale until the sync
+        engine.load_weights(model.state_dict(), version)
+        assert E.check_sync(engine, model, prompts, tol=1e-4, seed=version) < 1e-4
+    assert engine.version == 4
+    assert _flat(engine.generate(prompts, n=4, max_tokens=6, seed=21)) != _flat(expected)
+
+    # cell A again on the reused engine
+    model.load_state_dict(cell_a)
+    assert E.acquire_engine(spec, **_inputs(d, model, tok, seed=0)) is engine
+    engine.load_weights(model.state_dict(), 0)
+    assert _flat(engine.generate(prompts, n=4, max_tokens=6, seed=21)) == _flat(expected)
+
+    # a fresh engine, built with another seed, synced through vLLM's in-place reload
+    E.release_engines()
+    assert engine.llm is None
+    reloading = E.VLLMEngine(d, max_model_len=64, seed=9, weight_sync="reload")
+    try:
+        reloading.load_weights(model.state_dict(), 0)
+        assert reloading.sync_method == "reload"
+        assert _flat(reloading.generate(prompts, n=4, max_tokens=6, seed=21)) == _flat(expected)
+        _adamw_steps(model, prompts, 2)
+        reloading.load_weights(model.state_dict(), 1)
+        assert E.check_sync(reloading, model, prompts, tol=1e-4) < 1e-4
+    finally:
+        reloading.close()
