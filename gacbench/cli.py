@@ -14,41 +14,7 @@ import sys
 from pathlib import Path
 
 
-class UsageError(ValueError):
-    """Bad input that the user can fix; the message names the option or file and the fix."""
-
-
-def check_output_file(option: str, path: str) -> None:
-    """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only parent."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"{option} {path} is a folder; give a file name, e.g. {target / 'result.json'}")
-    parent = target.parent
-    if not parent.exists():
-        raise UsageError(f"{option} {path}: the folder {parent} does not exist; create it (mkdir -p {parent}) "
-                         "or give another path")
-    if not parent.is_dir():
-        raise UsageError(f"{option} {path}: {parent} is a file, not a folder; give another path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise UsageError(f"{option} {path}: cannot write there (permission denied); give a writable path")
-
-
-def check_output_dir(option: str, path: str | os.PathLike) -> Path:
-    """Create ``path`` (with its parents) if needed and check that files can be written in it; a file in
-    the way, a read-only place or any other OSError becomes a UsageError naming ``option``."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{option} {out} is a file, not a folder; give a folder (it is created if missing)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".gacbench-write-test.{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise UsageError(f"{option} {out}: cannot create or write this folder ({reason}); "
-                         "give a writable folder") from None
-    return out
+from gacbench.usage import UsageError, check_output_dir, check_output_file  # noqa: F401  (re-exported)
 
 
 def _positive_int(text: str) -> int:
@@ -105,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpo-steps", type=int, default=10, help="steps of a synchronous GRPO run per engine for the time shares (0: skip)")
     p.add_argument("--grpo-prompts", type=_positive_int, default=8, help="prompts per GRPO step (default 8)")
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
+
+    p = sub.add_parser("async-bench", help="the same GRPO configuration run synchronously and with asynchronous Ray "
+                       "rollout workers, timed side by side: speedup, lag, drops, final rewards")
+    from gacbench.llm.async_bench import add_arguments as add_async_bench_arguments
+
+    add_async_bench_arguments(p)
 
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
@@ -165,6 +137,10 @@ def _run(argv: list[str]) -> int:
         return run(args)
     if args.command == "rollout-bench":
         from gacbench.llm.throughput import main as run
+
+        return run(args)
+    if args.command == "async-bench":
+        from gacbench.llm.async_bench import main as run
 
         return run(args)
     if args.command == "report":

@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
 from gacbench.callbacks import AlignmentMonitor, StalenessSimulator
+from gacbench.jsonio import json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
 from gacbench.trainer import build_trainer
@@ -39,27 +40,6 @@ from gacbench.trainer import build_trainer
 #: that its directory does not encode, and the method (the directory encodes it only up to a
 #: substitution of unusual characters).
 IDENTITY_KEYS = ("objective", "params", "steps", "method")
-
-
-def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
-
-
-def json_safe(obj: Any) -> Any:
-    """``obj`` with NaN and infinities replaced by None, so that it serialises to valid JSON (no bare NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 class StepTimer(pl.Callback):
@@ -349,7 +329,7 @@ def _run(cell: dict, out: Path) -> dict:
     if s > 0 and not model.rollout_staleness:
         callbacks.append(StalenessSimulator(s))
     callbacks.append(AlignmentMonitor(warmup=cell.get("warmup", 0)))
-    callbacks += method_callbacks(cell["method"])
+    callbacks += method_callbacks(cell["method"], cell)  # a method with a reference reads cell["calibration"]
     timer = StepTimer()
     callbacks += [timer, DivergenceStop()]
     evals = EvalTimer(model)

@@ -57,7 +57,7 @@ def main(args) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # keep the table readable
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a Lightning deprecation, not ours
-    from gacbench.cli import UsageError, check_output_file
+    from gacbench.usage import UsageError, check_output_file
 
     if args.staleness < 1:
         raise UsageError(f"--staleness {args.staleness} must be >= 1 (the stale runs need a delay)")
@@ -80,7 +80,7 @@ def main(args) -> int:
                       f"{r['proj_frac']:.2f}" if r["method"] == "gac" else "-", f"{r['seconds']:.1f}s")
     Console(width=120).print(table)
     if args.json:
-        from gacbench.bench.cell import json_safe
+        from gacbench.jsonio import json_safe
 
         with open(args.json, "w") as f:
             json.dump(json_safe(results), f, indent=2, allow_nan=False)  # a diverged run's gap is null, not NaN

@@ -13,7 +13,11 @@ incomplete cell is recomputed, and a failed cell is recorded with its error and 
 The suite, the command-line lists and the parameters are checked before anything runs; bad input
 raises :class:`gacbench.cli.UsageError` naming the option or file. Summary tables and figures are
 then built from the stored runs alone (:mod:`gacbench.bench.report`), over every cell in the output
-directory (a run of a subset of a grid does not shrink the summary). Each
+directory (a run of a subset of a grid does not shrink the summary). A cell whose method needs a
+reference cell (``gac-calibrated``: the synchronous cell of its task and seed) waits until that cell
+is done, then runs with the calibration computed from it (:func:`gacbench.methods.reference_calibration`,
+stored in its ``config.json``); the reference must be in the grid or already done in the output
+directory, and a failed reference fails its dependents without running them. Each
 run that executes cells writes ``timing.json``: the wall time, cells per minute, the step share
 (optimizer-step seconds of the cells run / (wall time x workers)) and each worker's resident memory
 after each of its cells.
@@ -47,8 +51,8 @@ from gacbench.bench.cell import (
     stored_done,
     write_json,
 )
-from gacbench.cli import UsageError, check_output_dir
-from gacbench.methods import method_callbacks, parse_method, split_top_level
+from gacbench.usage import UsageError, check_output_dir
+from gacbench.methods import method_callbacks, parse_method, reference_calibration, reference_cell, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -314,6 +318,73 @@ def check_stored(cells: list[dict], root: Path) -> None:
     raise CellMismatchError("\n".join(lines))
 
 
+def check_references(cells: list[dict], root: Path) -> None:
+    """Refuse a grid with a cell whose reference cell (``gac-calibrated``: sync, s = 0, same task and seed) is
+    neither in the grid nor done in ``root``."""
+    grid = {cell_dir(root, c) for c in cells}
+    for c in cells:
+        ref = reference_cell(c)
+        if ref is not None and cell_dir(root, ref) not in grid and not is_done(root, ref):
+            raise UsageError(f"method {c['method']!r} (task {c['task']!r}, seed {c['seed']}) calibrates from the "
+                             f"synchronous cell of the same task and seed, which is neither in this grid nor done in "
+                             f"{root}: include sync in --methods and 0 in --staleness (or run it into --out first)")
+
+
+def _fail_without_running(root: Path, cell: dict, error: str) -> dict:
+    status = {"status": "failed", "error": error, "cell": cell}
+    out = cell_dir(root, cell)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "status.json").unlink(missing_ok=True)
+    write_json(out / "status.json", status)
+    return status
+
+
+class _Dependencies:
+    """The pending cells split into those that can run now (``ready``) and those waiting for their reference
+    cell; :meth:`finished` releases the waiting ones when their reference ends, with their calibration. A cell
+    whose reference failed, or whose reference trace cannot be calibrated from, is recorded as failed without
+    running (its statuses are collected by :meth:`take_failed`)."""
+
+    def __init__(self, pending: list[dict], root: Path) -> None:
+        self.root = root
+        self.waiting: dict[Path, list[dict]] = {}
+        self._failed: list[dict] = []
+        self.ready: list[dict] = []
+        pending_dirs = {cell_dir(root, c) for c in pending}
+        for c in pending:
+            ref = reference_cell(c)
+            if ref is None:
+                self.ready.append(c)
+            elif cell_dir(root, ref) in pending_dirs:
+                self.waiting.setdefault(cell_dir(root, ref), []).append(c)
+            else:  # done in root (check_references)
+                self.ready += self._prepare(c)
+
+    def _prepare(self, cell: dict) -> list[dict]:
+        try:
+            return [{**cell, "calibration": reference_calibration(self.root, cell)}]
+        except (OSError, ValueError) as exc:
+            self._failed.append(_fail_without_running(self.root, cell, f"calibration from the reference cell failed: "
+                                                                        f"{exc}"))
+            return []
+
+    def finished(self, cell: dict, status: dict) -> list[dict]:
+        """The cells that ``cell`` (just finished with ``status``) was the reference of, now ready."""
+        out: list[dict] = []
+        for c in self.waiting.pop(cell_dir(self.root, cell), []):
+            if status.get("status") == "done":
+                out += self._prepare(c)
+            else:
+                self._failed.append(_fail_without_running(
+                    self.root, c, f"its reference cell {cell_dir(self.root, cell)} failed ({status.get('error')}); "
+                                  "rerun the grid once it succeeds"))
+        return out
+
+    def take_failed(self) -> list[dict]:
+        failed, self._failed = self._failed, []
+        return failed
+
+
 def _die_with_parent(parent_pid: int | None) -> None:
     """End this worker when the process that started it ends, even by SIGKILL: on Linux the kernel
     delivers SIGKILL (PR_SET_PDEATHSIG, which fires when the parent's thread that started the worker
@@ -405,26 +476,37 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
         raise UsageError(f"--executor {executor!r} is not 'local' or 'ray'")
     root = check_output_dir("--out", out)
     check_stored(cells, root)
+    check_references(cells, root)
     console = console or Console()
-    pending = order_cells([c for c in cells if not is_done(root, c)])
+    pending = [c for c in cells if not is_done(root, c)]
+    refs = {cell_dir(root, r) for r in (reference_cell(c) for c in pending) if r is not None}
+    if refs:  # reference cells first within their engine group, so that their dependents are released early
+        pending = sorted(pending, key=lambda c: cell_dir(root, c) not in refs)
+    pending = order_cells(pending)
     done_before = len(cells) - len(pending)
+    deps = _Dependencies(pending, root)
     used = 1 if executor == "local" and workers == 1 else min(workers, len(pending))
     threads = max(1, (os.cpu_count() or 1) // workers)
     display = _Display(len(cells), done_before, console)
     t0 = time.perf_counter()
     results: list[dict] = []
     with display.progress:
+        results += _report_failed(deps, display)
         if not pending:
             pass
         elif executor == "ray":
-            results = _run_ray(pending, root, used, threads, display)
+            results += _run_ray(deps, root, used, threads, display)
         elif workers == 1:
-            for cell in pending:
+            queue = list(deps.ready)
+            while queue:
+                cell = queue.pop(0)
                 display.update(running=1)
                 results.append(run_cell(cell, root, threads))
                 display.update(running=0, finished=results[-1])
+                queue += deps.finished(cell, results[-1])
+                results += _report_failed(deps, display)
         else:
-            results = _run_pool(pending, root, used, threads, display)
+            results += _run_pool(deps, root, used, threads, display)
     wall = time.perf_counter() - t0
     failed = [r for r in results if r.get("status") != "done"]
     timing = {"cells": len(cells), "ran": len(results), "skipped_done": done_before, "failed": len(failed),
@@ -434,16 +516,25 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     return timing
 
 
-def _run_pool(pending: list[dict], root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
-    """``workers`` spawned processes that each run cells until the queue is empty (in ``pending``'s order)."""
+def _report_failed(deps: _Dependencies, display: _Display) -> list[dict]:
+    failed = deps.take_failed()
+    for status in failed:
+        display.update(running=0, finished=status)
+    return failed
+
+
+def _run_pool(deps: _Dependencies, root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
+    """``workers`` spawned processes that each run cells until the queue is empty (in ``deps.ready``'s order;
+    a cell waiting for its reference is submitted when the reference ends)."""
     results = []
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
                              initializer=_init_worker, initargs=(threads, os.getpid())) as pool:
-        futures = {pool.submit(run_cell, c, str(root), threads) for c in pending}
+        futures = {pool.submit(run_cell, c, str(root), threads): c for c in deps.ready}
         display.update(running=min(workers, len(futures)))
         while futures:
-            finished, futures = wait(futures, return_when=FIRST_COMPLETED)
+            finished, _ = wait(futures, return_when=FIRST_COMPLETED)
             for f in finished:
+                cell = futures.pop(f)
                 try:
                     results.append(f.result())
                 except BrokenProcessPool as exc:
@@ -452,6 +543,9 @@ def _run_pool(pending: list[dict], root: Path, workers: int, threads: int, displ
                         "killed it. The cells finished so far are stored: rerun the same command to resume, with fewer "
                         "--workers if memory is short") from exc
                 display.update(running=min(workers, len(futures)), finished=results[-1])
+                for c in deps.finished(cell, results[-1]):
+                    futures[pool.submit(run_cell, c, str(root), threads)] = c
+                results += _report_failed(deps, display)
     return results
 
 
@@ -465,10 +559,12 @@ class _CellWorker:
         return run_cell(cell, root, threads)
 
 
-def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
+def _run_ray(deps: _Dependencies, root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
     """``workers`` Ray actors, each handed its next cell when it finishes one: a cell with the same
-    engine key as its last one if any is left, else the next in ``pending``'s order. A cell whose
-    actor dies is recorded as failed and the actor replaced."""
+    engine key as its last one if any is left, else the next in ``deps.ready``'s order (a cell waiting for
+    its reference joins the queue when the reference ends). A cell whose actor dies is recorded as failed
+    and the actor replaced."""
+    pending = deps.ready + [c for waiting in deps.waiting.values() for c in waiting]
     try:
         import ray
     except ImportError:
@@ -483,7 +579,7 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
         options["num_gpus"] = min(1.0, gpus / workers)
     actor_cls = ray.remote(**options)(_CellWorker)
     root_s = str(root.resolve())
-    queue = list(pending)
+    queue = list(deps.ready)
     actors = [actor_cls.remote(threads) for _ in range(workers)]
     last: dict[int, tuple[str, str]] = {}
     inflight: dict[Any, tuple[int, dict]] = {}
@@ -495,10 +591,12 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
         inflight[actors[i].run.remote(cell, root_s, threads)] = (i, cell)
 
     results = []
+    idle = set(range(workers))
     try:
         for i in range(workers):
             if queue:
                 dispatch(i)
+                idle.discard(i)
         display.update(running=len(inflight))
         while inflight:
             ready, _ = ray.wait(list(inflight), num_returns=1)
@@ -513,9 +611,14 @@ def _run_ray(pending: list[dict], root: Path, workers: int, threads: int, displa
                 results.append(status)
                 actors[i] = actor_cls.remote(threads)
                 last.pop(i, None)
-            if queue:
-                dispatch(i)
+            queue += deps.finished(cell, results[-1])
+            idle.add(i)
+            for j in sorted(idle):
+                if queue:
+                    dispatch(j)
+                    idle.discard(j)
             display.update(running=len(inflight), finished=results[-1])
+            results += _report_failed(deps, display)
     finally:
         for actor in actors:
             ray.kill(actor)

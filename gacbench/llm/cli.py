@@ -41,7 +41,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from gacbench.cli import UsageError
+from gacbench.usage import UsageError
 from gacbench.llm.grpo import GRPOModule
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
@@ -288,7 +288,7 @@ def run(argv: list[str]) -> int:
         summary["alignment"] = monitor.summary
     out = Path(trainer.log_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
-    from gacbench.bench.cell import json_safe
+    from gacbench.jsonio import json_safe
 
     plain = json.loads(json.dumps(summary, default=float))  # tensors and numpy scalars as floats
     text = json.dumps(json_safe(plain), indent=2, allow_nan=False)  # NaN and infinities as null

@@ -144,9 +144,11 @@ def _architecture(policy: torch.nn.Module) -> str:
     config = getattr(policy, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return type(policy).__qualname__
-    from gacbench.llm.model import config_key
+    import hashlib
+    import json
 
-    return config_key(config)
+    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def engine_key(spec, *, model_path: str, policy: torch.nn.Module, max_model_len: int | None) -> Hashable:
