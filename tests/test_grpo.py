@@ -287,3 +287,22 @@ def test_an_engine_a_task_and_an_estimator_registered_from_outside_train_grpo(mo
         engines.ENGINES.pop("test-counting")
         tasks.TASKS.pop("test-additions")
         advantages.ADVANTAGES.pop("test-sign")
+
+
+def _every_stabilizer() -> list[str]:
+    from gacbench.stabilizers.registry import available
+
+    return sorted(available())
+
+
+@pytest.mark.parametrize("method", _every_stabilizer())
+def test_every_registered_stabilizer_runs_in_grpo(model_dir, method):
+    """A short smoke cell per method: every stabilizer of `gacbench stabilizers` trains GRPO from stale rollouts
+    (loss-side ones through PolicyBatch with the module's settings, gradient-side ones on the gradients)."""
+    from gacbench.methods import method_callbacks
+
+    trainer = make_trainer(method_callbacks(method), max_steps=3)
+    m = module(model_dir, staleness=1, clip_high=0.28, agg="seq-mean-token-mean")
+    trainer.fit(m)
+    assert len(trainer.logger.values("reward/mean")) == 3 and m.engine.version == 3
+    assert all(torch.isfinite(p).all() for p in m.policy.parameters())
