@@ -8,8 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gacbench.functional import alignment_summary, cosine, dot, gac_decision, gac_project, sq_norm, validate_thresholds
-from gacbench.functional.alignment import KEEP, PROJECT, SHRINK, SKIP
+from gacbench.functional import (
+    alignment_scalars,
+    alignment_summary,
+    cosine,
+    dot,
+    gac_decision,
+    gac_project,
+    sq_norm,
+    validate_thresholds,
+)
+from gacbench.functional.alignment import _CPU_BLOCK_PER_THREAD, KEEP, PROJECT, SHRINK, SKIP
 from gacbench.functional.gac import REFERENCES, GACTransform
 
 SHAPES = [(3, 4), (5,), (2, 2, 2)]
@@ -49,14 +58,32 @@ def aligned_pair(c: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_dot_and_norm_match_flat_vectors():
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
-    assert torch.allclose(dot(split(a), split(b)), a @ b, rtol=1e-5)
-    assert torch.allclose(sq_norm(split(a)), a @ a, rtol=1e-5)
+    a64, b64 = a.double(), b.double()
+    assert float(dot(split(a), split(b))) == pytest.approx(float(a64 @ b64), rel=1e-6)
+    assert float(sq_norm(split(a))) == pytest.approx(float(a64 @ a64), rel=1e-6)
     assert cosine(split(a), split(b)) == pytest.approx(float(a @ b / (a.norm() * b.norm())), rel=1e-5)
+
+
+def test_alignment_scalars_of_tensors_larger_than_a_block():
+    """Tensors longer than the CPU block are reduced block by block; the scalars equal a float64
+    computation, whatever the dtype of the reference, and ||r||^2 taken as the third scalar is bit for bit
+    ||r||^2 taken as the second (GAC caches one and recomputes the other on resume)."""
+    gen = torch.Generator().manual_seed(5)
+    n = 2 * _CPU_BLOCK_PER_THREAD * torch.get_num_threads() + 50000  # two whole blocks and a part
+    g = [torch.randn(n, generator=gen), torch.randn(7, generator=gen)]
+    r = [torch.randn(n, generator=gen) + 0.3 * g[0], torch.randn(7, generator=gen)]
+    for ref in (r, [t.bfloat16() for t in r]):
+        g64, r64 = flat(g).double(), flat(ref).double()
+        s = alignment_scalars(g, ref)
+        assert s.tolist() == pytest.approx([float(g64 @ r64), float(g64 @ g64), float(r64 @ r64)], rel=1e-5)
+    s = alignment_scalars(g, r)
+    assert float(alignment_scalars(r, g)[1]) == float(s[2])
+    assert float(alignment_scalars(g, r, ref_sq=s[2])[2]) == float(s[2])
 
 
 def test_dot_upcasts_low_precision():
     a = torch.randn(1000, dtype=torch.bfloat16)
-    assert dot([a], [a]).dtype == torch.float32
+    assert dot([a], [a]).dtype == torch.float64
 
 
 def test_cosine_of_zero_vector_is_zero_not_nan():
@@ -207,3 +234,78 @@ def test_transform_state_refuses_a_foreign_checkpoint():
         gac.load_state_dict({"has_ref": True, "ref": torch.zeros(5)})
     with pytest.raises(ValueError, match="keys 'has_ref' and 'ref'"):
         gac.load_state_dict({"ref": torch.zeros(3)})
+
+
+def _sgd_run(gac: GACTransform, grads: list[list[float]], lr: float = 0.5):
+    """Steps ``gac`` on each 4-element gradient, then moves theta by -lr * (applied gradient); theta_0 = 0.
+    Returns the decisions and the applied gradients (None for a skipped step)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    decisions, applied = [], []
+    for g in grads:
+        p.grad = torch.tensor(g, dtype=torch.float32)
+        decisions.append(gac.step([p]).decision)
+        applied.append(None if p.grad is None else p.grad.tolist())
+        if p.grad is not None:
+            with torch.no_grad():
+                p.sub_(lr * p.grad)
+    return decisions, applied
+
+
+# The three references on hand-worked examples, exact in binary floating point. c_low = 0.25 and c_high = 0.75:
+# against r = (4, 0, 0, 0), g = (1, 1, 1, 1) has c = 4 / (2 * 4) = 1/2, so the shrink removes the fraction
+# 1 - c_low/c = 1/2 of g_par = (1, 0, 0, 0): g~ = (0.5, 1, 1, 1). A g written r + w with w orthogonal to r has
+# c >= c_high in each example below and is projected to exactly w.
+
+
+def test_ema_reference_by_hand():
+    """r_t = 0.75 r_{t-1} + 0.25 g_t (raw gradients). Step 2: r = 0.75 (4,0,0,0) + 0.25 (1,1,1,1) =
+    (3.25, 0.25, 0.25, 0.25). Step 3: g = r + (0, 1, -1, 0), c = sqrt(10.75 / 12.75) = 0.918, projected to
+    (0, 1, -1, 0); then r = 0.75 r + 0.25 g = (3.25, 0.5, 0, 0.25)."""
+    gac = GACTransform(c_low=0.25, c_high=0.75, reference="ema", ema_decay=0.75)
+    decisions, applied = _sgd_run(gac, [[4, 0, 0, 0], [1, 1, 1, 1], [3.25, 1.25, -0.75, 0.25]])
+    assert [d.action for d in decisions] == [KEEP, SHRINK, PROJECT]
+    assert applied == [[4, 0, 0, 0], [0.5, 1, 1, 1], [0, 1, -1, 0]]
+    assert decisions[1].cos == 0.5 and decisions[2].cos == pytest.approx(math.sqrt(10.75 / 12.75), rel=1e-7)
+    assert gac.state.ref[0].tolist() == [3.25, 0.5, 0, 0.25]
+
+
+def test_applied_reference_by_hand():
+    """r_t = g~_t. Step 2 applies (0.5, 1, 1, 1), which becomes r (||r||^2 = 3.25). Step 3: g = r + (0.5, 0, 0,
+    -0.25), c = sqrt(3.25 / 3.5625) = 0.955, projected to (0.5, 0, 0, -0.25). Step 4: g = (1, 0, 0, 2) is
+    orthogonal to that applied gradient, so c = 0 (against step 3's raw gradient it would be 0.59)."""
+    gac = GACTransform(c_low=0.25, c_high=0.75, reference="applied")
+    decisions, applied = _sgd_run(gac, [[4, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0.75], [1, 0, 0, 2]])
+    assert [d.action for d in decisions] == [KEEP, SHRINK, PROJECT, KEEP]
+    assert applied[1:3] == [[0.5, 1, 1, 1], [0.5, 0, 0, -0.25]]
+    assert decisions[2].cos == pytest.approx(math.sqrt(3.25 / 3.5625), rel=1e-7)
+    assert decisions[3].cos == 0.0  # <(1, 0, 0, 2), (0.5, 0, 0, -0.25)> = 0
+    assert gac.state.ref[0].tolist() == [1, 0, 0, 2]
+
+
+def test_update_reference_by_hand():
+    """r_t = theta_{t-1} - theta_t with theta moved by -0.5 g~. Step 1: theta = (-2, 0, 0, 0). Step 2:
+    r = (2, 0, 0, 0) points along the previous gradient, c = 1/2, g~ = (0.5, 1, 1, 1) and theta = (-2.25, -0.5,
+    -0.5, -0.5). Step 3: r = (0.25, 0.5, 0.5, 0.5); g = 4 r + (0, 1, -1, 0), c = 3.25 / sqrt(15 * 0.8125) = 0.931,
+    projected to (0, 1, -1, 0). With the sign of r flipped, step 2 would see c = -1/2 and keep (1, 1, 1, 1)."""
+    gac = GACTransform(c_low=0.25, c_high=0.75, reference="update")
+    decisions, applied = _sgd_run(gac, [[4, 0, 0, 0], [1, 1, 1, 1], [1, 3, 1, 2]])
+    assert [d.action for d in decisions] == [KEEP, SHRINK, PROJECT]
+    assert applied == [[4, 0, 0, 0], [0.5, 1, 1, 1], [0, 1, -1, 0]]
+    assert decisions[1].cos == 0.5
+    assert decisions[2].cos == pytest.approx(3.25 / math.sqrt(15 * 0.8125), rel=1e-7)
+
+
+def test_bf16_ema_reference_of_a_tensor_larger_than_a_block_is_rounded_once():
+    """r <- 0.9 r + 0.1 g with r in bfloat16: every element, the last partial block included, is the exact
+    combination rounded once to bfloat16 (within half a bfloat16 ulp; rounding twice would err by up to one)."""
+    gen = torch.Generator().manual_seed(6)
+    n = 2 * _CPU_BLOCK_PER_THREAD * torch.get_num_threads() + 50000
+    gac = GACTransform(c_low=0.98, c_high=0.99, reference="ema", ema_decay=0.9, buffer_dtype="bfloat16")
+    p = torch.nn.Parameter(torch.zeros(n))
+    grads = [torch.randn(n, generator=gen) for _ in range(2)]
+    for g in grads:
+        p.grad = g.clone()
+        assert gac.step([p]).decision.action == KEEP  # independent gradients: c ~ 0
+    exact = 0.9 * grads[0].bfloat16().double() + 0.1 * grads[1].double()
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs())) - 7)  # bfloat16 keeps 8 significant bits
+    assert float(((gac.state.ref[0].double() - exact).abs() / ulp).max()) <= 0.5001

@@ -6,7 +6,10 @@ the current device, gives them gradients, and times side by side, in one process
 (the three alignment scalars, the projection, the reference update), through the same
 :class:`GACTransform` the callback runs. Each figure is the median of ``repeats`` timed
 runs after a warm-up. The projection is forced on every timed pass (c_low = 0, so every
-step with positive alignment is shrunk), which is GAC's worst case.
+step with positive alignment is shrunk), which is GAC's worst case. Beside them it times the two
+memory passes GAC's branches cannot go below (one read of g and r; one ``g - alpha r`` pass), so
+that each branch's floor on the machine at hand is printed with it. Threads: torch's default
+(set ``OMP_NUM_THREADS`` to pin them; on a shared machine one thread gives the steadiest figures).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ QWEN3_1_7B = Qwen3Shape(hidden=2048, layers=28, intermediate=6144, heads=16, kv_
 
 
 def shape_for_params(n: int) -> Qwen3Shape:
-    """A small Qwen3 shape (head_dim 32, 2 to 48 layers, a 512- to 8192-token vocabulary) whose size is closest to ``n``."""
+    """A small Qwen3 shape (head_dim 32, 2 to 48 layers, a 512- to 8192-token vocabulary) whose size is closest
+    to ``n``."""
     if n < 1:
         raise ValueError(f"overhead: --params {n} must be positive")
     best = None
@@ -117,7 +121,9 @@ def run_overhead(
     # norm), restored untimed before each run so that every run takes the same branch:
     # "project": the reference is a perturbed copy of g (c ~ 0.7) and c_low=0, c_high=1, so the
     # aligned component is shrunk (the costly branch); "keep": an independent reference (c ~ 0).
-    def gac_case(ref: list[torch.Tensor], c_low: float) -> tuple[Callable[[], object], Callable[[], None], GACTransform]:
+    Case = tuple[Callable[[], object], Callable[[], None], GACTransform]
+
+    def gac_case(ref: list[torch.Tensor], c_low: float) -> Case:
         gac = GACTransform(c_low=c_low, c_high=1.0, buffer_dtype=buffer_dtype)
         for p, r in zip(ps, ref):  # the first step stores the reference
             p.grad = r.clone()
@@ -135,10 +141,26 @@ def run_overhead(
     independent = [torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
     project_fn, project_setup, _ = gac_case(perturbed, c_low=0.0)
     keep_fn, keep_setup, _ = gac_case(independent, c_low=0.5)
-    medians = _interleaved(
-        {"adamw": (opt.step, set_grads), "gac": (project_fn, project_setup), "gac_keep": (keep_fn, keep_setup)},
-        repeats, sync,
-    )
+
+    # The floor of each branch on this machine, timed beside them: the kernels GAC's traffic cannot go below.
+    # "read": one pass reading g and r (a dot product per tensor): all the keep branch needs with a fused
+    # two-product kernel. "write": one g - alpha r pass into r's storage, the projection's read-modify-write.
+    flat_g = [g.reshape(-1) for g in base_grads]
+    scratch = [r.reshape(-1).clone() for r in perturbed]
+
+    def read_pass() -> None:
+        for g, r in zip(flat_g, scratch):
+            torch.dot(g, r)
+
+    def write_pass() -> None:
+        for g, r in zip(flat_g, scratch):
+            torch.add(g, r, alpha=-1e-3, out=r)
+
+    cases = {"adamw": (opt.step, set_grads), "gac": (project_fn, project_setup), "gac_keep": (keep_fn, keep_setup)}
+    floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
+    if floors:
+        cases.update({"read": (read_pass, lambda: None), "write": (write_pass, lambda: None)})
+    medians = _interleaved(cases, repeats, sync)
     adamw_s, gac_s, gac_keep_s = medians["adamw"], medians["gac"], medians["gac_keep"]
     project_setup()
     action = project_fn().decision.action
@@ -159,6 +181,10 @@ def run_overhead(
         "gac_keep_s": gac_keep_s,
         "gac_keep_over_adamw": gac_keep_s / adamw_s,
         "gac_keep_case": ACTION_NAMES[keep_action],
+        "read_pass_s": medians["read"] if floors else None,
+        "write_pass_s": medians["write"] if floors else None,
+        "floor_keep_over_adamw": medians["read"] / adamw_s if floors else None,
+        "floor_project_over_adamw": (medians["read"] + medians["write"]) / adamw_s if floors else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
@@ -166,6 +192,11 @@ def run_overhead(
 
 def main(args) -> int:
     record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape)
+    floor = (
+        f"\n  floor: one read of g and r {record['read_pass_s'] * 1e3:.2f} ms, one g - alpha r pass "
+        f"{record['write_pass_s'] * 1e3:.2f} ms: keep >= {record['floor_keep_over_adamw']:.3f}, "
+        f"shrink >= {record['floor_project_over_adamw']:.3f} of AdamW"
+    ) if record["read_pass_s"] is not None else ""
     print(
         f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW {record['adamw']}, "
         f"buffer {record['buffer_dtype']})\n"
@@ -173,7 +204,7 @@ def main(args) -> int:
         f"  GAC pass    {record['gac_s'] * 1e3:9.2f} ms  ({record['gac_case']}: the costly branch)  "
         f"gac_over_adamw = {record['gac_over_adamw']:.3f}\n"
         f"  GAC pass    {record['gac_keep_s'] * 1e3:9.2f} ms  ({record['gac_keep_case']}: the on-policy branch)  "
-        f"ratio = {record['gac_keep_over_adamw']:.3f}"
+        f"ratio = {record['gac_keep_over_adamw']:.3f}{floor}"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -46,7 +46,9 @@ class GAC(Callback):
         reference: the direction r the alignment is measured against: ``"grad"`` the previous
             raw gradient g_{t-1} (then ``align/cos`` is c_t of docs/design.md); ``"applied"`` the
             previous gradient after GAC; ``"update"`` the previous parameter step
-            -(theta_t - theta_{t-1}), which includes the optimizer's preconditioning;
+            -(theta_t - theta_{t-1}), which includes the optimizer's preconditioning (it reads theta_t,
+            so it must be listed after any callback declaring ``swaps_parameters``, such as
+            StalenessSimulator; the wrong order is refused at fit);
             ``"ema"`` an exponential moving average of raw gradients.
         ema_decay: the decay of the ``"ema"`` reference, in [0, 1).
         shrink: ``"component"`` (docs/design.md) or ``"cosine"``; see :func:`gacbench.functional.gac_decision`.
@@ -118,6 +120,23 @@ class GAC(Callback):
         if stage == "fit":
             check_automatic_optimization(pl_module, "GAC")
             check_strategy(trainer, "GAC", allow_sharded=True)
+            if self.reference == "update":
+                self._check_order(trainer)
+
+    def _check_order(self, trainer: "pl.Trainer") -> None:
+        """``reference="update"`` reads theta_t in ``on_before_optimizer_step``: a callback listed after GAC
+        that declares ``swaps_parameters`` has not yet put theta_t back at that point, so GAC would read its
+        stale iterate and build its reference from the wrong parameters."""
+        later = trainer.callbacks[trainer.callbacks.index(self) + 1 :] if self in trainer.callbacks else []
+        for cb in later:
+            if getattr(cb, "swaps_parameters", False):
+                name = type(cb).__name__
+                raise ValueError(
+                    f"GAC(reference='update') must be listed after {name}: GAC reads the parameters theta_t in "
+                    f"on_before_optimizer_step, and {name} (which declares swaps_parameters) puts theta_t back "
+                    f"in that same hook, so listed after GAC it has not done so yet and GAC would build its "
+                    f"reference from a stale iterate. Move GAC after {name} in callbacks=[...]."
+                )
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -27,40 +27,140 @@ KEEP, SHRINK, PROJECT, SKIP = 0, 1, 2, 3
 ACTION_NAMES = {KEEP: "keep", SHRINK: "shrink", PROJECT: "project", SKIP: "skip"}
 
 
-def dot(xs: TensorList, ys: TensorList) -> Tensor:
-    """<x, y> of two lists of tensors read as flat vectors, accumulated in float32.
+def _flat(x: Tensor) -> Tensor:
+    return x if x.dim() == 1 else x.reshape(-1)
 
-    Shapes: ``xs[i]`` and ``ys[i]`` have the same number of elements; the result is a
-    0-d float32 tensor on the device of ``xs[0]``. Tensors of a lower precision are
-    upcast one tensor at a time, so the temporary memory is one parameter, not the model.
-    """
+
+def _flat_pairs(xs: TensorList, ys: TensorList) -> list[tuple[Tensor, Tensor]]:
     if len(xs) != len(ys):
         raise ValueError(f"dot: the two lists have {len(xs)} and {len(ys)} tensors; they must match")
-    if not xs:
-        return torch.zeros((), dtype=torch.float32)
-    parts = []
-    for x, y in zip(xs, ys):
-        x, y = x.reshape(-1), y.reshape(-1)
-        if x.dtype != torch.float32 or y.dtype != torch.float32:
-            x, y = x.float(), y.float()
-        parts.append(torch.dot(x, y))
-    return torch.stack(parts).sum()
+    pairs = [(_flat(x), _flat(y)) for x, y in zip(xs, ys)]
+    for x, y in pairs:
+        if x.numel() != y.numel():
+            raise ValueError(f"dot: paired tensors have {x.numel()} and {y.numel()} elements; they must match")
+    return pairs
+
+
+def _wide(x: Tensor, y: Tensor, scratch: dict[torch.dtype, list[Tensor]]) -> tuple[Tensor, Tensor]:
+    """x and y in the precision their products are reduced in: float64 when both are float64, else float32.
+
+    A lower precision is upcast here, one tensor or block at a time, into ``scratch``: two reusable buffers
+    per precision, grown to the largest piece seen, so that blocks are not allocated one by one."""
+    wide = torch.float64 if x.dtype == y.dtype == torch.float64 else torch.float32
+    out = []
+    for i, t in enumerate((x, y)):
+        if t.dtype == wide:
+            out.append(t)
+            continue
+        bufs = scratch.setdefault(wide, [torch.empty(0, dtype=wide, device=t.device) for _ in range(2)])
+        if bufs[i].numel() < t.numel():
+            bufs[i] = torch.empty(t.numel(), dtype=wide, device=t.device)
+        out.append(bufs[i][: t.numel()].copy_(t))
+    return out[0], out[1]
+
+
+# On the CPU the products of one (x, y) pair are taken block by block: after <x_b, y_b> has brought the
+# block into the cores' L2 caches, <x_b, x_b> (and <y_b, y_b>) read it from there instead of from memory,
+# so the pass over g and r costs about one read of each. A block holds this many elements per thread
+# (each thread's share of x_b and y_b, 2 x 512 KiB, fits a 2 MiB L2). A GPU takes each tensor whole (its
+# L2 holds most tensors; more blocks would mean more kernel launches).
+_CPU_BLOCK_PER_THREAD = 1 << 17
+
+# The float64 recomputation of an overflowing sum works on slices of this many elements,
+# so that its temporary memory stays small whatever the size of the parameter.
+_F64_SLICE = 1 << 20
+
+
+def _dot64(x: Tensor, y: Tensor) -> Tensor:
+    """<x, y> of two flat tensors with products and sums in float64 (a 0-d float64 tensor).
+
+    Used only for a sum that is not finite from float32 products: it tells a float32 overflow (a finite
+    gradient of norm above ~1.8e19) from a real inf/NaN, which stays non-finite here.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for start in range(0, x.numel(), _F64_SLICE):
+        total += torch.dot(x[start : start + _F64_SLICE].double(), y[start : start + _F64_SLICE].double())
+    return total
+
+
+def _sums(pairs: list[tuple[Tensor, Tensor]], products: tuple[str, ...]) -> Tensor:
+    """For each product in ``products`` ("xy", "xx", "yy"), its sum over the (x, y) pairs: a float64 tensor
+    of shape (len(products),), computed in one pass over the pairs.
+
+    Each product of a tensor (of a block, on the CPU) is reduced in float32 (float64 for float64 tensors),
+    with no float64 copy of the data; the partials are added exactly (``math.fsum``, one transfer to the
+    host), so a sum does not depend on how the tensors are split into blocks. A sum that is not finite (a
+    float32 overflow of finite values, or a real inf/NaN) is recomputed in float64, so the result is finite
+    exactly when the data are finite (for float32, bfloat16 and float16 tensors of any finite value; float64
+    tensors overflow above ~1e154 in norm).
+    """
+    device = pairs[0][0].device if pairs else torch.device("cpu")
+    if not pairs:
+        return torch.zeros(len(products), dtype=torch.float64, device=device)
+    block = _CPU_BLOCK_PER_THREAD * torch.get_num_threads() if device.type == "cpu" and len(products) > 1 else None
+    f32 = torch.float32
+    parts: list[Tensor] = []
+    scratch: dict[torch.dtype, list[Tensor]] = {}
+    for x, y in pairs:
+        if block is not None and x.numel() > block:
+            pieces = zip(x.split(block), y.split(block))
+        else:
+            pieces = ((x, y),)
+        for xb, yb in pieces:
+            if xb.dtype is not f32 or yb.dtype is not f32:
+                xb, yb = _wide(xb, yb, scratch)
+            for product in products:
+                if product == "xy":
+                    parts.append(torch.dot(xb, yb))
+                elif product == "xx":
+                    parts.append(torch.dot(xb, xb))
+                else:
+                    parts.append(torch.dot(yb, yb))
+    flat = torch.stack(parts).tolist()  # one transfer; float32 partials are exact as Python floats
+    m, values = len(products), []
+    for j, product in enumerate(products):
+        column = flat[j::m]
+        if all(math.isfinite(v) for v in column):
+            values.append(math.fsum(column))  # exactly rounded: independent of how the partials are grouped
+        else:
+            which = {"xy": lambda x, y: (x, y), "xx": lambda x, y: (x, x), "yy": lambda x, y: (y, y)}[product]
+            values.append(math.fsum(float(_dot64(*which(x, y))) for x, y in pairs))
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def dot(xs: TensorList, ys: TensorList) -> Tensor:
+    """<x, y> of two lists of tensors read as flat vectors (a 0-d float64 tensor).
+
+    Shapes: ``xs[i]`` and ``ys[i]`` have the same number of elements; the result is on the
+    device of ``xs[0]``. Each tensor's dot product is computed in float32 (lower precisions are
+    upcast one tensor at a time, so the temporary memory is one parameter, not the model) and the
+    per-tensor results are added exactly in float64. A float32 overflow is detected and the product
+    recomputed in float64, so a finite vector always gives a finite result.
+    """
+    return _sums(_flat_pairs(xs, ys), ("xy",))[0]
 
 
 def sq_norm(xs: TensorList) -> Tensor:
-    """||x||^2 of a list of tensors read as one flat vector (0-d float32 tensor)."""
-    return dot(xs, xs)
+    """||x||^2 of a list of tensors read as one flat vector (0-d float64 tensor)."""
+    return _sums([(x, x) for x, _ in _flat_pairs(xs, xs)], ("xx",))[0]
 
 
 def alignment_scalars(grads: TensorList, ref: TensorList, ref_sq: Tensor | None = None) -> Tensor:
-    """The three scalars the rule needs: ``tensor([<g, r>, ||g||^2, ||r||^2])`` (float32, shape (3,)).
+    """The three scalars the rule needs: ``tensor([<g, r>, ||g||^2, ||r||^2])`` (float64, shape (3,)).
 
-    ``ref_sq``, when the caller already knows ||r||^2 (GAC caches it), saves a pass over r.
-    Under sharded training each rank calls this on its shard and the three sums are
-    all-reduced once; the cosine is then computed from the reduced scalars.
+    One pass over g and r: per tensor (per block of 128K elements per thread on the CPU, so that the
+    second and third products find the block in cache) the products are reduced in float32 and added exactly in
+    float64, with a float64 recomputation of a sum that overflows float32; a finite gradient of any size gives
+    finite scalars, and a gradient holding inf or NaN gives a non-finite ||g||^2. ``ref_sq``, when the
+    caller already knows ||r||^2 (GAC caches it), saves that product. Under sharded training each rank
+    calls this on its shard and the three sums are all-reduced once; the cosine is then computed from
+    the reduced scalars.
     """
-    r_sq = sq_norm(ref) if ref_sq is None else ref_sq.to(torch.float32).reshape(())
-    return torch.stack([dot(grads, ref), sq_norm(grads), r_sq.to(grads[0].device if grads else r_sq.device)])
+    pairs = _flat_pairs(grads, ref)
+    if ref_sq is None:
+        return _sums(pairs, ("xy", "xx", "yy"))
+    sums = _sums(pairs, ("xy", "xx"))
+    return torch.cat([sums, ref_sq.to(device=sums.device, dtype=torch.float64).reshape(1)])
 
 
 def cosine_from_scalars(scalars: Tensor, eps: float = 1e-30) -> float:
@@ -158,7 +258,7 @@ def project_(grads: TensorList, ref: TensorList, coef: float, g_dot_r: float, r_
         torch._foreach_add_(list(grads), [r.view_as(g) for g, r in zip(grads, ref)], alpha=alpha)
     else:
         for g, r in zip(grads, ref):
-            g.add_(r.view_as(g).to(g.dtype), alpha=alpha)
+            g.add_(r.view_as(g), alpha=alpha)  # r is upcast element by element: no copy of it
 
 
 def gac_project(

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gacbench.functional.alignment import (
+    _CPU_BLOCK_PER_THREAD,
     HIGH_MODES,
     KEEP,
     SHRINK_MODES,
@@ -54,6 +55,25 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
+def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float) -> None:
+    """r <- a r + b g for a reference ``r`` of lower precision than ``g``: computed in g's precision and
+    rounded to r's once. On the CPU block by block through one reusable buffer (no temporary the size of a
+    parameter); elsewhere tensor by tensor."""
+    scratch = None
+    for ri, gi in zip(r, g):
+        rf, gf = ri.view(-1), gi.reshape(-1)
+        block = _CPU_BLOCK_PER_THREAD * torch.get_num_threads() if rf.device.type == "cpu" else rf.numel()
+        if scratch is None or scratch.numel() < min(block, rf.numel()) or scratch.dtype != gf.dtype:
+            scratch = torch.empty(min(block, rf.numel()), dtype=gf.dtype, device=gf.device)
+        for rb, gb in zip(rf.split(block), gf.split(block)):
+            out = scratch[: rb.numel()]
+            if b == 1.0:
+                torch.add(gb, rb, alpha=a, out=out)
+            else:
+                torch.mul(gb, b, out=out).add_(rb, alpha=a)
+            rb.copy_(out)
+
+
 @dataclass(frozen=True)
 class GACStep:
     """What one call of ``GACTransform.step`` saw and did.
@@ -80,7 +100,7 @@ class GACState:
     ``ref``: the reference direction r as parameter-shaped tensors (local shards), allocated when
     the parameters are first seen (None before); all zeros until ``has_ref``.
     ``has_ref``: r holds a direction (False until the first finite, non-zero gradient).
-    ``ref_sq``: the local ||r||^2 (0-d float32) when it is known without a pass over r, else None.
+    ``ref_sq``: the local ||r||^2 (0-d float64) when it is known without a pass over r, else None.
     ``saved``: a flat reference restored before the parameters were known (shape (numel,));
     it is copied into ``ref`` when ``ref`` is allocated.
     """
@@ -110,11 +130,14 @@ class GACTransform:
     norm); ``state_dict`` / ``load_state_dict`` save and restore it as a unit.
 
     Memory traffic per step, in units of one gradient-sized read or write, for the default
-    reference with ``swap=True``: keep = 5 (two dot passes, one copy); shrink/project = 6
-    (two dot passes, one fused ``g - alpha r`` written into the old reference's storage,
-    which then becomes ``p.grad`` while the raw gradient becomes the reference: no copy).
-    ``swap`` needs plain, owned gradient tensors (not DDP bucket views, not DTensor shards)
-    of the reference's dtype; the callback turns it off otherwise.
+    reference with ``swap=True``: the alignment scalars read g and r once (2; ||r||^2 is cached,
+    and on the CPU ||g||^2 is taken block by block from the cache, see
+    :func:`~gacbench.functional.alignment.alignment_scalars`); keep adds nothing with
+    ``keep_alias`` (the reference *is* ``p.grad``) and a copy (2) without; shrink/project adds one
+    fused ``g - alpha r`` written into the old reference's storage (3), which then becomes
+    ``p.grad`` while the raw gradient becomes the reference: no copy. ``swap`` needs plain, owned
+    gradient tensors (not DDP bucket views, not DTensor shards) of the reference's dtype; the
+    callback turns it off otherwise.
     """
 
     def __init__(
@@ -185,9 +208,9 @@ class GACTransform:
             if alpha:
                 project_(g, r, decision.coef, g_dot_r, r_sq)
             self._update_reference(params, live, g, r, alpha, skipped)
-            whole = len(live) == len(params)
-            if self.reference == "grad" and not alpha and whole and g[0].dtype == r[0].dtype:  # r is an exact copy of g
-                st.ref_sq = local_scalars[1]
+            copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
+            if copied and not alpha and len(live) == len(params) and g[0].dtype == r[0].dtype:
+                st.ref_sq = local_scalars[1]  # r is an exact copy of g: its norm is known
         if skipped:
             self.skip(params)
         st.has_ref = True
@@ -268,11 +291,14 @@ class GACTransform:
         if len(live) != len(st.ref):  # parameters without a gradient: g_raw = 0 there
             dead = set(range(len(st.ref))) - set(live)
             torch._foreach_mul_([st.ref[i] for i in sorted(dead)], a)
-        if a + b * alpha == 0.0:  # then b == 1: the reference is exactly the gradient
+        coef = a + b * alpha
+        if coef == 0.0:  # then b == 1: the reference is exactly the gradient
             torch._foreach_copy_(r, g)
-        else:
-            torch._foreach_mul_(r, a + b * alpha)
+        elif all(ri.dtype == gi.dtype for ri, gi in zip(r, g)):
+            torch._foreach_mul_(r, coef)
             torch._foreach_add_(r, g, alpha=b)
+        else:  # a lower-precision buffer: combine in the gradient's precision and round once per step
+            _combine_rounding_once(r, g, coef, b)
 
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""Bad inputs and faults at GAC's edges: gradients too large for float32 products, the callback order
+that reference='update' depends on, and skipped steps under DDP (docs/reliability.md lists them)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import UserRegressor, flat_params, make_trainer  # noqa: E402
+from test_gac_callback import StepAudit  # noqa: E402
+
+from gacbench import GAC, AlignmentMonitor, StalenessSimulator  # noqa: E402
+from gacbench.functional import alignment_scalars, cosine_from_scalars, dot  # noqa: E402
+from gacbench.functional.alignment import KEEP, PROJECT, SHRINK  # noqa: E402
+from gacbench.functional.gac import GACTransform  # noqa: E402
+
+BIG = 1e22  # ||g||^2 ~ 1e44 overflows float32 (max ~3.4e38); the gradient itself is finite
+
+
+# -- gradients whose squared norm overflows float32 ------------------------------------------------
+
+
+def test_scalars_of_a_huge_finite_vector_are_finite_and_exact():
+    g = [torch.full((3, 4), BIG), torch.full((5,), -BIG)]
+    r = [torch.ones(3, 4), torch.ones(5)]
+    s = alignment_scalars(g, r)
+    assert s.dtype == torch.float64
+    big32 = float(torch.tensor(BIG))  # 1e22 as float32 holds it
+    assert s.tolist() == pytest.approx([7 * big32, 17 * big32**2, 17.0], rel=1e-12)
+    assert cosine_from_scalars(s) == pytest.approx(7 / 17, rel=1e-12)  # (12 - 5) / (sqrt(17) sqrt(17))
+    assert float(dot(g, g)) == pytest.approx(17 * big32**2, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_scalars_of_a_non_finite_vector_stay_non_finite(bad):
+    g = [torch.full((3, 4), BIG), torch.tensor([1.0, bad, 2.0])]
+    s = alignment_scalars(g, [torch.ones(3, 4), torch.ones(3)])
+    assert not math.isfinite(float(s[1]))
+
+
+def _step(gac, p, grad, swap):
+    p.grad = torch.tensor(grad)
+    return gac.step([p], swap=swap, keep_alias=swap)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_transform_projects_and_keeps_huge_gradients(swap):
+    """By hand, with r = (1, 0, 0, 0): g = 1e22 (1, 1, 0, 0) has c = 1/sqrt(2) >= c_high and loses its first
+    coordinate; g = 1e22 (-1, 1, 0, 0) is orthogonal to that raw gradient and is kept bit for bit; a normal g
+    against a 1e22 reference is projected too. An inf in the gradient is still reported bad, and leaves the
+    reference alone."""
+    big = float(torch.tensor(BIG))
+    p = torch.nn.Parameter(torch.zeros(4))
+    gac = GACTransform(c_low=0.05, c_high=0.3)
+    _step(gac, p, [1.0, 0.0, 0.0, 0.0], swap)
+    out = _step(gac, p, [BIG, BIG, 0.0, 0.0], swap)
+    assert not out.bad and out.decision.action == PROJECT
+    assert out.cos == pytest.approx(1 / math.sqrt(2), rel=1e-7) and out.grad_sq == pytest.approx(2 * big**2, rel=1e-7)
+    assert p.grad.tolist() == [0.0, big, 0.0, 0.0]
+    out = _step(gac, p, [-BIG, BIG, 0.0, 0.0], swap)  # the reference is now the raw 1e22 (1, 1, 0, 0)
+    assert out.decision.action == KEEP and out.cos == 0.0
+    assert p.grad.tolist() == [-big, big, 0.0, 0.0]
+    out = _step(gac, p, [-1.0, 2.0, 0.0, 0.0], swap)  # against r = 1e22 (-1, 1, 0, 0): c = 3 / sqrt(10)
+    assert out.decision.action == PROJECT and out.cos == pytest.approx(3 / math.sqrt(10), rel=1e-7)
+    torch.testing.assert_close(p.grad, torch.tensor([0.5, 0.5, 0.0, 0.0]), rtol=1e-6, atol=1e-6)
+    out = _step(gac, p, [float("inf"), 1.0, 0.0, 0.0], swap)
+    assert out.bad and not out.zero
+    out = _step(gac, p, [-2.0, 4.0, 0.0, 0.0], swap)  # the reference is still (-1, 2, 0, 0): c = 1, projected to 0
+    assert out.decision.action == PROJECT and out.cos == pytest.approx(1.0, rel=1e-7)
+    torch.testing.assert_close(p.grad, torch.zeros(4), rtol=0, atol=1e-6)
+
+
+def test_transform_shrinks_a_huge_gradient_by_the_rule():
+    """c = 0.1 against r = (1, 0, 0, 0): the aligned component 0.1 ||g|| is brought down to c_low ||g||."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    gac = GACTransform(c_low=0.05, c_high=0.3)
+    _step(gac, p, [1.0, 0.0, 0.0, 0.0], True)
+    g = BIG * torch.tensor([0.1, math.sqrt(1 - 0.01), 0.0, 0.0], dtype=torch.float64)
+    out = _step(gac, p, g.float().tolist(), True)
+    assert out.decision.action == SHRINK and out.cos == pytest.approx(0.1, rel=1e-6)
+    expected = g.clone()
+    expected[0] = 0.05 * float(g.norm())
+    torch.testing.assert_close(p.grad.double(), expected, rtol=1e-6, atol=0)
+
+
+class ScaledAt(UserRegressor):
+    """The plain regressor whose loss is multiplied by ``scale`` at optimizer step ``at``."""
+
+    def __init__(self, at, scale, **kw):
+        super().__init__(**kw)
+        self.at, self.scale = at, scale
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * self.scale if self.global_step == self.at else loss
+
+
+class GradTap(pl.Callback):
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(torch.cat([p.grad.detach().double().reshape(-1) for p in pl_module.parameters()]))
+
+
+def _rule(g, r, c_low=0.05, c_high=0.3):
+    """docs/callbacks.md's rule in float64, by hand: (c, g_tilde) for high_mode='project', shrink='component'."""
+    c = float(g @ r / (g.norm() * r.norm()))
+    k = 0.0 if c <= c_low else (1.0 - c_low / c if c < c_high else 1.0)
+    return c, g - k * (g @ r) / (r @ r) * r
+
+
+def test_huge_gradient_inside_a_trainer_is_processed_not_skipped():
+    """The last step's gradient is 1e22 times the usual one: GAC logs its c_t and applies the rule to it, and
+    so does AlignmentMonitor; a NaN gradient is still skipped."""
+    before, after = GradTap(), GradTap()
+    gac = GAC(c_low=0.05, c_high=0.3, warmup=0)
+    trainer = make_trainer([StalenessSimulator(3), before, gac, after], max_steps=8)
+    trainer.fit(ScaledAt(at=7, scale=BIG))
+    assert gac.bad == 0 and gac.steps == 8
+    g, r = before.grads[7], before.grads[6]
+    assert float(g.norm()) > 1e20  # ||g||^2 overflows float32
+    c, expected = _rule(g, r)
+    assert c >= 0.3  # stale gradients are aligned: the huge one is projected
+    assert trainer.logger.values("align/cos")[-1] == pytest.approx(c, abs=1e-6)
+    assert trainer.logger.values("grad/norm")[-1] == pytest.approx(float(g.norm()), rel=1e-6)
+    torch.testing.assert_close(after.grads[7], expected, rtol=0, atol=1e-5 * float(g.norm()))
+
+    tap, mon = GradTap(), AlignmentMonitor(warmup=0)
+    make_trainer([StalenessSimulator(3), tap, mon], max_steps=8).fit(ScaledAt(at=7, scale=BIG))
+    g, r = tap.grads[7], tap.grads[6]
+    assert float(g.norm()) > 1e20
+    assert mon.trace.values[-1] == pytest.approx(float(g @ r / (g.norm() * r.norm())), abs=1e-6)
+
+    skipped = GAC()
+    nan_model = ScaledAt(at=4, scale=float("nan"))
+    with pytest.warns(UserWarning, match="skipping step 4"):
+        make_trainer([skipped], max_steps=6).fit(nan_model)
+    assert skipped.bad == 1 and torch.isfinite(flat_params(nan_model)).all()
+
+
+# -- the callback order reference='update' depends on -----------------------------------------------
+
+
+class Swapper(pl.Callback):
+    """A third-party callback that declares it swaps the parameters (and does nothing)."""
+
+    swaps_parameters = True
+
+
+@pytest.mark.parametrize("swapper", [lambda: StalenessSimulator(3), Swapper])
+def test_update_reference_listed_before_a_parameter_swapper_is_refused(swapper):
+    with pytest.raises(ValueError, match="must be listed after (StalenessSimulator|Swapper).*Move GAC after"):
+        make_trainer([GAC(reference="update"), swapper()], max_steps=2).fit(UserRegressor())
+
+
+def test_update_reference_listed_after_the_simulator_runs():
+    make_trainer([StalenessSimulator(3), GAC(reference="update")], max_steps=4).fit(UserRegressor())
+    # s = 0 swaps nothing (swaps_parameters is False), so the order does not matter
+    make_trainer([GAC(reference="update"), StalenessSimulator(0)], max_steps=2).fit(UserRegressor())
+
+
+@pytest.mark.parametrize("reference", ["grad", "applied", "ema"])
+def test_gradient_references_do_not_depend_on_the_order(reference):
+    """These references read only gradients, which the simulator never touches: GAC may come first."""
+    runs = []
+    for gac_first in (False, True):
+        sim, gac = StalenessSimulator(3), GAC(reference=reference)
+        model = UserRegressor(optimizer="adamw")
+        make_trainer([gac, sim] if gac_first else [sim, gac], max_steps=12).fit(model)
+        runs.append(flat_params(model))
+    assert torch.equal(runs[0], runs[1])
+
+
+# -- high_mode='skip' under DDP: on a skipped step no rank's optimizer applies the gradient ----------
+
+
+def _ddp_skip_run(out_dir: str) -> None:
+    gac = GAC(c_low=0.0, c_high=1e-6, high_mode="skip", warmup=0)  # any positive alignment skips
+    audit = StepAudit(gac)
+    trainer = make_trainer([StalenessSimulator(3), gac, audit], max_steps=10, strategy="ddp", devices=2,
+                           accelerator="cpu")
+    model = UserRegressor(n=128, optimizer="adamw")
+    trainer.fit(model)
+    with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"rows": audit.rows, "skipped": gac.skipped, "params": flat_params(model).tolist()}, f)
+
+
+@pytest.mark.distributed
+def test_ddp_skip_leaves_parameters_and_optimizer_state_untouched_on_every_rank(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["rows"] == ranks[1]["rows"] and ranks[0]["params"] == ranks[1]["params"]
+    rows = ranks[0]["rows"]
+    skipped = [row for row in rows if row["skipped"]]
+    applied = [row for row in rows if not row["skipped"]]
+    assert len(skipped) == ranks[0]["skipped"] > 0 and applied
+    assert all(row["params_equal"] and row["state_equal"] for row in skipped)
+    assert not any(row["params_equal"] or row["state_equal"] for row in applied)
+
+
+if __name__ == "__main__":  # the DDP run of the test above (Lightning starts the second rank from this script)
+    _ddp_skip_run(sys.argv[1])
