@@ -9,10 +9,7 @@ as argparse does for its own errors. Any other exception is a bug and keeps its 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
-
 
 from gacbench.usage import UsageError, check_output_dir, check_output_file  # noqa: F401  (re-exported)
 
@@ -32,43 +29,55 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("overhead", help="time a GAC pass against an AdamW step on a Qwen3-shaped parameter list")
     p.add_argument("--params", type=int, default=20_000_000, help="about how many parameters (default 20M)")
     p.add_argument("--shape", choices=["auto", "qwen3-1.7b"], default="auto",
-                   help="'auto': an 8-layer Qwen3 shape sized to --params; 'qwen3-1.7b': the real 1.7B shape (ignores --params)")
+                   help="'auto': an 8-layer Qwen3 shape sized to --params; 'qwen3-1.7b': the real 1.7B shape "
+                        "(ignores --params)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--repeats", type=_positive_int, default=7, help="timed runs per figure; the median is reported")
-    p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None, help="dtype of GAC's reference buffer")
+    p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="dtype of GAC's reference buffer")
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
-    p = sub.add_parser("bench", help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped")
-    p.add_argument("--suite", default="synthetic-smoke", help="a suite in tasks/suites/ (synthetic-smoke, synthetic, llm-smoke, llm-tiny) or a YAML path")
-    p.add_argument("--methods", default=None, help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)' (default: the suite's)")
-    p.add_argument("--staleness", default=None, help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
+    p = sub.add_parser("bench",
+                       help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped")
+    p.add_argument("--suite", default="synthetic-smoke",
+                   help="a suite in tasks/suites/ (synthetic-smoke, synthetic, llm-smoke, llm-tiny) or a YAML path")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)' (default: the suite's)")
+    p.add_argument("--staleness", default=None,
+                   help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
     p.add_argument("--tasks", default=None, help="comma-separated task names of the suite (default: all)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an objective parameter in every cell (repeatable), e.g. --param lr=3e-4; a dotted key "
-                        "sets one field of a section, e.g. --param engine.name=hf. Parameters are part of a cell's "
-                        "identity: if --out holds finished cells computed with other values, the run is refused before "
-                        "anything runs, naming the differing keys (use another --out, or delete those cells); failed or "
-                        "unfinished cells are rerun with the new values")
+                   help="override an objective parameter in every cell (repeatable), e.g. --param lr=3e-4; a dotted "
+                        "key sets one field of a section, e.g. --param engine.name=hf. Parameters are part of a cell's "
+                        "identity: if --out holds finished cells computed with other values, the run is refused "
+                        "before anything runs, naming the differing keys (use another --out, or delete those cells); "
+                        "failed or unfinished cells are rerun with the new values")
     p.add_argument("--out", required=True,
                    help="output directory; cells already done there with the same settings are reused, not rerun")
     p.add_argument("--workers", type=_positive_int, default=2,
-                   help="parallel worker processes, each kept for the whole grid and running cell after cell (default 2)")
+                   help="parallel worker processes, each kept for the whole grid and running cell after cell "
+                        "(default 2)")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="a local process pool, or Ray actors on the cluster at RAY_ADDRESS (else a local instance)")
 
     sub.add_parser("grpo", add_help=False,
-                   help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml [overrides] "
-                        "(gacbench grpo --help for all options)")
+                   help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml "
+                        "[overrides] (gacbench grpo --help for all options)")
 
-    p = sub.add_parser("rollout-bench", help="rollout tokens/s of the vllm and hf engines side by side, and GRPO's generation share of step time")
+    p = sub.add_parser("rollout-bench", help="rollout tokens/s of the vllm and hf engines side by side, and GRPO's "
+                       "generation share of step time")
     p.add_argument("--engines", default="hf,vllm", help="comma-separated engines (default hf,vllm)")
-    p.add_argument("--model", default=None, help="a local Hugging Face checkpoint directory (default: the tiny warm-started model)")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face checkpoint directory (default: the tiny warm-started model)")
     p.add_argument("--prompts", type=_positive_int, default=64, help="prompts per generate call (default 64)")
     p.add_argument("--group", type=_positive_int, default=8, help="samples per prompt (default 8)")
-    p.add_argument("--max-tokens", type=_positive_int, default=6, help="new tokens per sample (default 6: the arithmetic task's budget)")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per engine, interleaved; medians reported")
-    p.add_argument("--grpo-steps", type=int, default=10, help="steps of a synchronous GRPO run per engine for the time shares (0: skip)")
+    p.add_argument("--max-tokens", type=_positive_int, default=6,
+                   help="new tokens per sample (default 6: the arithmetic task's budget)")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="timed calls per engine, interleaved; medians reported")
+    p.add_argument("--grpo-steps", type=int, default=10,
+                   help="steps of a synchronous GRPO run per engine for the time shares (0: skip)")
     p.add_argument("--grpo-prompts", type=_positive_int, default=8, help="prompts per GRPO step (default 8)")
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
@@ -78,12 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_async_bench_arguments(p)
 
-    p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its stored runs")
+    p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its "
+                       "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
 
     p = sub.add_parser("methods", help="list the registered methods")
 
-    p = sub.add_parser("stabilizers", help="list the registered stabilizers (built-in and from the gacbench.stabilizers entry points)")
+    p = sub.add_parser("stabilizers", help="list the registered stabilizers (built-in and from the "
+                       "gacbench.stabilizers entry points)")
+
     p.add_argument("--json", action="store_true", help="print JSON for machines")
 
     p = sub.add_parser("theory", help="run every symbolic and numeric check of the bounded-staleness theory")
@@ -91,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", default=None, help="comma-separated check names (default: all)")
     p.add_argument("--figure", default=None, help="also draw the alignment figure (theory/fig_alignment.png)")
 
-    p = sub.add_parser("demo", help="the embedded default job: sync vs stale vs GAC on a noisy quadratic, with c_t statistics")
+    p = sub.add_parser("demo", help="the embedded default job: sync vs stale vs GAC on a noisy quadratic, with c_t "
+                       "statistics")
     p.add_argument("--staleness", type=int, default=16, help="staleness s of the stale runs (default 16)")
     p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps per run")
     p.add_argument("--seed", type=int, default=0)
@@ -160,7 +173,9 @@ def _run(argv: list[str]) -> int:
 
         stabs = available()
         if args.json:
-            print(json.dumps([{"name": n, "kind": i["kind"], "source": i["source"], "help": i["help"]} for n, i in stabs.items()], indent=2))
+            print(json.dumps([{"name": n, "kind": i["kind"], "source": i["source"], "help": i["help"]}
+                              for n, i in stabs.items()], indent=2))
+
         else:
             for n, i in stabs.items():
                 print(f"{n:16s} {i['kind']:9s} {i['source']:10s} {i['help']}")

@@ -25,7 +25,8 @@ GROUP_KEYS = {"final_mean", "final_std", "diverged_frac", "cos_median", "cos_abs
 def tiny_suite(tmp_path: Path, **over) -> Path:
     suite = {
         "name": "tiny", "steps": 30, "warmup": 5,
-        "tasks": {"quadratic": {"objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}},
+        "tasks": {"quadratic": {"objective": "quadratic",
+                                "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}},
                   "bandit": {"objective": "bandit", "params": {"lr": 0.05}}},
         "methods": ["sync", "stale", "gac"], "staleness": [0, 4], "seeds": [0, 1],
     }
@@ -44,7 +45,8 @@ def test_grid_expansion_runs_sync_once_and_stale_methods_at_positive_staleness(t
 
 
 def test_ablation_cells_skip_invalid_thresholds(tmp_path):
-    suite = load_suite(str(tiny_suite(tmp_path, ablation={"method": "gac", "staleness": 4, "c_low": [0.05, 0.3], "c_high": [0.3, 0.5]})))
+    suite = load_suite(str(tiny_suite(tmp_path, ablation={"method": "gac", "staleness": 4, "c_low": [0.05, 0.3],
+                                                          "c_high": [0.3, 0.5]})))
     abl = [c for c in expand_cells(suite) if c.get("ablation")]
     specs = {c["method"] for c in abl}
     assert specs == {"gac(c_low=0.05,c_high=0.3)", "gac(c_low=0.05,c_high=0.5)", "gac(c_low=0.3,c_high=0.5)"}
@@ -104,7 +106,8 @@ def test_failed_cell_is_recorded_and_the_grid_goes_on(tmp_path):
     cells = expand_cells(suite, seeds=[0])
     result = run_grid(cells, tmp_path / "out")
     assert result["failed"] == 3 and result["ran"] == len(cells)
-    status = json.loads((cell_dir(tmp_path / "out", [c for c in cells if c["task"] == "broken"][0]) / "status.json").read_text())
+    status = json.loads((cell_dir(tmp_path / "out", [c for c in cells if c["task"] == "broken"][0])
+                         / "status.json").read_text())
     assert status["status"] == "failed" and "lr > 0" in status["error"]
     build_report(tmp_path / "out", cells)
     assert "## Failed cells" in (tmp_path / "out" / "summary.md").read_text()
@@ -113,7 +116,9 @@ def test_failed_cell_is_recorded_and_the_grid_goes_on(tmp_path):
 
 
 def test_an_unfinished_cell_is_rerun(tmp_path):
-    cell = {"task": "q", "objective": "quadratic", "params": {}, "steps": 10, "method": "stale", "staleness": 2, "seed": 0}
+    cell = {"task": "q", "objective": "quadratic", "params": {}, "steps": 10, "method": "stale", "staleness": 2,
+            "seed": 0}
+
     d = cell_dir(tmp_path, cell)
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(cell))  # a worker died before writing its status

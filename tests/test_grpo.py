@@ -10,8 +10,8 @@ from conftest import TINY_TASK, make_trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from gacbench import GAC  # noqa: E402
-from gacbench.rollout.engines import sequence_logprobs  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
+from gacbench.rollout.engines import sequence_logprobs  # noqa: E402
 from gacbench.stabilizers import M2PO  # noqa: E402
 
 TASK = TINY_TASK
@@ -81,7 +81,8 @@ def test_gac_and_m2po_act_in_grpo(model_dir):
     trainer = make_trainer([GAC(warmup=0), M2PO()], max_steps=6)
     trainer.fit(module(model_dir, staleness=2))
     assert len(trainer.logger.values("m2po/m2")) == len(trainer.logger.values("m2po/masked_frac")) == 6  # M2PO's loss
-    assert len(trainer.logger.values("align/cos")) >= 3  # GAC measured c_t (a step whose groups all tie has no gradient)
+    # GAC measured c_t (a step whose groups all tie has no gradient)
+    assert len(trainer.logger.values("align/cos")) >= 3
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`", "ignore:You're resuming from a checkpoint")
@@ -120,7 +121,9 @@ def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tm
     base = {"task": "arith", "objective": "grpo", "steps": 4, "warmup": 0,
             "params": {k: v for k, v in grpo_args(model_dir, eval_every=2, eval_size=8).items()
                        if k not in ("staleness", "steps")}}
-    cells = [{**base, "method": "sync", "staleness": 0, "seed": 0}, {**base, "method": "gac", "staleness": 2, "seed": 0}]
+    cells = [{**base, "method": "sync", "staleness": 0, "seed": 0},
+             {**base, "method": "gac", "staleness": 2, "seed": 0}]
+
     assert run_grid(cells, tmp_path)["failed"] == 0
     summary = build_report(tmp_path, cells)["summary"]
     assert {c["engine"] for c in summary["cells"]} == {"hf"}

@@ -207,7 +207,9 @@ def test_ckpt_path_last_takes_the_highest_step_recorded_inside(tmp_path):
 def test_rollout_bench_writes_engines_side_by_side(tiny_llm_dir, tmp_path, capsys):
     out = tmp_path / "rb.json"
     assert main(["rollout-bench", "--engines", "hf", "--model", tiny_llm_dir, "--prompts", "4", "--group", "2",
-                 "--max-tokens", "4", "--repeats", "2", "--grpo-steps", "2", "--grpo-prompts", "2", "--json", str(out)]) == 0
+                 "--max-tokens", "4", "--repeats", "2", "--grpo-steps", "2", "--grpo-prompts", "2",
+                 "--json", str(out)]) == 0
+
     rec = json.loads(out.read_text())
     hf = rec["engines"]["hf"]
     assert len(hf["tokens_per_s_all"]) == 2 and hf["tokens_per_s_median"] > 0

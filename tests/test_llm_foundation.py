@@ -84,7 +84,9 @@ def test_warm_start_learns_and_is_cached(tmp_path):
     assert 0.0 <= acc <= 1.0
     d = warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path)
     stamp = (d / "config.json").stat().st_mtime_ns
-    assert warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path) == d and (d / "config.json").stat().st_mtime_ns == stamp
+    assert (warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path) == d
+            and (d / "config.json").stat().st_mtime_ns == stamp)
+
     assert warm_started_dir(cfg, task, steps=6, cache_dir=tmp_path) != d
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gacbench.llm.datasets import MathDataset, extract_boxed, math_verify_reward
-from gacbench.llm.tasks import reward_fn
 from gacbench.llm.task import _is_eval, exact_reward
+from gacbench.llm.tasks import reward_fn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "tasks" / "math" / "example.jsonl"
 
@@ -49,7 +49,8 @@ def test_example_dataset_loads():
     assert d.batch("train", 0, 60) == again.batch("train", 0, 60)  # deterministic, cycling past the end
     assert d.problem("train", 3) == d.problem("train", 3 + d.sizes["train"])
     other = MathDataset(EXAMPLE, seed=1)
-    assert other.sizes == d.sizes and set(other.batch("train", 0, d.sizes["train"])) == set(d.batch("train", 0, d.sizes["train"]))
+    assert (other.sizes == d.sizes
+            and set(other.batch("train", 0, d.sizes["train"])) == set(d.batch("train", 0, d.sizes["train"])))
     assert other.batch("train", 0, d.sizes["train"]) != d.batch("train", 0, d.sizes["train"])  # seed shuffles
     with pytest.raises(ValueError, match="split='test'"):
         d.problem("test", 0)
@@ -98,7 +99,9 @@ GOOD = json.dumps({"problem": "What is 1+1?", "answer": "2"})
 @pytest.mark.parametrize("bad, match", [
     ('{"problem": "What is 2+2?", "answer": "4"', r"line 3: invalid JSON"),
     ('["What is 2+2?", "4"]', r"line 3: expected a JSON object, got list"),
-    (json.dumps({"text": "What is 2+2?", "answer": "4"}), r"line 3: no prompt field .*'prompt', 'problem' or 'question'"),
+    (json.dumps({"text": "What is 2+2?", "answer": "4"}),
+     r"line 3: no prompt field .*'prompt', 'problem' or 'question'"),
+
     (json.dumps({"problem": "What is 2+2?"}), r"line 3: no answer .*add an 'answer' field"),
     (json.dumps({"problem": "What is 2+2?", "solution": "It is 4."}),
      r"line 3: no \\boxed\{\.\.\.\} .*add an 'answer' field or end the solution with \\boxed"),

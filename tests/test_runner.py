@@ -32,7 +32,8 @@ from gacbench.trainer import build_trainer, pick_accelerator
 def tiny_suite(tmp_path: Path, **over) -> Path:
     suite = {
         "name": "tiny", "steps": 30, "warmup": 5,
-        "tasks": {"quadratic": {"objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}}},
+        "tasks": {"quadratic": {"objective": "quadratic",
+                                "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}}},
         "methods": ["sync", "stale"], "staleness": [0, 4], "seeds": [0],
     }
     suite.update(over)
@@ -76,7 +77,8 @@ def test_a_cell_builds_its_trainer_with_the_objectives_accelerator(tmp_path, mon
     monkeypatch.setattr(registry, "_TARGETS", dict(registry._TARGETS))
     monkeypatch.setattr(registry, "_RESOLVED", dict(registry._RESOLVED))
     register_objective("quadratic-gpu", GPUQuadratic)
-    cell = {"task": "q", "objective": "quadratic-gpu", "params": {}, "steps": 5, "method": "sync", "staleness": 0, "seed": 0}
+    cell = {"task": "q", "objective": "quadratic-gpu", "params": {}, "steps": 5, "method": "sync", "staleness": 0,
+            "seed": 0}
     status = run_cell(cell, tmp_path)
     assert status["status"] == "failed" and "asks for a GPU" in status["error"]
     assert NoisyQuadratic.accelerator == "cpu"
@@ -162,7 +164,8 @@ def test_identity_names_the_changed_field_of_a_section():
 
 # -- status.json, timing ---------------------------------------------------------------------------
 def test_a_cell_records_step_and_eval_time_worker_and_memory(tmp_path):
-    cell = {"task": "q", "objective": "quadratic", "params": {}, "steps": 25, "method": "stale", "staleness": 2, "seed": 0}
+    cell = {"task": "q", "objective": "quadratic", "params": {}, "steps": 25, "method": "stale", "staleness": 2,
+            "seed": 0}
     status = run_cell(cell, tmp_path)
     assert status["status"] == "done" and status["worker_pid"] == os.getpid() and status["rss_mb"] > 10
     assert 0 < status["step_s"] < status["seconds"] and 0 < status["eval_s"] < status["seconds"]
@@ -246,7 +249,8 @@ def test_a_failed_or_unfinished_cell_is_rerun_with_the_new_params(tmp_path):
 
 
 def test_identity_diff_names_each_changed_key():
-    stored = {"task": "t", "objective": "q", "params": {"lr": 0.1, "engine": "hf"}, "steps": 30, "method": "gac", "seed": 0}
+    stored = {"task": "t", "objective": "q", "params": {"lr": 0.1, "engine": "hf"}, "steps": 30, "method": "gac",
+              "seed": 0}
     asked = {**stored, "params": {"lr": 0.1, "kl_coef": 0}, "warmup": 9}
     diff = identity_diff(stored, asked)
     assert set(diff) == {"params.engine", "params.kl_coef"}
@@ -256,7 +260,9 @@ def test_identity_diff_names_each_changed_key():
 
 
 def test_run_cell_refuses_a_done_cell_with_other_settings(tmp_path):
-    cell = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 5, "method": "sync", "staleness": 0, "seed": 0}
+    cell = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 5, "method": "sync", "staleness": 0,
+            "seed": 0}
+
     assert run_cell(cell, tmp_path)["status"] == "done"
     assert run_cell(dict(cell), tmp_path)["status"] == "done"
     with pytest.raises(CellMismatchError, match=r"params.lr: 0.1 \(stored\) -> 0.2 \(now\)"):

@@ -69,8 +69,9 @@ def main(args) -> int:
     if args.json:
         check_output_file("--json", args.json)  # before the runs, so that they are not lost
     results = [run_method(m, args.staleness, args.steps, args.seed) for m in ("sync", "stale", "gac")]
-    table = Table(title=f"Noisy quadratic (d=100, kappa=10, sigma^2=10, SGD lr=0.1), {args.steps} steps, seed {args.seed}; "
-                        f"f(theta_0)-f* = {results[0]['start_gap']:.3g}")
+    table = Table(title=f"Noisy quadratic (d=100, kappa=10, sigma^2=10, SGD lr=0.1), {args.steps} steps, "
+                        f"seed {args.seed}; f(theta_0)-f* = {results[0]['start_gap']:.3g}")
+
     for col in ("method", "s", "f(theta)-f*", "median c_t", "q0.9|c_t|", "Pr(|c_t|<=0.05)", "GAC changed", "time"):
         table.add_column(col, justify="right")
     for r in results:

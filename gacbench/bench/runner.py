@@ -51,9 +51,9 @@ from gacbench.bench.cell import (
     stored_done,
     write_json,
 )
-from gacbench.usage import UsageError, check_output_dir
 from gacbench.methods import method_callbacks, parse_method, reference_calibration, reference_cell, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
+from gacbench.usage import UsageError, check_output_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUITES_DIR = REPO_ROOT / "tasks" / "suites"
@@ -256,7 +256,8 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                     if lo >= hi:
                         continue
                     for seed in seeds:
-                        cells.append({**base(task), "method": f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})",
+                        cells.append({**base(task),
+                                      "method": f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})",
                                       "staleness": ablation["staleness"], "seed": seed, "ablation": True})
     check_lag(cells)
     return cells
@@ -312,8 +313,8 @@ def check_stored(cells: list[dict], root: Path) -> None:
     dirs = [str(cell_dir(root, c)) for c, _ in mismatched]
     lines.append("  cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more" if len(dirs) > 3 else ""))
     tasks = sorted({c["task"] for c, _ in mismatched})
-    lines.append("A finished cell is reused only for the same objective, parameters, steps and method. Fix: use another "
-                 "--out, or delete the stored cells to recompute them with these settings ("
+    lines.append("A finished cell is reused only for the same objective, parameters, steps and method. Fix: use "
+                 "another --out, or delete the stored cells to recompute them with these settings ("
                  + "; ".join(f"rm -r {root / 'cells' / t}" for t in tasks) + " removes every cell of a task).")
     raise CellMismatchError("\n".join(lines))
 
@@ -539,9 +540,9 @@ def _run_pool(deps: _Dependencies, root: Path, workers: int, threads: int, displ
                     results.append(f.result())
                 except BrokenProcessPool as exc:
                     raise RuntimeError(
-                        f"a worker process died while running cells ({exc}); most often the system ran out of memory and "
-                        "killed it. The cells finished so far are stored: rerun the same command to resume, with fewer "
-                        "--workers if memory is short") from exc
+                        f"a worker process died while running cells ({exc}); most often the system ran out of memory "
+                        "and killed it. The cells finished so far are stored: rerun the same command to resume, with "
+                        "fewer --workers if memory is short") from exc
                 display.update(running=min(workers, len(futures)), finished=results[-1])
                 for c in deps.finished(cell, results[-1]):
                     futures[pool.submit(run_cell, c, str(root), threads)] = c
@@ -807,7 +808,8 @@ def check_params(cells: list[dict], overrides: dict[str, Any] | None = None) -> 
             bad = sorted(set(value) - fields)
             if bad:
                 raise UsageError(f"{where}: unknown {name} setting(s) "
-                                 f"{', '.join(f'{name}.{k}' for k in bad)}; the {name} section takes {', '.join(sorted(fields))}")
+                                 f"{', '.join(f'{name}.{k}' for k in bad)}; the {name} section takes "
+                                 f"{', '.join(sorted(fields))}")
             field_hints = _hints(section)
             for field, v in value.items():
                 if type_ok(v, field_hints.get(field)) is False:
@@ -845,9 +847,11 @@ def main(args) -> int:
         c["params"] = merge_params(c["params"], overrides)
     check_params(cells, overrides)
     out = check_output_dir("--out", args.out)
-    console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  (workers={args.workers}, executor={args.executor})")
+    console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
+                  f"(workers={args.workers}, executor={args.executor})")
     if not any(c["method"] == "sync" for c in cells):
-        console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0): the recovered shares cannot be computed")
+        console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0): the recovered shares "
+                      "cannot be computed")
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console)
     except CellMismatchError as exc:
@@ -879,5 +883,7 @@ def timing_lines(timing: dict[str, Any]) -> list[str]:
              f"{timing['workers']} worker(s) x {timing['wall_s']:.1f} s wall (eval {timing['eval_s']:.1f} s)"]
     for w in timing["per_worker"]:
         lines.append(f"  worker pid {w['pid']}: {w['cells']} cells, resident memory after its first cell "
-                     f"{mb(w['rss_mb_first'])} MB, after its last {mb(w['rss_mb_last'])} MB, max {mb(w['rss_mb_max'])} MB")
+                     f"{mb(w['rss_mb_first'])} MB, after its last {mb(w['rss_mb_last'])} MB, "
+                     f"max {mb(w['rss_mb_max'])} MB")
+
     return lines

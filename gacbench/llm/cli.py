@@ -41,8 +41,8 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from gacbench.usage import UsageError
 from gacbench.llm.grpo import GRPOModule
+from gacbench.usage import UsageError
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
 
@@ -50,12 +50,14 @@ EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed 
 class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--method", type=str, default="sync",
-                            help="sync, stale, gac, gac-skip, m2po, bapo, tis, decoupled-ppo, gac+m2po, ... (`gacbench methods`, "
-                                 "`gacbench stabilizers`); 'sync' requires model.staleness=0")
+                            help="sync, stale, gac, gac-skip, m2po, bapo, tis, decoupled-ppo, gac+m2po, ... "
+                                 "(`gacbench methods`, `gacbench stabilizers`); 'sync' requires model.staleness=0")
         parser.add_argument("--ckpt_path", type=str | None, default=None,
                             help="resume from this checkpoint; 'last' = the run's checkpoint with the highest step "
                                  "recorded inside it")
-        parser.add_argument("--alignment_warmup", type=int, default=5, help="steps the AlignmentMonitor leaves out of its statistics")
+        parser.add_argument("--alignment_warmup", type=int, default=5,
+                            help="steps the AlignmentMonitor leaves out of its statistics")
+
         parser.link_arguments("trainer.max_steps", "model.steps")
 
     def before_instantiate_classes(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from gacbench.llm.task import Problem, _is_eval, exact_reward
+from gacbench.llm.task import Problem, _is_eval
 
 PROMPT_KEYS = ("prompt", "problem", "question")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")

@@ -43,7 +43,9 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if self.max_ops < 1 or self.max_operand < 1:
-            raise ValueError(f"ArithmeticTask: need max_ops >= 1 and max_operand >= 1, got {self.max_ops}, {self.max_operand}")
+            raise ValueError(f"ArithmeticTask: need max_ops >= 1 and max_operand >= 1, got {self.max_ops}, "
+                             f"{self.max_operand}")
+
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"ArithmeticTask: eval_fraction={self.eval_fraction} must be in (0, 1)")
 

@@ -60,7 +60,8 @@ def greedy_accuracy(model, tok, problems: list[Problem], max_tokens: int = 8, ba
     return correct / max(1, len(problems))
 
 
-def warm_start(model, tok, task: ArithmeticTask, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0) -> list[float]:
+def warm_start(model, tok, task: ArithmeticTask, steps: int, batch_size: int = 64, lr: float = 3e-3,
+               seed: int = 0) -> list[float]:
     """Supervised steps on the training split, in place; returns the losses."""
     torch.manual_seed(seed)
     model.train()
@@ -77,7 +78,9 @@ def warm_start(model, tok, task: ArithmeticTask, steps: int, batch_size: int = 6
     return losses
 
 
-def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int = 400, cache_dir=None, seed: int = 0) -> Path:
+def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int = 400, cache_dir=None,
+                     seed: int = 0) -> Path:
+
     """The cached warm-started checkpoint for these settings; built (once) if missing."""
     config = config or tiny_config()
     task = task or ArithmeticTask()

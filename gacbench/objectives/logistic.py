@@ -16,10 +16,13 @@ class LogisticRegression(Objective):
     higher_is_better = False
 
     def __init__(self, n: int = 1024, dim: int = 20, batch_size: int = 32, l2: float = 1e-3, scale: float = 3.0,
-                 steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0, eval_every: int = 10) -> None:
+                 steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0,
+                 eval_every: int = 10) -> None:
         super().__init__(eval_every)
         if n < 2 or dim < 1 or batch_size < 1 or l2 < 0 or lr <= 0:
-            raise ValueError(f"LogisticRegression: bad sizes or rates n={n}, dim={dim}, batch_size={batch_size}, l2={l2}, lr={lr}")
+            raise ValueError(f"LogisticRegression: bad sizes or rates n={n}, dim={dim}, batch_size={batch_size}, "
+                             f"l2={l2}, lr={lr}")
+
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
         # features with a spread of scales, so the problem is ill-conditioned

@@ -26,7 +26,9 @@ class MLPClassifier(Objective):
         y = (torch.tanh(x @ teacher[0]) @ teacher[1]).argmax(-1)
         self.x, self.y, self.x_test, self.y_test = x[:n], y[:n], x[n:], y[n:]
         torch.manual_seed(seed)
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, classes))
+
         self.batches = StepBatches(self.x, self.y, batch_size=batch_size, steps=steps, generator=gen)
 
     @torch.no_grad()

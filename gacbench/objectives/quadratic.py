@@ -32,7 +32,10 @@ class NoisyQuadratic(Objective):
                              f"dim={dim}, L={L}, kappa={kappa}, sigma2={sigma2}, lr={lr}, steps={steps}")
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
-        self.register_buffer("eigs", torch.logspace(torch.log10(torch.tensor(L / kappa)), torch.log10(torch.tensor(L)), dim))
+        self.register_buffer("eigs", torch.logspace(torch.log10(torch.tensor(L / kappa)),
+                                                    torch.log10(torch.tensor(L)), dim))
+
+
         self.register_buffer("theta_star", torch.randn(dim, generator=gen))
         self.theta = torch.nn.Parameter(self.theta_star + torch.randn(dim, generator=gen) * init_scale)
         self.noise = torch.randn(steps, dim, generator=gen) * (sigma2 / dim) ** 0.5

@@ -43,7 +43,10 @@ def advantage_fn(name: str) -> AdvantageFn:
 
 def _check(rewards: torch.Tensor) -> None:
     if rewards.dim() != 2 or rewards.shape[-1] < 2:
-        raise ValueError(f"advantages need rewards of shape (prompts, group) with group >= 2, got {tuple(rewards.shape)}")
+        raise ValueError("advantages need rewards of shape (prompts, group) with group >= 2, "
+
+                         f"got {tuple(rewards.shape)}")
+
 
 
 @register_advantage("grpo")
