@@ -3,6 +3,11 @@
 ``gac(c_low=0.02,c_high=0.2)`` names the method ``gac`` with keyword overrides; the runner
 records the full spec string per cell. Every registered stabilizer is a method name too, and
 ``+`` joins them (``gac+m2po``). ``register_method`` adds a named method.
+
+A method may need a *reference cell*: ``gac-calibrated`` takes its thresholds from the synchronous cell
+of the same task and seed (:mod:`gacbench.functional.calibration`). The runner runs that cell first,
+computes the calibration from its stored c_t trace (``gacbench.bench.runner.reference_calibration``), stores
+it in the cell's ``config.json`` under ``calibration`` and hands the cell to :func:`method_callbacks`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any, Callable
 from lightning.pytorch import Callback
 
 from gacbench.callbacks import GAC
+from gacbench.callbacks._common import log_metrics
+from gacbench.functional.calibration import CAP, GAP, QUANTILE, calibration_record
 
 
 @dataclass(frozen=True)
@@ -23,17 +30,24 @@ class Method:
     help: str
     build: Callable[..., list[Callback]]  # keyword settings -> gradient/loss-side callbacks
     stale: bool = True  # False: the synchronous reference, always run at s = 0
+    #: "sync": the method needs the synchronous cell of its task and seed, done, before it runs; its build
+    #: then receives ``calibration=`` (computed from that cell by the bench runner)
+    reference: str | None = None
 
 
 METHODS: dict[str, Method] = {}
+REFERENCE_KINDS = ("sync",)
 
 
-def register_method(name: str, help: str, build: Callable[..., list[Callback]], stale: bool = True) -> Method:
+def register_method(name: str, help: str, build: Callable[..., list[Callback]], stale: bool = True,
+                    reference: str | None = None) -> Method:
     if not re.fullmatch(r"[a-z0-9][a-z0-9_+-]*", name):
         raise ValueError(f"method name {name!r}: use lower-case letters, digits, '-', '_' or '+'")
     if name in METHODS:
         raise ValueError(f"method {name!r} is already registered")
-    METHODS[name] = Method(name, help, build, stale)
+    if reference is not None and reference not in REFERENCE_KINDS:
+        raise ValueError(f"method {name!r}: reference={reference!r} is not one of {', '.join(REFERENCE_KINDS)}")
+    METHODS[name] = Method(name, help, build, stale, reference)
     return METHODS[name]
 
 
@@ -45,12 +59,116 @@ def _gac(**defaults: Any) -> Callable[..., list[Callback]]:
 
 register_method("sync", "synchronous training (s = 0), no stabilizer", lambda: [], stale=False)
 register_method("stale", "staleness s, no stabilizer", lambda: [])
-register_method("gac", "GAC, docs/design.md's default rule: reference = previous raw gradient, full projection above c_high", _gac())
+register_method("gac", "GAC, docs/design.md's default rule: reference = previous raw gradient, full projection above "
+                "c_high", _gac())
 register_method("gac-skip", "GAC skipping steps with c_t >= c_high instead of projecting", _gac(high_mode="skip"))
 register_method("gac-cosine", "GAC shrinking so that cos(g~, r) = c_low exactly", _gac(shrink="cosine"))
 register_method("gac-applied", "GAC against the previous applied (projected) gradient", _gac(reference="applied"))
-register_method("gac-update", "GAC against the previous parameter step (includes the optimizer's preconditioning)", _gac(reference="update"))
+register_method("gac-update", "GAC against the previous parameter step (includes the optimizer's preconditioning)",
+                _gac(reference="update"))
 register_method("gac-ema", "GAC against an EMA (decay 0.9) of raw gradients", _gac(reference="ema"))
+
+#: Settings of ``gac-calibrated`` that belong to the calibration rule, not to the GAC callback.
+RULE_KEYS = ("quantile", "gap", "cap")
+
+
+class CalibratedGAC(GAC):
+    """GAC whose (c_low, c_high) come from a synchronous reference run (gacbench.functional.calibration).
+
+    Args:
+        calibration: a record of :func:`gacbench.functional.calibration.calibration_record` (what the bench
+            runner computes from the synchronous cell of the same task and seed), or None.
+        reference: instead of ``calibration``: the reference run's c_t trace, its alignment summary, its
+            ``metrics.csv`` or its cell directory; ``reference_warmup`` (leading steps left out) and
+            ``quantile``/``gap``/``cap`` apply to it.
+        **kwargs: any other GAC setting (``high_mode``, ``reference`` is named ``gac_reference`` here, ...).
+
+    Without either, the callback can be built (the runner checks method names this way) but refuses to
+    train. At the start of fit it logs the thresholds it uses as ``gac/c_low`` and ``gac/c_high``.
+    """
+
+    def __init__(self, calibration: dict | None = None, reference=None, reference_warmup: int = 0,
+                 quantile: float = QUANTILE, gap: float = GAP, cap: float = CAP, gac_reference: str = "grad",
+                 **kwargs: Any) -> None:
+        for key in ("c_low", "c_high"):
+            if key in kwargs:
+                raise ValueError(f"gac-calibrated: {key} is computed from the synchronous reference run; to set the "
+                                 "thresholds by hand use gac(c_low=...,c_high=...)")
+        if calibration is None and reference is not None:
+            calibration = calibration_record(_reference_trace(reference, reference_warmup), 0, quantile, gap, cap)
+        self.calibration = calibration
+        if calibration is not None:
+            kwargs.update(c_low=calibration["c_low"], c_high=calibration["c_high"])
+        super().__init__(reference=gac_reference, **kwargs)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and self.calibration is None:
+            raise ValueError("gac-calibrated has no thresholds: it takes them from the synchronous cell of the same "
+                             "task and seed, which the bench runner runs first (include sync and staleness 0 in the "
+                             "grid, or store that cell in --out); outside the runner pass CalibratedGAC(reference=...)")
+        super().setup(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        t = self.transform
+        log_metrics(trainer, {"gac/c_low": t.c_low, "gac/c_high": t.c_high})
+
+
+def _reference_trace(reference, warmup: int):
+    """A reference given as a trace or summary (returned as is, the trace cut by ``warmup``), a metrics.csv
+    or a cell directory (its ``align/cos`` column, cut by ``warmup``)."""
+    from pathlib import Path
+
+    if isinstance(reference, dict):
+        if warmup:
+            raise ValueError("gac-calibrated: an alignment summary already excludes its warm-up; leave "
+                             "reference_warmup at 0")
+        return reference
+    if isinstance(reference, (str, Path)):
+        import csv
+
+        path = Path(reference)
+        path = path / "metrics.csv" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"gac-calibrated: no metrics.csv at {path} (give the reference run's metrics.csv "
+                                    "or its cell directory)")
+        with path.open() as f:  # Lightning's CSVLogger: a step column and one column per logged name
+            rows = [(int(float(r["step"])), float(r["align/cos"])) for r in csv.DictReader(f)
+                    if r.get("align/cos") not in (None, "")]
+        cos = [v for _, v in sorted(rows)]
+        if not cos:
+            raise ValueError(f"gac-calibrated: {path} has no align/cos column; the reference run needs an "
+                             "AlignmentMonitor (or GAC) that logs c_t")
+        return cos[warmup:]
+    return list(reference)[warmup:]
+
+
+def _gac_calibrated(calibration: dict | None = None, **kwargs: Any) -> list[Callback]:
+    settings = {k: v for k, v in kwargs.items() if k not in RULE_KEYS}
+    if "reference" in settings:
+        settings["gac_reference"] = settings.pop("reference")
+    return [CalibratedGAC(calibration=calibration, **{"warmup": 0, **settings})]
+
+
+register_method("gac-calibrated", "GAC with (c_low, c_high) anchored to the synchronous run of the same task and seed: "
+                "c_low = q0.9(|c_t|), c_high = max(c_low + 0.25, max |c_t|) after the warm-up "
+                "(gacbench/functional/calibration.py)", _gac_calibrated, reference="sync")
+
+
+def reference_cell(cell: dict) -> dict | None:
+    """The cell ``cell``'s method needs done before it runs (the synchronous cell of its task and seed), or None."""
+    method, _ = parse_method(cell["method"])
+    if method.reference is None:
+        return None
+    ref = {k: v for k, v in cell.items() if k not in ("method", "staleness", "ablation", "calibration")}
+    return {**ref, "method": "sync", "staleness": 0}
+
+
+def reference_rule(spec: str) -> dict[str, Any]:
+    """The calibration-rule settings (``quantile``, ``gap``, ``cap``) given to the method of ``spec`` that needs a
+    reference cell (``gac-calibrated(quantile=0.95)`` -> ``{"quantile": 0.95}``); {} when it has none."""
+    part = next((p for p in _parts(spec) if p[0] in METHODS and METHODS[p[0]].reference), None)
+    return {} if part is None else {k: v for k, v in part[1].items() if k in RULE_KEYS}
 
 
 def split_top_level(spec: str, sep: str) -> list[str]:
@@ -83,13 +201,17 @@ def _parse_one(spec: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
+def _parts(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    return [_parse_one(p) for p in split_top_level(spec, "+")]
+
+
 def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     """A method spec -> (Method, kwargs). A spec is a registered method (``gac``, ``gac(c_low=0.02)``),
     a registered stabilizer (``m2po``, ``bapo(rho0=0.5)``), or several joined by ``+`` (``gac+m2po``):
     at most one loss-side stabilizer, checked when the run starts."""
     from gacbench.stabilizers import registry
 
-    parts = [_parse_one(p) for p in split_top_level(spec, "+")]
+    parts = _parts(spec)
     if len(parts) == 1 and parts[0][0] in METHODS:
         return METHODS[parts[0][0]], parts[0][1]
     stabs = registry.available()
@@ -100,17 +222,29 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
         if name in METHODS and not METHODS[name].stale:
             raise ValueError(f"method {spec!r}: {name!r} is the synchronous reference and cannot be combined")
 
-    def build() -> list[Callback]:
+    refs = {METHODS[name].reference for name, _ in parts if name in METHODS and METHODS[name].reference}
+    if len(refs) > 1 or sum(1 for name, _ in parts if name in METHODS and METHODS[name].reference) > 1:
+        raise ValueError(f"method {spec!r}: at most one method that needs a reference cell per combination")
+
+    def build(calibration: dict | None = None) -> list[Callback]:
         out: list[Callback] = []
         for name, kwargs in parts:
-            out += METHODS[name].build(**kwargs) if name in METHODS else [stabs[name]["cls"](**kwargs)]
+            if name in METHODS:
+                extra = {"calibration": calibration} if METHODS[name].reference else {}
+                out += METHODS[name].build(**kwargs, **extra)
+            else:
+                out += [stabs[name]["cls"](**kwargs)]
         return out
 
-    return Method(spec, "combination", build, stale=True), {}
+    return Method(spec, "combination", build, stale=True, reference=next(iter(refs), None)), {}
 
 
-def method_callbacks(spec: str) -> list[Callback]:
+def method_callbacks(spec: str, cell: dict | None = None) -> list[Callback]:
+    """The callbacks of a method spec. A method with a reference (``gac-calibrated``) takes its calibration
+    from ``cell["calibration"]`` (written by the bench runner); without it, the callbacks refuse to train."""
     method, kwargs = parse_method(spec)
+    if method.reference is not None:
+        kwargs = {**kwargs, "calibration": (cell or {}).get("calibration")}
     try:
         return method.build(**kwargs)
     except TypeError as exc:

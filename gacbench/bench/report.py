@@ -16,6 +16,22 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   gap smaller than twice its standard error over seeds (sqrt(s_sync²/n_sync + s_stale²/n_stale), s the
   sample standard deviation) is flagged (``gap_within_noise``; null with a single seed): the share is
   then a ratio of noise;
+- confidence intervals (appended section of summary.md; ``share_ci_low``/``share_ci_high``, ``n`` and the
+  ``vs_stale_*`` keys of each ``recovered``/``recovered_reward`` entry): over the seeds that sync, stale and
+  the method share (``n``, distinct seeds), a paired percentile bootstrap of the share (``BOOT_RESAMPLES``
+  resamples of the seeds with replacement, the same resampled seeds for the three groups, numpy generator
+  seeded with ``BOOT_SEED``, the 2.5% and 97.5% empirical quantiles of the resampled shares; a resample whose
+  gap is 0 has share +-inf by the sign of its numerator, or is dropped when that is 0 too), and the paired
+  difference method - stale, signed so that > 0 is better, with its t-interval and the two-sided paired
+  t-test's p-value (scipy.stats.ttest_rel); intervals are null with fewer than two seeds; the share and its
+  interval are null when sync or stale has no cells (``missing`` names them), the comparison when stale has
+  none;
+- a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
+  ``DEGRADE_WINDOW`` steps, ends below its own running maximum; ``degraded`` when that exceeds
+  ``DEGRADE_MARGIN`` (the progressive-degradation indicator of the regime map);
+- appended to summary.md after the existing sections: the intervals, paper Table 1 (:func:`_table1`, at
+  :func:`table1_staleness`), paper Table 3 with the calibrated thresholds (:func:`_table3`) and the regime
+  map (:func:`regime_points`, also ``regime`` in summary.json);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``timing`` (from ``timing.json``, written by the last ``gacbench bench`` run that executed cells):
   the wall time, cells per minute, the step share (optimizer-step seconds of the cells run /
@@ -37,6 +53,11 @@ from gacbench.bench.cell import cell_dir, json_safe, read_json, stored_state, wr
 from gacbench.functional.stats import alignment_summary
 
 REFERENCE_METHODS = ("sync", "stale")
+BOOT_RESAMPLES, BOOT_SEED, CI_LEVEL = 9999, 0, 0.95
+#: The percentile of the resampled statistics: the smallest value whose empirical CDF reaches the level (no
+#: interpolation, so that an unbounded resample gives an unbounded end rather than inf - inf)
+QUANTILE_METHOD = "inverted_cdf"
+DEGRADE_WINDOW, DEGRADE_MARGIN = 10, 0.05
 
 
 def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -82,14 +103,42 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
         "metric": status["metric"], "higher_is_better": status["higher_is_better"], "initial": status["initial"],
         "final": status["final"], "diverged": status["diverged"], "cos_median": s["median"],
         "cos_abs_q90": s["q90_abs"], "cos_abs_le_005": s["frac_le_tol"], "cos_max_abs": s["max_abs"],
-        "seconds": status.get("seconds"), "step_ms": status.get("step_ms"), "overhead_share": status.get("overhead_share"),
+        "seconds": status.get("seconds"), "step_ms": status.get("step_ms"),
+        "overhead_share": status.get("overhead_share"),
         "step_s": status.get("step_s"), "eval_s": status.get("eval_s"), "rss_mb": status.get("rss_mb"),
     })
+    calibration = _stored_calibration(root, cell)
+    if calibration is not None:  # a method calibrated from its reference cell: the thresholds it used
+        rec.update({"c_low": calibration.get("c_low"), "c_high": calibration.get("c_high")})
     reward = [v for _, v in series.get("reward/mean", [])]
     if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
         k = max(1, len(reward) // 5)
         rec.update({"reward_first": float(np.mean(reward[:k])), "reward_last": float(np.mean(reward[-k:]))})
+        drop = running_max_drop(reward)
+        rec.update({"reward_drop": drop, "degraded": None if math.isnan(drop) else bool(drop > DEGRADE_MARGIN)})
     return rec
+
+
+def _stored_calibration(root: Path, cell: dict) -> dict | None:
+    """The ``calibration`` record of a cell's stored config.json (gac-calibrated), else None."""
+    cal = cell.get("calibration")
+    if cal is None:
+        try:
+            cal = read_json(cell_dir(root, cell) / "config.json").get("calibration")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return cal if isinstance(cal, dict) else None
+
+
+def running_max_drop(values: list[float], window: int = DEGRADE_WINDOW) -> float:
+    """max_t r_t - r_T of the ``window``-step moving average r of ``values`` (higher is better): how far the
+    smoothed curve ends below its own running maximum (0 for a curve that ends at its best). NaN when
+    ``values`` is shorter than ``window``."""
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+    if x.size < window or window < 1:
+        return math.nan
+    smooth = np.convolve(x, np.ones(window) / window, mode="valid")
+    return float(smooth.max() - smooth[-1])
 
 
 def _capped(rec: dict) -> float:
@@ -129,18 +178,121 @@ def group_records(cells: list[dict]) -> list[dict]:
     return out
 
 
-def recovered_shares(groups: list[dict], key: str = "final") -> list[dict]:
+def _per_seed(cells: list[dict], key: str) -> dict[tuple, dict[int, float]]:
+    """{(task, method, staleness): {seed: value}} of the done, non-ablation cells: ``final`` (a diverged run at
+    its starting value, as in ``final_mean``) or another per-cell key (``reward_last``)."""
+    out: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for c in cells:
+        if c["status"] != "done" or c.get("ablation"):
+            continue
+        value = _capped(c) if key == "final" else c.get(key)
+        if value is not None and math.isfinite(value):
+            out[(c["task"], c["method"], c["staleness"])][c["seed"]] = float(value)
+    return out
+
+
+def bootstrap_indices(n: int, resamples: int = BOOT_RESAMPLES, seed: int = BOOT_SEED) -> np.ndarray:
+    """(resamples, n) seed indices drawn with replacement by ``numpy.random.default_rng(seed)``."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def share_bootstrap_ci(sync: np.ndarray, stale: np.ndarray, method: np.ndarray, level: float = CI_LEVEL,
+                       resamples: int = BOOT_RESAMPLES, seed: int = BOOT_SEED) -> tuple[float, float]:
+    """Paired percentile bootstrap interval of the share (mean(stale) - mean(method)) / (mean(stale) - mean(sync)):
+    the three arrays hold the same seeds in the same order, and one resample of seed indices is applied to all
+    three. A resample with a zero gap has share +-inf (the numerator's sign), or none when the numerator is 0 too.
+    NaNs with fewer than two seeds."""
+    n = len(sync)
+    if n < 2:
+        return math.nan, math.nan
+    idx = bootstrap_indices(n, resamples, seed)
+    num = stale[idx].mean(1) - method[idx].mean(1)
+    gap = stale[idx].mean(1) - sync[idx].mean(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(gap != 0, num / np.where(gap != 0, gap, 1.0), np.sign(num) * np.inf)
+    share = share[~((gap == 0) & (num == 0))]
+    if share.size == 0:
+        return math.nan, math.nan
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(share, [alpha, 1.0 - alpha], method=QUANTILE_METHOD)
+    return float(low), float(high)
+
+
+def mean_bootstrap_ci(x: np.ndarray, level: float = CI_LEVEL, resamples: int = BOOT_RESAMPLES,
+                      seed: int = BOOT_SEED) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(x) over its seeds (NaNs with fewer than two)."""
+    if len(x) < 2:
+        return math.nan, math.nan
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(x[bootstrap_indices(len(x), resamples, seed)].mean(1), [alpha, 1.0 - alpha],
+                            method=QUANTILE_METHOD)
+    return float(low), float(high)
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> dict[str, float]:
+    """mean(a - b) over paired seeds, its t-interval (mean +- t_{(1+level)/2, n-1} sd/sqrt(n)) and the two-sided
+    paired t-test's p-value (scipy.stats.ttest_rel; NaN when every difference is equal). NaNs below two seeds."""
+    import warnings
+
+    from scipy import stats
+
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    n = len(d)
+    if n == 0:
+        return {"diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
+    mean = float(d.mean())
+    if n < 2:
+        return {"diff": mean, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
+    half = float(stats.t.ppf(0.5 + level / 2.0, n - 1) * d.std(ddof=1) / math.sqrt(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = float(stats.ttest_rel(a, b).pvalue) if d.std() > 0 else math.nan
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p}
+
+
+def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: bool) -> dict:
+    """``row`` (a recovered-share row) with ``n`` (the distinct seeds sync, stale and the method share),
+    ``share_ci_low/high`` and the paired comparison to stale (``vs_stale_*``, over the seeds stale and the method
+    share: ``vs_stale_n``)."""
+    task, m, s = row["task"], row["method"], row["staleness"]
+    sync, stale, meth = seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", s), {}), seeds.get((task, m, s), {})
+    common = sorted(set(sync) & set(stale) & set(meth))
+    paired = sorted(set(stale) & set(meth))
+    row.update({"n": len(common), "share_ci_low": None, "share_ci_high": None, "vs_stale_diff": None,
+                "vs_stale_ci_low": None, "vs_stale_ci_high": None, "vs_stale_p": None, "vs_stale_n": len(paired)})
+    if paired:
+        a, b = np.array([meth[k] for k in paired]), np.array([stale[k] for k in paired])
+        d = paired_difference(a, b) if higher else paired_difference(b, a)  # > 0: the method is better
+        row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
+                    "vs_stale_p": d["p"]})
+    if not row.get("missing") and not row["no_gap"]:
+        low, high = share_bootstrap_ci(*(np.array([g[k] for k in common]) for g in (sync, stale, meth)))
+        row.update({"share_ci_low": low, "share_ci_high": high})
+    return row
+
+
+def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] | None = None) -> list[dict]:
     """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
-    training reward over the last 20% of steps, for rollout objectives)."""
+    training reward over the last 20% of steps, for rollout objectives). With ``cells`` (the cell records)
+    each row also gets its confidence intervals (module docstring); a method whose sync or stale group has no
+    cells gets a row with ``missing`` naming them and null share."""
     mean, std = f"{key}_mean", f"{key}_std"
     groups = [g for g in groups if mean in g]
     by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
+    seeds = _per_seed(cells, key) if cells is not None else None
     rows = []
     for g in groups:
         if g["method"] in REFERENCE_METHODS or g["ablation"] or g["staleness"] == 0:
             continue
         sync, stale = by.get((g["task"], "sync", 0)), by.get((g["task"], "stale", g["staleness"]))
+        higher = key == "reward_last" or bool(g["higher_is_better"])
         if not sync or not stale:
+            if cells is not None:
+                rows.append(_with_ci({
+                    "task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": math.nan,
+                    "sync": sync[mean] if sync else math.nan, "stale": stale[mean] if stale else math.nan,
+                    "value": g[mean], "no_gap": True, "gap": math.nan, "gap_se": math.nan, "gap_within_noise": None,
+                    "missing": [name for name, x in (("sync", sync), ("stale", stale)) if not x]}, seeds, key, higher))
             continue
         gap = stale[mean] - sync[mean]
         sign = -1.0 if (key == "reward_last" or g["higher_is_better"]) else 1.0  # gap > 0 means stale is worse
@@ -150,10 +302,11 @@ def recovered_shares(groups: list[dict], key: str = "final") -> list[dict]:
             se = math.nan
         else:
             se = math.sqrt(sum((x[std] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
-        rows.append({"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
-                     "sync": sync[mean], "stale": stale[mean], "value": g[mean],
-                     "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
-                     "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)})
+        row = {"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
+               "sync": sync[mean], "stale": stale[mean], "value": g[mean],
+               "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
+               "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)}
+        rows.append(_with_ci(row, seeds, key, higher) if cells is not None else row)
     return rows
 
 
@@ -166,7 +319,8 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def _method_table(title: str, groups: list[dict], cell) -> list[str]:
     """A markdown table, one row per method and one column per staleness, each entry ``cell(group)``."""
     svals = sorted({g["staleness"] for g in groups})
-    lines = [f"## {title}", "", "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
+    lines = [f"## {title}", "", "| method | " + " | ".join(f"s={s}" for s in svals) + " |",
+             "|---|" + "---|" * len(svals)]
     for m in dict.fromkeys(g["method"] for g in groups):
         row = []
         for s in svals:
@@ -181,18 +335,22 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
              "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
              "| task | s | method | sync | stale | method | share |", "|---|---|---|---|---|---|---|"]
     for r in shares:
+        if r.get("missing"):
+            continue
         share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
         if not r["no_gap"] and r["gap_within_noise"]:
             share += " (gap < 2 s.e. of seeds: not meaningful)"
         elif not r["no_gap"] and r["gap_within_noise"] is None:
             share += " (one seed: noise unknown)"
-        lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {_fmt(r['sync'], 4)} | {_fmt(r['stale'], 4)} | "
+        lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {_fmt(r['sync'], 4)} | "
+                     f"{_fmt(r['stale'], 4)} | "
                      f"{_fmt(r['value'], 4)} | {share} |")
     return lines + [""]
 
 
 def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
-             reward_shares: list[dict] | None = None, timing: dict | None = None) -> str:
+             reward_shares: list[dict] | None = None, timing: dict | None = None,
+             regime: list[dict] | None = None) -> str:
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     tasks = sorted({g["task"] for g in groups})
@@ -202,7 +360,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         if not tg:
             continue
         metric, hib = tg[0]["metric"], tg[0]["higher_is_better"]
-        lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std over seeds "
+        lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std "
+                               "over seeds "
                                "[diverged share]", tg,
                                lambda g: f"{_fmt(g['final_mean'], 4)} ± {_fmt(g['final_std'], 2)}"
                                          + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
@@ -210,22 +369,28 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += _share_table("Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", shares)
     rewarded = [g for g in main if "reward_last_mean" in g]
     for task in sorted({g["task"] for g in rewarded}):
-        lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), mean ± std "
+        lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), "
+                               "mean ± std "
                                "over seeds", [g for g in rewarded if g["task"] == task],
                                lambda g: f"{_fmt(g['reward_last_mean'], 3)} ± {_fmt(g['reward_last_std'], 2)} "
                                          f"({_fmt(g['reward_first_mean'], 3)})")
     if reward_shares:
-        lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)", reward_shares)
+        lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)",
+                              reward_shares)
     lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
-              "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |", "|---|---|---|---|---|---|---|"]
+              "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |",
+              "|---|---|---|---|---|---|---|"]
     for g in main:
-        lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | {_fmt(g['cos_median'])} | {_fmt(g['cos_abs_q90'])} | "
+        lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | {_fmt(g['cos_median'])} | "
+                     f"{_fmt(g['cos_abs_q90'])} | "
                      f"{_fmt(g['cos_abs_le_005'], 2)} | {g['n']} |")
     abl = [g for g in groups if g["ablation"]]
     if abl:
-        lines += ["", "## Threshold ablation (c_low, c_high)", "", "| task | method | s | final (mean) | diverged |", "|---|---|---|---|---|"]
+        lines += ["", "## Threshold ablation (c_low, c_high)", "", "| task | method | s | final (mean) | diverged |",
+                  "|---|---|---|---|---|"]
         for g in abl:
-            lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {_fmt(g['final_mean'], 4)} | {g['diverged_frac']:.0%} |")
+            lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {_fmt(g['final_mean'], 4)} | "
+                         f"{g['diverged_frac']:.0%} |")
     sections = (("Failed cells", "failed"), ("Incomplete cells (stored files damaged; not counted)", "incomplete"))
     for title, kind in sections:
         listed = [c for c in cells if c["status"] != "done" and (c["status"] == "incomplete") == (kind == "incomplete")]
@@ -235,11 +400,229 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     done = [c for c in cells if c["status"] == "done" and c.get("step_ms")]
     if done:
         lines += ["", "## Timing", "",
-                  f"Median step {statistics.median(c['step_ms'] for c in done):.2f} ms; median share of step time outside the "
+                  f"Median step {statistics.median(c['step_ms'] for c in done):.2f} ms; median share of step time "
+                  "outside the "
                   f"objective's forward+backward {statistics.median(c['overhead_share'] for c in done):.0%} "
                   f"({len(done)} cells, {sum(c['seconds'] for c in done):.0f} s of cell time)."
                   + _step_share_note(timing)]
+    lines += _ci_section(shares, reward_shares or [])
+    lines += _table1(groups, cells)
+    lines += _table3(cells)
+    lines += _regime_section(regime or [])
     return "\n".join(lines) + "\n"
+
+
+def _ci(low: float | None, high: float | None, digits: int = 2) -> str:
+    if low is None or high is None or (isinstance(low, float) and math.isnan(low)):
+        return "—"
+    return f"[{_fmt(low + 0.0, digits)}, {_fmt(high + 0.0, digits)}]"  # + 0.0: no "-0"
+
+
+def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
+    """The appended confidence-interval tables (module docstring: paired bootstrap of the share, paired t on
+    the difference to stale)."""
+    if not any("n" in r for r in shares + reward_shares):
+        return []
+    lines = ["", f"## Confidence intervals ({CI_LEVEL:.0%}) over seeds", "",
+             "Share: paired percentile bootstrap over the seeds that sync, stale and the method share "
+             f"({BOOT_RESAMPLES} resamples, seed {BOOT_SEED}). Method − stale: mean paired difference, > 0 = the "
+             "method is better, with its t-interval and the two-sided paired t-test's p-value. — = fewer than two "
+             "seeds (or no gap to recover)."]
+    for title, rows in (("final metric", shares), ("training reward (last 20% of steps)", reward_shares)):
+        rows = [r for r in rows if "n" in r]
+        if not rows:
+            continue
+        lines += ["", f"### {title}", "",
+                  "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("missing"):
+                share = f"n/a (no {' or '.join(r['missing'])} cells)"
+            elif r["no_gap"]:
+                share = "n/a (stale no worse than sync)"
+            else:
+                share = f"{r['share']:.2f}"
+            lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {share} | "
+                         f"{_ci(r['share_ci_low'], r['share_ci_high'])} | {_fmt(r['vs_stale_diff'], 3)} | "
+                         f"{_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)} | {_fmt(r['vs_stale_p'], 2)} | "
+                         f"{r['n']} |")
+    return lines
+
+
+def _is_gac(method: str) -> bool:
+    return method.split("(")[0].split("+")[0].startswith("gac")
+
+
+def table1_staleness(groups: list[dict]) -> int | None:
+    """The staleness of paper Table 1: 16 when the grid has it (the paper's), else the largest s > 0."""
+    svals = sorted({g["staleness"] for g in groups if g["staleness"] > 0 and not g["ablation"]})
+    return None if not svals else (16 if 16 in svals else svals[-1])
+
+
+def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
+    """Paper Table 1: per task the final metric (and training reward) of sync and every method at one
+    staleness, with 95% bootstrap intervals over seeds, and each GAC method's margin over the strongest
+    non-GAC stale method."""
+    s_star = table1_staleness(groups)
+    if s_star is None:
+        return []
+    finals, rewards = _per_seed(cells, "final"), _per_seed(cells, "reward_last")
+    lines = ["", f"## Table 1: final metric under staleness s = {s_star} (synchronous reference at s = 0)", "",
+             f"Mean over seeds [{CI_LEVEL:.0%} percentile bootstrap over seeds]. Δ: a GAC method's mean minus the "
+             "strongest non-GAC stale method's (stale and the loss-side baselines), > 0 = GAC better (on the final "
+             "metric, sign-adjusted for lower-is-better metrics)."]
+    for task in sorted({g["task"] for g in groups}):
+        rows = [g for g in groups if g["task"] == task and not g["ablation"]
+                and ((g["method"] == "sync" and g["staleness"] == 0) or g["staleness"] == s_star)]
+        if not any(g["staleness"] == s_star for g in rows):
+            continue
+        hib = rows[0]["higher_is_better"]
+        sign = 1.0 if hib else -1.0
+        baselines = [g for g in rows if g["staleness"] == s_star and not _is_gac(g["method"])]
+        best = max(baselines, key=lambda g: sign * g["final_mean"]) if baselines else None
+        rewarded = all("reward_last_mean" in g for g in rows)
+        lines += ["", f"### {task}: final {rows[0]['metric']} ({'higher' if hib else 'lower'} is better)", "",
+                  "| method | s | final | 95% CI | " + ("training reward | 95% CI | " if rewarded else "")
+                  + "Δ | seeds |",
+                  "|---|---|---|---|" + ("---|---|" if rewarded else "") + "---|---|"]
+        order = lambda g: (g["staleness"] != 0, g["method"] != "stale", _is_gac(g["method"]), g["method"])  # noqa: E731
+        for g in sorted(rows, key=order):
+            key = (task, g["method"], g["staleness"])
+            f = np.array(list(finals.get(key, {}).values()))
+            cells_row = (f"| {g['method']} | {g['staleness']} | {_fmt(g['final_mean'], 4)} | "
+                         f"{_ci(*mean_bootstrap_ci(f), 4)} | ")
+            if rewarded:
+                r = np.array(list(rewards.get(key, {}).values()))
+                cells_row += f"{_fmt(g['reward_last_mean'], 4)} | {_ci(*mean_bootstrap_ci(r), 4)} | "
+            delta = "–"
+            if best is not None and _is_gac(g["method"]) and g["staleness"] == s_star:
+                delta = f"{sign * (g['final_mean'] - best['final_mean']):+.3g} (vs {best['method']})"
+            lines.append(cells_row + f"{delta} | {g['n']} |")
+    return lines
+
+
+def _table3(cells: list[dict]) -> list[str]:
+    """Paper Table 3 (on-policy alignment statistics of the synchronous cells) and the thresholds the
+    calibration rule reads from them (gacbench.functional.calibration), beside those gac-calibrated used."""
+    from gacbench.functional.calibration import calibration_record
+
+    sync = [c for c in cells if c["status"] == "done" and c["method"] == "sync" and c["staleness"] == 0
+            and c.get("cos_abs_q90") is not None and math.isfinite(c["cos_abs_q90"])]
+    if not sync:
+        return []
+    lines = ["", "## Table 3: on-policy (s = 0) alignment statistics and the calibrated thresholds", "",
+             "Means over the synchronous cells' seeds, after the warm-up. Calibrated: c_low = q0.9(|c_t|), c_high = "
+             "max(c_low + 0.25, max |c_t|) (gacbench/functional/calibration.py), per seed, mean [min, max]; used: the "
+             "thresholds the gac-calibrated cells ran with.", "",
+             "| task | q0.9(|c_t|) | max |c_t| | Pr(|c_t| ≤ 0.05) | median c_t | calibrated c_low | "
+             "calibrated c_high | "
+             "used by gac-calibrated (c_low, c_high) | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    for task in sorted({c["task"] for c in sync}):
+        tc = [c for c in sync if c["task"] == task]
+        recs = [calibration_record({"q90_abs": c["cos_abs_q90"], "max_abs": c["cos_max_abs"]}) for c in tc]
+        lows, highs = [r["c_low"] for r in recs], [r["c_high"] for r in recs]
+        used = [c for c in cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"]
+        used_s = (f"({_fmt(float(np.mean([c['c_low'] for c in used])))}, "
+                  f"{_fmt(float(np.mean([c['c_high'] for c in used])))}) over {len(used)} cells" if used else "—")
+        lines.append(f"| {task} | {_fmt(_nanmean([c['cos_abs_q90'] for c in tc]))} | "
+                     f"{_fmt(_nanmean([c['cos_max_abs'] for c in tc]))} | "
+                     f"{_fmt(_nanmean([c['cos_abs_le_005'] for c in tc]), 2)} | "
+                     f"{_fmt(_nanmean([c['cos_median'] for c in tc]))} | {_fmt(float(np.mean(lows)))} "
+                     f"[{_fmt(min(lows))}, {_fmt(max(lows))}] | {_fmt(float(np.mean(highs)))} [{_fmt(min(highs))}, "
+                     f"{_fmt(max(highs))}] | {used_s} | {len(tc)} |")
+    return lines
+
+
+def _model_label(objective: str | None, params: dict) -> str:
+    """GRPO's model (``model.size``, else ``model.path``; the default size is tiny), else the objective's name."""
+    model = params.get("model")
+    if isinstance(model, dict):
+        return str(model.get("size") or model.get("path") or "tiny")
+    if model is not None:
+        return str(model)
+    return "tiny" if objective == "grpo" else str(objective)
+
+
+def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
+    """The regime map: for every task of an objective whose tasks span two or more learning rates (``params.lr``),
+    per staleness s > 0 of ``stale``: the stale - sync gap on the training reward (last 20% of steps; the final
+    metric where no reward is logged), paired over seeds, with its 95% bootstrap interval; median c_t and
+    q0.9(|c_t|) of sync and stale; the share of seeds whose training reward degraded (fell more than
+    DEGRADE_MARGIN below its own running maximum, smoothed over DEGRADE_WINDOW steps); and whether sync training
+    is healthy (no sync seed diverged or degraded, and its reward rose from the first to the last 20% of steps
+    on average)."""
+    params: dict[str, tuple] = {}
+    for c in specs:
+        params.setdefault(c["task"], (c.get("objective"), c.get("params") or {}))
+    lrs: dict[Any, set] = defaultdict(set)
+    for obj, p in params.values():
+        if isinstance(p.get("lr"), (int, float)) and not isinstance(p.get("lr"), bool):
+            lrs[obj].add(float(p["lr"]))
+    tasks = sorted(t for t, (obj, p) in params.items() if len(lrs[obj]) >= 2 and isinstance(p.get("lr"), (int, float)))
+    done = [c for c in cells if c["status"] == "done" and not c.get("ablation") and c["task"] in tasks]
+    if not done:
+        return []
+    points = []
+    for task in tasks:
+        tc = [c for c in done if c["task"] == task]
+        if not tc:
+            continue
+        key = "reward_last" if all("reward_last" in c for c in tc) else "final"
+        seeds = _per_seed(tc, key)
+        sync = [c for c in tc if c["method"] == "sync" and c["staleness"] == 0]
+        higher = key == "reward_last" or bool(tc[0]["higher_is_better"])
+        if key == "reward_last":
+            rises = [c["reward_last"] - c["reward_first"] for c in sync]
+        else:
+            rises = [(1.0 if higher else -1.0) * (_capped(c) - c["initial"]) for c in sync]
+        healthy = (bool(sync) and not any(c["diverged"] for c in sync) and not any(c.get("degraded") for c in sync)
+                   and float(np.mean(rises)) > 0)
+        sync_seeds = seeds.get((task, "sync", 0), {})
+        for s in sorted({c["staleness"] for c in tc if c["method"] == "stale"}):
+            stale = [c for c in tc if c["method"] == "stale" and c["staleness"] == s]
+            stale_seeds = seeds.get((task, "stale", s), {})
+            common = sorted(set(sync_seeds) & set(stale_seeds))
+            d = np.array([stale_seeds[k] - sync_seeds[k] for k in common])
+            low, high = mean_bootstrap_ci(d)
+            drops = [c.get("reward_drop") for c in stale if c.get("reward_drop") is not None]
+            points.append({
+                "task": task, "model": _model_label(*params[task]), "lr": float(params[task][1]["lr"]),
+                "staleness": s, "measure": key, "sync": _nanmean(list(sync_seeds.values())),
+                "stale": _nanmean(list(stale_seeds.values())), "gap": float(d.mean()) if d.size else math.nan,
+                "gap_ci_low": low, "gap_ci_high": high, "n": len(common),
+                "sync_cos_median": _nanmean([c["cos_median"] for c in sync]),
+                "stale_cos_median": _nanmean([c["cos_median"] for c in stale]),
+                "sync_cos_abs_q90": _nanmean([c["cos_abs_q90"] for c in sync]),
+                "stale_cos_abs_q90": _nanmean([c["cos_abs_q90"] for c in stale]),
+                "stale_degraded_frac": float(np.mean([bool(c.get("degraded")) for c in stale])) if stale else math.nan,
+                "stale_reward_drop": _nanmean(drops),
+                "sync_degraded_frac": float(np.mean([bool(c.get("degraded")) for c in sync])) if sync else math.nan,
+                "sync_rise": _nanmean(rises), "sync_healthy": healthy,
+            })
+    points.sort(key=lambda p: (p["model"], p["lr"], p["staleness"]))
+    return points
+
+
+def _regime_section(points: list[dict]) -> list[str]:
+    if not points:
+        return []
+    lines = ["", "## Regime map: stale − sync per (model, learning rate, staleness)", "",
+             f"Gap: stale − sync on the training reward of the last 20% of steps (the final metric where no reward is "
+             f"logged), paired over seeds, mean [{CI_LEVEL:.0%} bootstrap]; < 0 = stale worse. c_t: median and "
+             f"q0.9(|c_t|) after the warm-up, means over seeds. Degraded: share of stale seeds whose reward "
+             f"(smoothed over {DEGRADE_WINDOW} steps) ends more than {DEGRADE_MARGIN} below its own running maximum "
+             "(mean drop in brackets). Sync healthy: no sync seed diverged or degraded and its reward rose.", "",
+             "| model | lr | s | sync | stale | gap | 95% CI | median c_t sync → stale | q0.9 |c_t| sync → stale | "
+             "stale degraded | sync healthy | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['model']} | {p['lr']:.3g} | {p['staleness']} | {_fmt(p['sync'], 3)} | "
+                     f"{_fmt(p['stale'], 3)} | "
+                     f"{_fmt(p['gap'], 2)} | {_ci(p['gap_ci_low'], p['gap_ci_high'], 2)} | "
+                     f"{_fmt(p['sync_cos_median'], 2)} → {_fmt(p['stale_cos_median'], 2)} | "
+                     f"{_fmt(p['sync_cos_abs_q90'], 2)} → {_fmt(p['stale_cos_abs_q90'], 2)} | "
+                     f"{_fmt(p['stale_degraded_frac'], 2)} ({_fmt(p['stale_reward_drop'], 2)}) | "
+                     f"{'yes' if p['sync_healthy'] else 'no'} | {p['n']} |")
+    return lines
 
 
 def _step_share_note(timing: dict | None) -> str:
@@ -258,7 +641,19 @@ def read_timing(root: Path) -> dict | None:
         return None
 
 
-def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[dict]) -> list[Path]:
+def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Steps, mean and std over curves (cut to the shortest) of their ``window``-step moving averages."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], np.array([]), np.array([])
+    n = min(len(c) for c in curves)
+    w = max(1, min(window, n))
+    arr = np.array([np.convolve([v for _, v in c[:n]], np.ones(w) / w, mode="valid") for c in curves])
+    return [x for x, _ in curves[0][: arr.shape[1]]], arr.mean(0), arr.std(0)
+
+
+def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[dict],
+            regime: list[dict] | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,19 +673,26 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
     main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
     tasks = sorted({c["task"] for c in main})
     colors = {"sync": "black", "stale": "tab:red"}
-    palette = iter(plt.cm.tab10.colors[2:])
+    # tab20 without its reds (stale's colour): distinct colours for up to 18 other methods
+    palette = iter([c for i, c in enumerate(plt.cm.tab20.colors) if i not in (6, 7)])
     for m in sorted({c["method"] for c in main}):
         colors.setdefault(m, next(palette, "tab:gray"))
 
+    cache: dict[tuple, dict] = {}
+
     def series(rec: dict, key: str) -> list[tuple[int, float]]:
-        return read_metrics(cell_dir(root, specs[(rec["task"], rec["method"], rec["staleness"], rec["seed"])]) / "metrics.csv").get(key, [])
+        ident = (rec["task"], rec["method"], rec["staleness"], rec["seed"])
+        if ident not in cache:
+            cache[ident] = read_metrics(cell_dir(root, specs[ident]) / "metrics.csv")
+        return cache[ident].get(key, [])
 
     # Figures 1 and 4: metric curves across staleness, mean over seeds.
     for task in tasks:
         tc = [c for c in main if c["task"] == task]
         metric = tc[0]["metric"]
         svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
-        fig, axes = plt.subplots(1, max(1, len(svals)), figsize=(4 * max(1, len(svals)), 3.2), squeeze=False, sharey=True)
+        fig, axes = plt.subplots(1, max(1, len(svals)), figsize=(4 * max(1, len(svals)), 3.2), squeeze=False,
+                                 sharey=True)
         for ax, s in zip(axes[0], svals or [0]):
             for m in dict.fromkeys(c["method"] for c in tc):
                 recs = [c for c in tc if c["method"] == m and (c["staleness"] == s or m == "sync")]
@@ -319,7 +721,8 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
             if cs:
                 w = min(10, len(cs))  # a run shorter than the window is averaged over its length
                 v = np.convolve([x for _, x in cs], np.ones(w) / w, mode="valid")
-                ax.plot([x for x, _ in cs][: len(v)], v, label=f"{r['method']} (s={r['staleness']})", color=colors[r["method"]], lw=1)
+                ax.plot([x for x, _ in cs][: len(v)], v, label=f"{r['method']} (s={r['staleness']})",
+                        color=colors[r["method"]], lw=1)
         ax.set_title(f"{task}: c_t (10-step mean)")
         ax.set_xlabel("step")
         ax.set_ylim(-1.05, 1.05)
@@ -336,13 +739,106 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
             ax.axhline(sync["final_mean"], color="black", ls="--", label="sync")
         for m in dict.fromkeys(g["method"] for g in tg if g["method"] != "sync"):
             pts = sorted((g["staleness"], g["final_mean"], g["final_std"]) for g in tg if g["method"] == m)
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", label=m, color=colors[m], capsize=2)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", label=m,
+                        color=colors[m], capsize=2)
         ax.set_title(task)
         ax.set_xlabel("staleness s")
         ax.set_ylabel(tg[0]["metric"] if tg else "")
         if tg and not tg[0]["higher_is_better"]:
             ax.set_yscale("log")
     save(fig, "fig_robustness.png", axes[0][-1])
+
+    # Figure 1 (paper): training reward (the metric where no reward is logged) and c_t across staleness, sync and
+    # stale, mean over seeds of 10-step moving averages.
+    for task in tasks:
+        tc = [c for c in main if c["task"] == task and c["method"] in REFERENCE_METHODS]
+        svals = sorted({c["staleness"] for c in tc})
+        if len(svals) < 2:
+            continue
+        has_reward = any(series(c, "reward/mean") for c in tc)
+        metric = tc[0]["metric"]
+        ykey, ylabel = ("reward/mean", "training reward") if has_reward else (f"eval/{metric}", metric)
+        cmap = plt.cm.viridis(np.linspace(0.0, 0.85, max(1, len(svals) - 1)))
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.3))
+        for i, sv in enumerate(svals):
+            recs = [c for c in tc if c["staleness"] == sv]
+            color = "black" if sv == 0 else cmap[min(i - 1, len(cmap) - 1)]
+            for ax, key in zip(axes, (ykey, "align/cos")):
+                steps, mean, _ = _smooth_mean([series(r, key) for r in recs], 10 if key != ykey or has_reward else 1)
+                if steps:
+                    ax.plot(steps, mean, color=color, lw=1.2, ls="--" if sv == 0 else "-",
+                            label="sync (s=0)" if sv == 0 else f"stale s={sv}")
+        axes[0].set_ylabel(ylabel)
+        axes[1].set_ylabel("c_t (10-step mean)")
+        axes[1].axhline(0, color="gray", lw=0.5)
+        if not has_reward and not tc[0]["higher_is_better"]:
+            axes[0].set_yscale("log")
+        for ax, title in zip(axes, (f"{task}: {ylabel} across staleness", f"{task}: c_t across staleness")):
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+        save(fig, f"fig_staleness_{task}.png", axes[1])
+
+    # Figure 3 (paper): c_t per method at each staleness, mean over seeds of 10-step moving averages;
+    # Figure 4 (paper): training-reward trajectories per method at each staleness (rollout objectives).
+    for task in tasks:
+        tc = [c for c in main if c["task"] == task]
+        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
+        if not svals:
+            continue
+        sync = [c for c in tc if c["method"] == "sync"]
+        has_reward = any(series(c, "reward/mean") for c in tc)
+        for key, name, ylabel in (("align/cos", "fig_cos_methods", "c_t (10-step mean)"),
+                                  ("reward/mean", "fig_reward", "training reward (10-step mean)")):
+            if key == "reward/mean" and not has_reward:
+                continue
+            fig, axes = plt.subplots(1, len(svals), figsize=(4 * len(svals), 3.2), squeeze=False, sharey=True)
+            for ax, sv in zip(axes[0], svals):
+                steps, mean, _ = _smooth_mean([series(r, key) for r in sync])
+                if steps:
+                    ax.plot(steps, mean, color="black", ls="--", lw=1, label="sync (s=0)")
+                for m in dict.fromkeys(c["method"] for c in tc if c["method"] != "sync"):
+                    recs = [r for r in tc if r["method"] == m and r["staleness"] == sv]
+                    steps, mean, std = _smooth_mean([series(r, key) for r in recs])
+                    if steps:
+                        ax.plot(steps, mean, color=colors[m], lw=1, label=m)
+                        if key == "reward/mean":
+                            ax.fill_between(steps, mean - std, mean + std, color=colors[m], alpha=0.12, lw=0)
+                ax.set_title(f"{task}, s={sv}", fontsize=9)
+                ax.set_xlabel("step")
+                if key == "align/cos":
+                    ax.axhline(0, color="gray", lw=0.5)
+            axes[0][0].set_ylabel(ylabel)
+            save(fig, f"{name}_{task}.png", axes[0][-1])
+
+    # The regime map: stale - sync gap and the c_t difference against (learning rate, staleness), per model.
+    if regime:
+        models = sorted({p["model"] for p in regime})
+        fig, axes = plt.subplots(len(models), 2, figsize=(9, 3.2 * len(models)), squeeze=False)
+        for row, model in zip(axes, models):
+            pts = [p for p in regime if p["model"] == model]
+            lrs, svals = sorted({p["lr"] for p in pts}), sorted({p["staleness"] for p in pts})
+            for ax, key, title in ((row[0], "gap", "stale − sync"), (row[1], "cos_diff", "median c_t: stale − sync")):
+                grid = np.full((len(svals), len(lrs)), np.nan)
+                for p in pts:
+                    v = p["gap"] if key == "gap" else p["stale_cos_median"] - p["sync_cos_median"]
+                    grid[svals.index(p["staleness"]), lrs.index(p["lr"])] = v
+                    sig = key == "gap" and p["gap_ci_high"] is not None and not math.isnan(p["gap_ci_high"]) \
+                        and (p["gap_ci_high"] < 0 or p["gap_ci_low"] > 0)
+                    if math.isfinite(v):
+                        note = "" if p["sync_healthy"] else "\n(sync unhealthy)"
+                        ax.text(lrs.index(p["lr"]), svals.index(p["staleness"]), f"{v:.2g}{'*' if sig else ''}{note}",
+                                ha="center", va="center", fontsize=7,
+                                bbox={"facecolor": "white", "alpha": 0.7, "lw": 0, "pad": 1})
+                lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
+                im = ax.imshow(grid, origin="lower", aspect="auto", cmap="RdBu" if key == "gap" else "PuOr_r",
+                               vmin=-lim, vmax=lim)
+                ax.set_xticks(range(len(lrs)), [f"{x:.0e}" for x in lrs])
+                ax.set_yticks(range(len(svals)), [str(x) for x in svals])
+                ax.set_xlabel("learning rate")
+                ax.set_ylabel("staleness s")
+                ax.set_title(f"{model}: {title}" + (" (* = 95% CI excludes 0)" if key == "gap" else ""), fontsize=9)
+                fig.colorbar(im, ax=ax)
+        save(fig, "fig_regime.png")
 
     # Figure 5: (c_low, c_high) heatmap from the ablation cells.
     abl = [g for g in groups if g["ablation"]]
@@ -362,13 +858,25 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
             grid = np.full((len(lows), len(highs)), np.nan)
             for (lo, hi), v in pts.items():
                 grid[lows.index(lo), highs.index(hi)] = v
-            im = ax.imshow(grid, origin="lower", cmap="viridis" if tg[0]["higher_is_better"] else "viridis_r", aspect="auto")
+            im = ax.imshow(grid, origin="lower", cmap="viridis" if tg[0]["higher_is_better"] else "viridis_r",
+                           aspect="auto")
             ax.set_xticks(range(len(highs)), [f"{h:g}" for h in highs])
             ax.set_yticks(range(len(lows)), [f"{lo:g}" for lo in lows])
             ax.set_xlabel("c_high")
             ax.set_ylabel("c_low")
             ax.set_title(f"{task}, s={tg[0]['staleness']}: final {tg[0]['metric']} (bright = better)")
             fig.colorbar(im, ax=ax)
+            if (0.05, 0.3) in pts:  # the paper's default
+                ax.add_patch(plt.Rectangle((highs.index(0.3) - 0.5, lows.index(0.05) - 0.5), 1, 1, fill=False,
+                                           ec="white", lw=1.5, label="default (0.05, 0.3)"))
+            used = [c for c in cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"
+                    and c["staleness"] == tg[0]["staleness"]]
+            if used and len(lows) > 1 and len(highs) > 1:  # gac-calibrated's thresholds, on the grid's index axes
+                x = np.interp(np.mean([c["c_high"] for c in used]), highs, range(len(highs)))
+                y = np.interp(np.mean([c["c_low"] for c in used]), lows, range(len(lows)))
+                ax.plot([x], [y], marker="x", color="red", ms=8, ls="", label="calibrated (mean over seeds)")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=6, loc="upper left")
         save(fig, "fig_thresholds.png")
     return out
 
@@ -420,16 +928,20 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     records = sorted((r for r in (cell_record(root, c) for c in specs) if r is not None),
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     groups = group_records(records)
-    shares = recovered_shares(groups)
-    reward_shares = recovered_shares(groups, "reward_last")
+    shares = recovered_shares(groups, cells=records)
+    reward_shares = recovered_shares(groups, "reward_last", cells=records)
+    regime = regime_points(records, specs)
     timing = read_timing(root)
     summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares}
+    if regime:
+        summary["regime"] = regime
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
-    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing))
-    figs = figures(root, records, specs, groups) if groups else []
-    shares_oh = [r["overhead_share"] for r in records if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
+    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing, regime))
+    figs = figures(root, records, specs, groups, regime) if groups else []
+    shares_oh = [r["overhead_share"] for r in records
+                 if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]
     return {"figures": figs, "overhead_share_median": statistics.median(shares_oh) if shares_oh else math.nan,
             "summary": summary, "incomplete": incomplete}
@@ -438,7 +950,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
 def main(args) -> int:
     import sys
 
-    from gacbench.cli import UsageError
+    from gacbench.usage import UsageError
 
     root = Path(args.dir)
     if not (root / "cells").is_dir():

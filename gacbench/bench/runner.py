@@ -15,7 +15,7 @@ raises :class:`gacbench.cli.UsageError` naming the option or file. Summary table
 then built from the stored runs alone (:mod:`gacbench.bench.report`), over every cell in the output
 directory (a run of a subset of a grid does not shrink the summary). A cell whose method needs a
 reference cell (``gac-calibrated``: the synchronous cell of its task and seed) waits until that cell
-is done, then runs with the calibration computed from it (:func:`gacbench.methods.reference_calibration`,
+is done, then runs with the calibration computed from it (:func:`reference_calibration`,
 stored in its ``config.json``); the reference must be in the grid or already done in the output
 directory, and a failed reference fails its dependents without running them. Each
 run that executes cells writes ``timing.json``: the wall time, cells per minute, the step share
@@ -51,7 +51,8 @@ from gacbench.bench.cell import (
     stored_done,
     write_json,
 )
-from gacbench.methods import method_callbacks, parse_method, reference_calibration, reference_cell, split_top_level
+from gacbench.functional.calibration import calibration_record
+from gacbench.methods import method_callbacks, parse_method, reference_cell, reference_rule, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 from gacbench.usage import UsageError, check_output_dir
 
@@ -317,6 +318,23 @@ def check_stored(cells: list[dict], root: Path) -> None:
                  "another --out, or delete the stored cells to recompute them with these settings ("
                  + "; ".join(f"rm -r {root / 'cells' / t}" for t in tasks) + " removes every cell of a task).")
     raise CellMismatchError("\n".join(lines))
+
+
+def reference_calibration(root: Path, cell: dict) -> dict:
+    """The calibration record of ``cell`` (a method with a reference, ``gac-calibrated``) from its reference
+    cell's stored c_t trace under ``root``: ``align/cos`` after the cell's warm-up, by the rule settings of the
+    cell's method spec (``gac-calibrated(quantile=0.95)``), plus ``warmup`` and ``reference`` (the reference
+    cell's directory, relative to ``root``). Raises ValueError when the trace cannot be calibrated from."""
+    from gacbench.bench.report import read_metrics
+
+    ref = reference_cell(cell)
+    if ref is None:
+        raise ValueError(f"method {cell['method']!r} has no reference cell")
+    d = cell_dir(Path(root), ref)
+    cos = [v for _, v in sorted(read_metrics(d / "metrics.csv").get("align/cos", []))]
+    warmup = int(cell.get("warmup", 0))
+    rec = calibration_record(cos[warmup:], 0, **reference_rule(cell["method"]))
+    return {**rec, "warmup": warmup, "reference": str(d.relative_to(Path(root)))}
 
 
 def check_references(cells: list[dict], root: Path) -> None:

@@ -36,14 +36,33 @@ def tiny_config(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: in
     from transformers import Qwen3Config
 
     if hidden % heads or heads % kv_heads:
-        raise ValueError(f"tiny_config: hidden={hidden} must be divisible by heads={heads}, and heads by kv_heads={kv_heads}")
+        raise ValueError(f"tiny_config: hidden={hidden} must be divisible by heads={heads}, and heads by "
+                         f"kv_heads={kv_heads}")
     head_dim = hidden // heads
     if head_dim < 32:
-        raise ValueError(f"tiny_config: head_dim = hidden/heads = {head_dim}; vLLM's CPU attention needs head_dim >= 32")
-    return Qwen3Config(vocab_size=vocab or len(SPECIALS) + len(CHARS), hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        raise ValueError(f"tiny_config: head_dim = hidden/heads = {head_dim}; vLLM's CPU attention needs "
+                         "head_dim >= 32")
+    return Qwen3Config(vocab_size=vocab or len(SPECIALS) + len(CHARS), hidden_size=hidden,
+                       intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim,
                        max_position_embeddings=max_len, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                        pad_token_id=0)
+
+
+#: Named architectures for ``model.size`` (GRPO's ModelConfig): keyword arguments of :func:`tiny_config`.
+#: ``tiny``: hidden 128, 4 layers, 0.79M parameters; ``small``: hidden 256, 6 layers, 8 heads of 32 (vLLM's CPU
+#: attention needs head_dim >= 32), 4.7M parameters.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "small": {"hidden": 256, "layers": 6, "heads": 8, "kv_heads": 4, "intermediate": 768},
+}
+
+
+def sized_config(size: str = "tiny"):
+    """The ``Qwen3Config`` of a named size (:data:`MODEL_SIZES`)."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model.size={size!r} is not one of {', '.join(MODEL_SIZES)} (gacbench.llm.model.MODEL_SIZES)")
+    return tiny_config(**MODEL_SIZES[size])
 
 
 _VOLATILE = {"architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "output_attentions"}
@@ -90,6 +109,9 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
             f"model path {p} is not a local Hugging Face checkpoint directory (no config.json). Give a directory "
             "written by save_pretrained (e.g. a downloaded Qwen3-1.7B), or leave --model unset to build the tiny model."
         )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per load would fill a grid's log
     model, tok = AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
     if tok.pad_token_id is None:  # many released checkpoints have none; padding positions are masked anyway
         tok.pad_token = tok.eos_token

@@ -1,0 +1,185 @@
+"""Confidence intervals, Tables 1 and 3, the degradation indicator and the regime map of the report."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats
+
+from gacbench.bench.report import (
+    BOOT_RESAMPLES,
+    build_report,
+    group_records,
+    mean_bootstrap_ci,
+    paired_difference,
+    recovered_shares,
+    regime_points,
+    running_max_drop,
+    share_bootstrap_ci,
+)
+from gacbench.bench.runner import expand_cells, load_suite, run_grid
+
+
+def test_equal_seeds_give_a_zero_width_interval():
+    sync, stale, method = np.full(4, 1.0), np.full(4, 5.0), np.full(4, 2.0)
+    assert share_bootstrap_ci(sync, stale, method) == pytest.approx((0.75, 0.75))
+    assert mean_bootstrap_ci(np.full(3, 0.2)) == pytest.approx((0.2, 0.2))
+
+
+def test_share_interval_on_a_hand_checkable_case():
+    # the gap is 1 on every seed, so the share of a resample is 1 - mean(method): over the 27 equally likely
+    # resamples of three seeds, mean(method) = 0 and = 1 each have probability 1/27 > 2.5%, so the 2.5% and 97.5%
+    # percentiles are exactly the extremes 0 and 1
+    sync, stale, method = np.zeros(3), np.ones(3), np.array([1.0, 0.5, 0.0])
+    assert share_bootstrap_ci(sync, stale, method) == pytest.approx((0.0, 1.0))
+
+
+def test_share_interval_matches_scipy_paired_bootstrap():
+    rng = np.random.default_rng(3)
+    sync = rng.normal(0.0, 0.1, 6)
+    stale = rng.normal(1.0, 0.1, 6)
+    method = rng.normal(0.4, 0.2, 6)
+
+    def share(a, b, c, axis=-1):
+        return (b.mean(axis) - c.mean(axis)) / (b.mean(axis) - a.mean(axis))
+
+    ref = stats.bootstrap((sync, stale, method), share, paired=True, vectorized=True, method="percentile",
+                          n_resamples=BOOT_RESAMPLES, random_state=np.random.default_rng(1)).confidence_interval
+    low, high = share_bootstrap_ci(sync, stale, method)
+    assert low == pytest.approx(ref.low, abs=0.03) and high == pytest.approx(ref.high, abs=0.03)
+    assert low < share(sync, stale, method) < high
+
+
+def test_zero_gap_resamples_are_unbounded_not_dropped():
+    sync, stale, method = np.array([0.0, 1.0]), np.array([1.0, 1.0]), np.array([0.5, 0.5])
+    low, high = share_bootstrap_ci(sync, stale, method)  # a quarter of the resamples have gap 0 and numerator 0.5
+    assert high == math.inf and low == pytest.approx(0.5)
+
+
+def test_paired_difference_against_a_direct_computation():
+    a, b = np.array([3.0, 5.0, 7.0]), np.array([1.0, 2.0, 3.0])  # differences 2, 3, 4: mean 3, sd 1
+    d = paired_difference(a, b)
+    t975 = 4.302652729911275  # t quantile 0.975 with 2 degrees of freedom
+    assert d["diff"] == pytest.approx(3.0)
+    assert (d["ci_low"], d["ci_high"]) == pytest.approx((3 - t975 / math.sqrt(3), 3 + t975 / math.sqrt(3)))
+    assert d["p"] == pytest.approx(2 * stats.t.sf(3 / (1 / math.sqrt(3)), 2))
+    one = paired_difference(np.array([1.0]), np.array([0.0]))
+    assert one["diff"] == 1.0 and math.isnan(one["ci_low"]) and math.isnan(one["p"])
+
+
+def _cell(task, method, s, seed, final, reward=None, hib=True):
+    rec = {"task": task, "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+           "metric": "reward", "higher_is_better": hib, "initial": 0.0, "final": final, "diverged": False,
+           "cos_median": 0.0, "cos_abs_q90": 0.1, "cos_abs_le_005": 0.5, "cos_max_abs": 0.2}
+    if reward is not None:
+        rec.update({"reward_first": 0.0, "reward_last": reward, "reward_drop": 0.0, "degraded": False})
+    return rec
+
+
+def test_n_counts_distinct_shared_seeds_and_missing_groups_give_null():
+    cells = ([_cell("t", "sync", 0, k, 1.0 + 0.1 * k) for k in (0, 1, 2)]
+             + [_cell("t", "stale", 8, k, 0.5 - 0.1 * k) for k in (0, 1, 2)]
+             + [_cell("t", "gac", 8, k, 0.8) for k in (0, 1)]  # two seeds only
+             + [_cell("t", "gac", 16, k, 0.8) for k in (0, 1)])  # no stale cells at s = 16
+    rows = {r["staleness"]: r for r in recovered_shares(group_records(cells), cells=cells)}
+    r8 = rows[8]
+    assert r8["n"] == 2 and r8["vs_stale_n"] == 2
+    # on seeds 0, 1: sync 1.0, 1.1; stale 0.5, 0.4; gac 0.8, 0.8
+    assert r8["vs_stale_diff"] == pytest.approx(0.35)
+    assert r8["share_ci_low"] <= r8["share_ci_high"]
+    r16 = rows[16]
+    assert r16["missing"] == ["stale"] and r16["n"] == 0
+    assert math.isnan(r16["share"]) and r16["share_ci_low"] is None and r16["vs_stale_diff"] is None
+    assert all("n" not in r for r in recovered_shares(group_records(cells)))  # without cells: as before, no CIs
+
+
+def test_lower_is_better_difference_is_signed_so_positive_means_better():
+    cells = ([_cell("q", "sync", 0, k, 1.0, hib=False) for k in (0, 1)]
+             + [_cell("q", "stale", 4, k, 5.0 + k, hib=False) for k in (0, 1)]
+             + [_cell("q", "gac", 4, k, 2.0 + k, hib=False) for k in (0, 1)])
+    (row,) = recovered_shares(group_records(cells), cells=cells)
+    assert row["vs_stale_diff"] == pytest.approx(3.0) and row["share"] == pytest.approx((5.5 - 2.5) / (5.5 - 1.0))
+
+
+def test_running_max_drop_by_hand():
+    values = [0.0] * 10 + [1.0] * 10 + [0.5] * 10  # 10-step means peak at 1.0 and end at 0.5
+    assert running_max_drop(values) == pytest.approx(0.5)
+    assert running_max_drop(list(range(30))) == 0.0  # a rising curve ends at its best
+    assert math.isnan(running_max_drop([1.0] * 5))
+
+
+def test_regime_points_by_hand():
+    specs = [{"task": f"{m}-{lr}", "objective": "grpo", "params": {"lr": lr, "model": {"size": m}}}
+             for m in ("tiny", "small") for lr in (1e-4, 1e-3)]
+    cells = []
+    for spec in specs:
+        t = spec["task"]
+        cells += [_cell(t, "sync", 0, k, 0.5, reward=0.4 + 0.01 * k) for k in (0, 1)]
+        cells += [_cell(t, "stale", 8, k, 0.4, reward=0.3 + 0.02 * k) for k in (0, 1)]
+    cells[-1]["degraded"] = True
+    points = {(p["model"], p["lr"], p["staleness"]): p for p in regime_points(cells, specs)}
+    assert len(points) == 4
+    p = points[("small", 1e-3, 8)]
+    assert p["gap"] == pytest.approx(((0.3 - 0.4) + (0.32 - 0.41)) / 2)
+    assert p["n"] == 2 and p["stale_degraded_frac"] == 0.5 and p["sync_healthy"] is True
+    assert p["gap_ci_low"] == pytest.approx(-0.1) and p["gap_ci_high"] == pytest.approx(-0.09)
+    # one learning rate only: not a regime map
+    assert regime_points(cells, [dict(s, params={"lr": 1e-4}) for s in specs]) == []
+
+
+def test_report_of_a_stored_grid_has_the_new_keys_and_sections(tmp_path):
+    suite = {"name": "ci", "steps": 30, "warmup": 5,
+             "tasks": {"bandit": {"objective": "bandit", "params": {"lr": 0.05}}},
+             "methods": ["sync", "stale", "gac"], "staleness": [0, 4], "seeds": [0, 1]}
+    path = tmp_path / "ci.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    cells = expand_cells(load_suite(str(path)))
+    run_grid(cells, out)
+    build_report(out)
+    summary = json.loads((out / "summary.json").read_text())
+    (row,) = summary["recovered_reward"]
+    assert {"share_ci_low", "share_ci_high", "n", "vs_stale_diff", "vs_stale_p"} <= set(row) and row["n"] == 2
+    assert all("reward_drop" in c for c in summary["cells"])
+    md = (out / "summary.md").read_text()
+    assert "## Confidence intervals (95%) over seeds" in md and "## Table 1: final metric under staleness s = 4" in md
+    assert "## Table 3: on-policy (s = 0)" in md
+    assert md.index("## Timing") < md.index("## Confidence intervals")  # appended after the existing sections
+    for name in ("fig_staleness_bandit.png", "fig_cos_methods_bandit.png", "fig_reward_bandit.png"):
+        assert (out / name).is_file()
+
+
+def test_regime_map_of_a_stored_grid(tmp_path):
+    suite = {"name": "regime", "steps": 30, "warmup": 5,
+             "tasks": {f"bandit-lr{lr}": {"objective": "bandit", "params": {"lr": lr}} for lr in (0.02, 0.2)},
+             "methods": ["sync", "stale"], "staleness": [0, 4, 8], "seeds": [0, 1]}
+    path = tmp_path / "regime.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    run_grid(expand_cells(load_suite(str(path))), out)
+    build_report(out)
+    summary = json.loads((out / "summary.json").read_text())
+    points = summary["regime"]
+    assert [(p["lr"], p["staleness"]) for p in points] == [(0.02, 4), (0.02, 8), (0.2, 4), (0.2, 8)]
+    cells = {(c["task"], c["method"], c["staleness"], c["seed"]): c for c in summary["cells"]}
+    p = points[-1]
+    reward = {k: cells[k]["reward_last"] for k in cells}
+    gap = np.mean([reward[("bandit-lr0.2", "stale", 8, k)] - reward[("bandit-lr0.2", "sync", 0, k)] for k in (0, 1)])
+    assert p["gap"] == pytest.approx(gap) and p["n"] == 2 and p["model"] == "bandit"
+    assert p["gap_ci_low"] <= p["gap"] <= p["gap_ci_high"]
+    assert "## Regime map" in (out / "summary.md").read_text() and (out / "fig_regime.png").is_file()
+
+
+def test_suites_of_the_headline_and_the_regime_map():
+    from gacbench.stabilizers import registry
+
+    headline = load_suite("llm-headline")
+    assert {"sync", "stale", "gac", "gac-calibrated"} | set(registry.available()) <= set(headline["methods"])
+    assert {s for s in headline["staleness"] if s > 0} == {8, 16, 32} and len(headline["seeds"]) >= 5
+    regime = load_suite("llm-regime")
+    lrs = {t["params"]["lr"] for t in regime["tasks"].values()}
+    sizes = {t["params"]["model"]["size"] for t in regime["tasks"].values()}
+    assert len(lrs) >= 4 and max(lrs) / min(lrs) >= 10 and sizes == {"tiny", "small"}
+    assert regime["staleness"] == [0, 8, 16, 32] and regime["methods"] == ["sync", "stale"]
