@@ -19,6 +19,11 @@ for suite in "${SUITES[@]}"; do
     cp "runs/$suite/summary.md" runs/"$suite"/fig_*.png "paper/$suite/"
 done
 if [ "$#" -eq 0 ]; then
+    # every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells, about 2 min)
+    "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out runs/bandit-baselines \
+        --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
+    mkdir -p paper/bandit-baselines
+    cp runs/bandit-baselines/summary.md runs/bandit-baselines/fig_*.png paper/bandit-baselines/
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
 fi
