@@ -13,6 +13,11 @@ The settings come in sections, each a dataclass that LightningCLI reads from a c
 :class:`ModelConfig`, :class:`EngineConfig`, :class:`~gacbench.llm.tasks.TaskConfig`,
 :class:`RolloutConfig`, :class:`LossConfig`. A section may also be given as a dict (a bench suite's params).
 
+``rollout.mode`` chooses where rollouts come from: ``sync`` (default) is the above, in this process, with the exact
+stale FIFO; ``async`` takes them from Ray rollout workers that generate ahead of the trainer within a staleness
+bound, and ``uniform`` simulates a varying lag (:mod:`gacbench.llm.async_source`). Under DDP each rank generates
+its share of the prompts (:mod:`gacbench.llm.data_parallel`).
+
 Behaviour log-probs of a stale batch are recomputed by the trainer at generation time (the weights the
 engine has then); at s = 0 the behaviour policy is the current one and its log-probs are the training
 forward's own, detached (no second forward). The engine's log-probs are kept and their gap to the

@@ -1,0 +1,57 @@
+"""GRPO across processes (Lightning DDP): each rank generates its share of the step's prompts with its own engine,
+and the loss is scaled so that one optimizer step equals the single-process step on the same global batch.
+
+- **Prompts**: step t's P prompts are split in W (world size) contiguous shares; rank r generates prompts
+  [r P/W, (r + 1) P/W) with n samples each. P must be a multiple of W. A prompt's group lives on one rank, so the
+  group-normalised advantages are those of the single-process run.
+- **Engines**: one per rank, in the rank's process (``acquire_engine`` in ``on_train_start``), on the rank's device
+  (the hf engine copies the rank's policy; a vLLM engine sees the devices the rank's process sees). Each rank's
+  sampling seed is offset by its rank, so that ranks draw independent samples; weight syncs happen on every rank
+  after the (identical) optimizer step.
+- **Loss**: DDP averages gradients over ranks. With ``loss.agg`` ``seq-mean-token-mean`` or
+  ``seq-mean-token-sum`` every rank holds P n / W sequences, so the average of the ranks' losses is the global
+  loss as it is. With ``token-mean`` the ranks hold different numbers of tokens: each rank's loss is multiplied
+  by W N_r / N (N_r its tokens, N all ranks' tokens, one all-reduce of a scalar per step, as verl normalises
+  by the global token count), so that the average of the ranks' gradients is the gradient of the global
+  token-mean.
+- Loss-side stabilizers whose loss uses batch-level statistics (M2PO's second-moment mask, BAPO's bound search)
+  compute those statistics on the rank's share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RANK_SEED_STRIDE = 1_000_000_007  # seed offset between ranks' generation streams
+
+
+def world(module) -> tuple[int, int]:
+    """(rank, world size) of the module's trainer; (0, 1) outside a fit."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return 0, 1
+    return int(trainer.global_rank), int(trainer.world_size)
+
+
+def rank_share(module, problems: list) -> tuple[list, int]:
+    """This rank's contiguous share of a step's problems and the rank's seed offset (0 on one process)."""
+    rank, size = world(module)
+    if size == 1:
+        return problems, 0
+    if len(problems) % size:
+        raise ValueError(f"GRPO: rollout.prompts={len(problems)} is not a multiple of the {size} data-parallel "
+                         "processes; every rank generates prompts / world_size prompts. Make rollout.prompts a "
+                         "multiple of the number of processes.")
+    share = len(problems) // size
+    return problems[rank * share : (rank + 1) * share], rank * RANK_SEED_STRIDE
+
+
+def data_parallel_loss(module, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``loss`` scaled by W N_r / N under DDP with ``token-mean`` aggregation (see the module docstring); as it
+    is otherwise."""
+    _, size = world(module)
+    if size == 1 or module.loss_cfg.agg != "token-mean":
+        return loss
+    local = mask.sum().to(torch.float64)
+    total = module.trainer.strategy.reduce(local.clone(), reduce_op="sum")
+    return loss * (local * size / total.clamp_min(1.0)).to(loss.dtype)

@@ -1,0 +1,279 @@
+"""rollout.mode: async (Ray rollout workers with the hf engine, the tiny test model): the staleness bound under
+both admission rules, per-sample versions, agreement with the synchronous module at s_max = 0, kill and resume,
+dead workers, bad settings."""
+
+import logging
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("ray")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from conftest import TINY_TASK, make_trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from gacbench.llm.grpo import GRPOModule  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`",
+                                        "ignore:You're resuming from a checkpoint")
+
+
+def module(model_dir, steps=8, **rollout):
+    settings = {"prompts": 4, "group": 4, "max_tokens": 4, "mode": "async", **rollout}
+    if settings["mode"] == "sync":
+        settings = {k: v for k, v in settings.items() if k in ("prompts", "group", "max_tokens", "mode")}
+    return GRPOModule(model={"path": model_dir}, engine={"name": "hf"}, task=dict(TINY_TASK), rollout=settings,
+                      lr=3e-4, steps=steps, eval_every=10**6)
+
+
+class SlowTrainer(pl.Callback):
+    """Holds each step back, so that the rollout worker runs ahead as far as its admission rule lets it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
+
+
+class Consumed(pl.Callback):
+    """Records what each step consumed: the per-sample versions and lags, and the token ids."""
+
+    def __init__(self) -> None:
+        self.rows = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        original = pl_module.policy_loss
+
+        def spy(data):
+            self.rows.append({"step": trainer.global_step,
+                              "versions": data["versions"].tolist() if "versions" in data else None,
+                              "lag": data["sample_lag"].tolist() if "sample_lag" in data else None,
+                              "ids": data["packed"]["ids"].clone(), "rewards": data["rewards"].clone()})
+            return original(data)
+
+        pl_module.policy_loss = spy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        del pl_module.policy_loss  # back to the class's method
+
+
+@pytest.mark.parametrize("admission", ["wait", "drop"])
+def test_every_consumed_sample_is_within_max_staleness(tiny_llm_dir, admission):
+    s_max, steps = 1, 8
+    # drop: three steps handed out ahead of a slow trainer, so that rollouts come back too old and are dropped
+    m = module(tiny_llm_dir, steps=steps, max_staleness=s_max, admission=admission, chunks=2,
+               buffer=3 if admission == "drop" else None)
+    seen = Consumed()
+    trainer = make_trainer([seen, SlowTrainer(0.25)], max_steps=steps)
+    trainer.fit(m)
+    assert trainer.global_step == steps
+    assert [r["step"] for r in seen.rows] == list(range(steps))
+    for row in seen.rows:  # every sample carries the version that generated it, inside [t - s_max, t]
+        t = row["step"]
+        assert len(row["versions"]) == 4 * 4
+        assert all(max(0, t - s_max) <= v <= t for v in row["versions"])
+        assert row["lag"] == [t - v for v in row["versions"]]
+    lags = trainer.logger.values("stale/lag_max")
+    assert max(lags) == s_max  # the worker ran ahead to the bound, never past it
+    summary = m.source_summary
+    assert summary["lag_max"] <= s_max and sum(summary["lag_hist"]) == steps * 16
+    consumed = m.rollout_source.producer.consumed
+    assert [(c["step"], c["chunk"]) for c in consumed] == [(t, c) for t in range(steps) for c in range(2)]
+    dropped = trainer.logger.values("async/dropped")
+    if admission == "wait":
+        assert summary["dropped"] == 0 and sum(dropped) == 0
+        assert all(c["attempt"] == 0 for c in consumed)
+    else:
+        assert summary["dropped"] > 0  # counted, per step and in total, and logged as events
+        assert sum(dropped) == trainer.logger.values("async/dropped_total")[-1] == summary["dropped"]
+        assert sum("dropped the rollouts of step" in e for e in summary["events"]) == summary["dropped"]
+        assert any(c["attempt"] == 1 for c in consumed)  # regenerated, then consumed within the bound
+
+
+def test_async_at_max_staleness_0_samples_what_the_synchronous_module_samples(tiny_llm_dir):
+    """One chunk at s_max = 0 under 'wait': each step's rollouts come from the current weights with the seed of
+    the synchronous module, so both consume the same tokens and rewards (the behaviour log-probs differ only by
+    the engine-vs-trainer gap, below 1e-5)."""
+    runs = {}
+    for mode in ("sync", "async"):
+        m = module(tiny_llm_dir, steps=4, mode=mode, max_staleness=0) if mode == "async" else \
+            module(tiny_llm_dir, steps=4, mode="sync")
+        seen = Consumed()
+        trainer = make_trainer([seen], max_steps=4)
+        trainer.fit(m)
+        runs[mode] = (seen.rows, trainer.logger, m)
+    (rows_s, _, m_s), (rows_a, log_a, m_a) = runs["sync"], runs["async"]
+    assert log_a.values("stale/lag") == [0.0] * 4
+    for a, b in zip(rows_s, rows_a):
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["rewards"], b["rewards"])
+    assert max(abs(x) for x in log_a.values("is/engine_mismatch_kl")) < 1e-5  # lag 0: the engine's gap alone
+    for p, q in zip(m_s.policy.parameters(), m_a.policy.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0)
+
+
+class CrashAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_a_crashed_async_run_resumes_without_losing_a_step_and_counts_the_regenerated_rollouts(
+        tiny_llm_dir, tmp_path, caplog):
+    first = module(tiny_llm_dir, steps=8, max_staleness=2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_trainer([ckpt, CrashAt(5), SlowTrainer(0.1)], max_steps=8, enable_checkpointing=True).fit(first)
+    assert first.rollout_source.producer.closed  # the failed fit stopped its workers
+    saved = torch.load(next(tmp_path.glob("*step=3.ckpt")), weights_only=False)["rollout_source"]
+    assert saved["unconsumed"] > 0  # rollouts of steps 3.. were generated or in flight when it was written
+
+    resumed = module(tiny_llm_dir, steps=8, max_staleness=2)
+    seen = Consumed()
+    trainer = make_trainer([seen], max_steps=8)
+    with caplog.at_level(logging.WARNING, logger="gacbench.async"):
+        trainer.fit(resumed, ckpt_path=next(tmp_path.glob("*step=3.ckpt")))
+    assert trainer.global_step == 8
+    assert [r["step"] for r in seen.rows] == [3, 4, 5, 6, 7]  # no optimizer step lost or repeated
+    assert [c["step"] for c in resumed.rollout_source.producer.consumed] == [3, 4, 5, 6, 7]
+    assert trainer.logger.values("async/resume_regenerated") == [saved["unconsumed"]]
+    assert resumed.source_summary["resume_regenerated"] == saved["unconsumed"]
+    assert resumed.source_summary["regenerated"] >= saved["unconsumed"]
+    assert any("discarded and generated again" in r.getMessage() for r in caplog.records)
+    for row in seen.rows:
+        assert all(row["step"] - 2 <= v <= row["step"] for v in row["versions"])
+
+
+class KillWorkerAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.rollout_source.producer.kill_worker(0)
+
+
+def test_a_dead_rollout_worker_stops_the_run_with_the_fix(tiny_llm_dir):
+    m = module(tiny_llm_dir, steps=6, max_staleness=1)
+    with pytest.raises(RuntimeError, match=r"rollout worker 0 \(pid \d+\) died while generating step \d+ .*"
+                                           r"resume from the last checkpoint.*worker_restarts > 0"):
+        make_trainer([KillWorkerAt(2)], max_steps=6).fit(m)
+    assert m.rollout_source.producer.closed
+
+
+def test_a_dead_rollout_worker_is_restarted_and_that_is_logged(tiny_llm_dir, caplog):
+    m = module(tiny_llm_dir, steps=6, max_staleness=1, worker_restarts=1)
+    trainer = make_trainer([KillWorkerAt(2)], max_steps=6)
+    with caplog.at_level(logging.WARNING, logger="gacbench.async"):
+        trainer.fit(m)
+    assert trainer.global_step == 6
+    assert trainer.logger.values("async/worker_restarts")[-1] == 1.0
+    summary = m.source_summary
+    assert summary["worker_restarts"] == 1 and summary["regenerated"] >= 1
+    assert any("restarting it" in r.getMessage() for r in caplog.records)
+    assert [c["step"] for c in m.rollout_source.producer.consumed] == list(range(6))
+
+
+def test_bad_async_settings_are_refused(tiny_llm_dir):
+    with pytest.raises(ValueError, match="rollout.mode='fast' is not one of sync, async"):
+        module(tiny_llm_dir, mode="fast")
+    with pytest.raises(ValueError, match="rollout.max_staleness is the bound of rollout.mode 'async'"):
+        GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, rollout={"max_staleness": 2})
+    with pytest.raises(ValueError, match="admission 'drop' needs max_staleness >= 1"):
+        module(tiny_llm_dir, max_staleness=0, admission="drop")
+    with pytest.raises(ValueError, match="rollout.admission='later' is not one of wait, drop"):
+        module(tiny_llm_dir, max_staleness=1, admission="later")
+    with pytest.raises(ValueError, match="rollout.prompts=4 is not a multiple of rollout.chunks=3"):
+        module(tiny_llm_dir, max_staleness=1, chunks=3)
+    with pytest.raises(ValueError, match="staleness=2 and rollout.max_staleness=3 disagree"):
+        GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, staleness=2,
+                   rollout={"mode": "async", "max_staleness": 3})
+    m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, staleness=3, rollout={"mode": "async"})
+    assert m.staleness == 3 and m.queue.staleness == 3  # the module's staleness is the bound without max_staleness
+
+
+def test_a_checkpoint_of_the_other_mode_is_refused(tiny_llm_dir):
+    sync_module = module(tiny_llm_dir, mode="sync")
+    with pytest.raises(ValueError, match="written by a run with rollout.mode: async; resume it with that mode"):
+        sync_module.on_load_checkpoint({"rollout_source": {"mode": "async", "unconsumed": 0}, "rollout_queue": {}})
+    async_module = module(tiny_llm_dir, max_staleness=2)
+    with pytest.raises(ValueError, match="written by a synchronous run with batches waiting"):
+        async_module.on_load_checkpoint({"rollout_queue": {"staleness": 2, "items": [(0, {})]},
+                                         "grpo_rollouts_made": 3})
+
+
+def test_the_uniform_lag_simulator_at_a_single_lag_is_the_fixed_lag_fifo(tiny_llm_dir):
+    """rollout.mode uniform with min_staleness = max_staleness = s generates each step's prompts with the weights of
+    version max(0, t - s) and the synchronous seed: the same tokens as the stale FIFO at staleness s."""
+    runs = {}
+    for mode in ("sync", "uniform"):
+        m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, task=dict(TINY_TASK), staleness=2,
+                       rollout={"prompts": 4, "group": 4, "max_tokens": 4, "mode": mode,
+                                **({"min_staleness": 2} if mode == "uniform" else {})},
+                       lr=3e-3, steps=6, eval_every=10**6)
+        seen = Consumed()
+        trainer = make_trainer([seen], max_steps=6)
+        trainer.fit(m)
+        runs[mode] = (seen.rows, trainer.logger.values("stale/lag"), m)
+    (rows_f, lag_f, m_f), (rows_u, lag_u, m_u) = runs["sync"], runs["uniform"]
+    assert lag_f == lag_u == [0, 1, 2, 2, 2, 2]
+    for a, b in zip(rows_f, rows_u):
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["rewards"], b["rewards"])
+    for row in rows_u:
+        assert set(row["versions"]) == {max(0, row["step"] - 2)}
+    for p, q in zip(m_f.policy.parameters(), m_u.policy.parameters()):  # behaviour log-probs: trainer's vs engine's
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=0)  # (1e-7 apart), through Adam's normalisation at lr 3e-3
+
+
+def test_the_uniform_lag_simulator_draws_seeded_lags_within_its_range(tiny_llm_dir):
+    lags = []
+    for _ in range(2):
+        m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, task=dict(TINY_TASK),
+                       rollout={"prompts": 4, "group": 4, "max_tokens": 4, "mode": "uniform", "max_staleness": 3,
+                                "min_staleness": 1}, lr=3e-4, steps=12, eval_every=10**6)
+        seen = Consumed()
+        trainer = make_trainer([seen], max_steps=12)
+        trainer.fit(m)
+        lags.append(trainer.logger.values("stale/lag"))
+        for row, lag in zip(seen.rows, lags[-1]):
+            t = row["step"]
+            assert min(1, t) <= lag <= min(3, t)  # drawn from min_staleness..min(s, t)
+            assert set(row["versions"]) == {t - lag}
+    assert lags[0] == lags[1]  # seeded
+    assert len(set(lags[0][3:])) > 1  # it varies
+    with pytest.raises(ValueError, match="rollout.min_staleness=4 must lie in 0..3"):
+        GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, staleness=3,
+                   rollout={"mode": "uniform", "min_staleness": 4})
+
+
+def test_async_bench_refuses_a_bound_no_step_reaches(capsys):
+    from gacbench.cli import main
+
+    assert main(["async-bench", "--steps", "4", "--max-staleness", "4"]) == 2
+    assert "--max-staleness 4 is not below --steps 4" in capsys.readouterr().err
+    assert main(["async-bench", "--steps", "4", "--max-staleness", "0", "--admission", "drop"]) == 2
+
+
+@pytest.mark.slow
+def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_path):
+    import json
+
+    from gacbench.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["async-bench", "--steps", "4", "--max-staleness", "2", "--engine", "hf", "--model", tiny_llm_dir,
+                 "--prompts", "2", "--group", "2", "--max-tokens", "4", "--eval-size", "4", "--sync-threads", "1",
+                 "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["speedup"] == pytest.approx(rec["sync_s"] / rec["async_s"])
+    assert rec["sync_s"] > 0 and rec["async_s"] > 0 and rec["max_staleness"] == 2
+    assert 0 <= rec["lag_mean"] <= rec["lag_max"] <= 2 and rec["dropped"] == 0
+    assert len(rec["runs"]["sync"]["reward"]) == len(rec["runs"]["async"]["reward"]) == 4
+    assert all(0 <= lag <= 2 for lag in rec["runs"]["async"]["lag"])
+    assert {"sync_reward_final", "async_reward_final"} <= set(rec)

@@ -1,0 +1,105 @@
+"""GRPO across processes: under Lightning DDP (gloo, CPU, 2 processes) each rank generates its share of the prompts
+with its own engine, and one optimizer step equals the single-process step on the same global batch: the loss,
+the gradients after the all-reduce, GAC's c_t and the updated parameters (tolerance: float32 summation order,
+rtol 1e-4 / atol 1e-6). Also: the FSDP GPU configuration parses and is consistent."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+from grpo_ddp_script import STEPS, settings  # noqa: E402
+
+from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars  # noqa: E402
+from gacbench.llm.grpo import GRPOModule  # noqa: E402
+from gacbench.rollout.engines import Rollout  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny_llm_dir, tmp_path, agg):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_ddp_script.py"), str(tmp_path), tiny_llm_dir, agg],
+                          capture_output=True, text=True, timeout=400, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    for a, b in zip(r0["params"], r1["params"]):  # DDP kept the replicas identical
+        assert torch.equal(a, b)
+
+    # the single-process reference replays the global batches (rank 0's prompts, then rank 1's) from the same start
+    m = GRPOModule(**settings(tiny_llm_dir, agg))
+    opt = torch.optim.AdamW(m.policy.parameters(), lr=m.lr, weight_decay=0.0)
+    grads = []
+    for t in range(STEPS):
+        shares = [r0["rollouts"][t], r1["rollouts"][t]]
+        # each rank generated its own contiguous half of step t's prompts, group by group
+        for rank, share in enumerate(shares):
+            prompts = [ids for ids, _, _ in share[::4]]
+            want = [m.tok.encode(p.prompt, add_special_tokens=False)
+                    for p in m.task.batch("train", t * 8, 8)[rank * 4 : (rank + 1) * 4]]
+            assert prompts == want
+        flat = [Rollout(list(p), list(c), list(lp), t) for share in shares for p, c, lp in share]
+        rewards = torch.cat([r0["rewards"][t], r1["rewards"][t]])
+        packed = m._pack(flat)
+        engine_lp = torch.zeros(packed["mask"].shape)
+        for i, x in enumerate(flat):
+            engine_lp[i, : len(x.logprobs)] = torch.tensor(x.logprobs)
+        data = {"packed": packed, "logp_behav": None, "engine_logp": engine_lp, "logp_ref": None,
+                "adv": m.advantages(rewards).reshape(-1), "rewards": rewards}
+        opt.zero_grad()
+        loss, _ = m.policy_loss(data)
+        loss.backward()
+        # the loss: the mean of the ranks' (scaled) losses is the global batch's loss
+        assert (r0["losses"][t] + r1["losses"][t]) / 2 == pytest.approx(loss.item(), rel=RTOL, abs=ATOL)
+        g = [p.grad.detach().clone() for p in m.policy.parameters()]
+        assert sum(float(x.abs().sum()) for x in g) > 0  # the step has a gradient to compare
+        for ddp, ref in zip(r0["grads"][t], g):  # after the all-reduce, before GAC
+            torch.testing.assert_close(ddp, ref, rtol=RTOL, atol=ATOL)
+        grads.append(g)
+        opt.step()
+    # (step 1's gradients equal, so step 0's updates were equal)
+    # GAC's c_t at step 1: the cosine of the all-reduced gradients, equal on both ranks and to the single process's
+    cos = cosine_from_scalars(alignment_scalars(grads[1], grads[0]))
+    assert len(r0["cos"]) == len(r1["cos"]) == 1
+    assert r0["cos"] == r1["cos"]
+    assert r0["cos"][0] == pytest.approx(cos, rel=1e-4, abs=1e-6)
+
+
+def test_the_fsdp_gpu_config_is_the_gpu_config_sharded_over_its_devices():
+    """tasks/llm/qwen3-1.7b-fsdp-gpu.yaml (parsed, not run: no GPU here): its strategy builds as Lightning's
+    FSDPStrategy wrapping each Qwen3 decoder layer, the prompts split evenly over the ranks, and apart from the
+    documented differences it is tasks/llm/qwen3-1.7b-gpu.yaml."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import ShardingStrategy
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    root = Path(HERE).parent / "tasks" / "llm"
+    fsdp = yaml.safe_load((root / "qwen3-1.7b-fsdp-gpu.yaml").read_text())
+    single = yaml.safe_load((root / "qwen3-1.7b-gpu.yaml").read_text())
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=FSDPStrategy)
+    strategy = parser.instantiate(parser.parse_object({"strategy": fsdp["trainer"]["strategy"]})).strategy
+    assert isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
+    assert Qwen3DecoderLayer in strategy.kwargs["auto_wrap_policy"]._module_classes
+    devices = fsdp["trainer"]["devices"]
+    assert devices > 1 and fsdp["model"]["rollout"]["prompts"] % devices == 0  # each rank its share of the prompts
+    assert fsdp["trainer"]["accelerator"] == "gpu" and fsdp["model"]["engine"]["name"] == "hf"
+    for section in ("model", "task", "loss"):
+        assert fsdp["model"][section] == single["model"][section]
+    differ = {k for k in fsdp["model"]["rollout"] if fsdp["model"]["rollout"][k] != single["model"]["rollout"][k]}
+    assert differ == {"prompts"}
+    assert {k: v for k, v in fsdp["trainer"].items() if k not in ("strategy", "devices", "num_nodes", "logger")} == \
+        {k: v for k, v in single["trainer"].items() if k not in ("devices", "logger")}
