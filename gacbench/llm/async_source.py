@@ -23,7 +23,8 @@ What changes against the synchronous module (``rollout.mode: sync``, the exact s
   step t0's rollouts afresh, logs a warning and counts them in ``async/resume_regenerated``.
 
 Per step it logs ``stale/lag`` (mean over the step's samples), ``stale/lag_max``, ``stale/lag_hist/L`` (samples
-at lag L, L = 0..s_max), ``async/dropped`` (jobs dropped since the previous step consumed its rollouts), ``async/dropped_total``,
+at lag L, L = 0..s_max), ``async/dropped`` (jobs dropped since the previous step consumed its rollouts),
+``async/dropped_total``,
 ``async/regenerated_total`` (drops + restarts + resume), ``async/worker_restarts``, ``time/generate_s`` (the
 trainer's wait for rollouts: the generation time it does not hide), ``time/worker_gen_s`` and
 ``time/worker_wait_s`` (the workers' generation time, and their wait for weights under ``wait``, for this

@@ -167,7 +167,8 @@ class GRPOModule(Objective):
 
         staleness = resolve_mode(r, staleness)  # rollout.mode async: the bound s_max
         if r.group < 2:
-            raise ValueError(f"GRPOModule: rollout.group={r.group} must be >= 2 (advantages compare samples of a group)")
+            raise ValueError(f"GRPOModule: rollout.group={r.group} must be >= 2 "
+                             "(advantages compare samples of a group)")
         if r.prompts < 1 or r.max_tokens < 1 or r.logprob_rows < 1:
             raise ValueError("GRPOModule: rollout.prompts, rollout.max_tokens and rollout.logprob_rows must be >= 1")
         if lc.agg not in AGG_MODES:
@@ -190,7 +191,8 @@ class GRPOModule(Objective):
         if model_path is None:
             if not getattr(self.task, "tiny_tokenizer", False):
                 raise ValueError(f"GRPOModule: task {self.task_cfg.name!r} is text; the tiny model's tokenizer knows "
-                                 "only digits and +-*=. Set model.path to a local checkpoint directory (e.g. Qwen3-1.7B).")
+                                 "only digits and +-*=. Set model.path to a local checkpoint directory "
+                                 "(e.g. Qwen3-1.7B).")
             from gacbench.llm.model import sized_config
             from gacbench.llm.task import ArithmeticTask
             from gacbench.llm.warmstart import warm_started_dir
@@ -207,9 +209,10 @@ class GRPOModule(Objective):
                 for prob in self.task.batch(split, 0, size):
                     n = len(self.tok.encode(prob.prompt, add_special_tokens=False))
                     if n + r.max_tokens > self.context:
-                        raise ValueError(f"GRPO: task {self.task_cfg.name!r}: a {split} prompt ({prob.prompt[:60]!r}...) "
-                                         f"has {n} tokens; with rollout.max_tokens={r.max_tokens} it exceeds the model's "
-                                         f"context of {self.context}. Lower max_tokens, shorten or drop the row, or use "
+                        raise ValueError(f"GRPO: task {self.task_cfg.name!r}: a {split} prompt "
+                                         f"({prob.prompt[:60]!r}...) has {n} tokens; with rollout.max_tokens="
+                                         f"{r.max_tokens} it exceeds the model's context of {self.context}. Lower "
+                                         "max_tokens, shorten or drop the row, or use "
                                          "a model with a longer context.")
         # the frozen reference policy (not a submodule: it is neither optimised nor checkpointed)
         self._ref = [copy.deepcopy(self.policy).eval().requires_grad_(False)] if lc.kl_coef > 0 else []
@@ -247,7 +250,8 @@ class GRPOModule(Objective):
                                      max_model_len=self.context or None, seed=self.seed)
         if self._ref:
             self._ref[0].to(self.device)
-        self.sync_engine(self.global_step)  # also after a resume, and for a reused engine: it starts from the trainer's weights
+        # also after a resume, and for a reused engine: it starts from the trainer's weights
+        self.sync_engine(self.global_step)
         self._sync_verified = not getattr(self.engine, "needs_sync_check", False)
 
     def sync_engine(self, version: int) -> None:
@@ -260,7 +264,8 @@ class GRPOModule(Objective):
             discard_engine(self.engine)  # a later run in this process builds a new engine
             raise RuntimeError(f"GRPO: the weight sync to the {self.engine_cfg.name} engine failed at version "
                                f"{version} ({type(exc).__name__}: {exc}); stopping rather than generating with "
-                               "stale weights. Resume from the last checkpoint (ckpt_path) once the engine works.") from exc
+                               "stale weights. Resume from the last checkpoint (ckpt_path) once the engine "
+                               "works.") from exc
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._t_step = time.perf_counter()
@@ -321,7 +326,8 @@ class GRPOModule(Objective):
         lc = self.loss_cfg
         pb = PolicyBatch(logp, logp_behav, data["adv"].unsqueeze(-1).expand_as(logp), mask,
                          clip_low=lc.clip_low, clip_high=lc.clip_high, agg=lc.agg, logp_engine=data["engine_logp"],
-                         group=torch.arange(logp.shape[0], device=logp.device) // self.rollout_cfg.group)  # prompt-major rows
+                         # rows are prompt-major: row i belongs to prompt i // group
+                         group=torch.arange(logp.shape[0], device=logp.device) // self.rollout_cfg.group)
         loss, metrics = policy_loss(self.loss_stabilizer, pb)
         # E_engine[log p_engine - log p_trainer] over the batch's tokens, at the behaviour policy
         metrics["is/engine_mismatch_kl"] = ((data["engine_logp"] - logp_behav) * mask).sum() / mask.sum().clamp_min(1)
@@ -387,11 +393,13 @@ class GRPOModule(Objective):
         longest = max(len(p) for p in prompts)
         if self.context and longest + r.max_tokens > self.context:
             raise ValueError(f"GRPO: a prompt of {longest} tokens plus rollout.max_tokens={r.max_tokens} exceeds the "
-                             f"model's context of {self.context} tokens (max_position_embeddings). Lower max_tokens, use "
-                             "shorter prompts (e.g. task.max_ops for the arithmetic task), or a model with a longer context.")
+                             f"model's context of {self.context} tokens (max_position_embeddings). Lower max_tokens, "
+                             "use shorter prompts (e.g. task.max_ops for the arithmetic task), or a model with a "
+                             "longer context.")
         if self.engine.version != self.global_step:
             discard_engine(self.engine)  # its sync failed silently: never hand it to a later run
-            raise RuntimeError(f"GRPO: the engine holds version {self.engine.version}, the trainer is at {self.global_step}: "
+            raise RuntimeError(f"GRPO: the engine holds version {self.engine.version}, the trainer is at "
+                               f"{self.global_step}: "
                                "a rollout now would come from the wrong policy. The weight sync did not happen.")
         name = self.engine_cfg.name
         t0 = time.perf_counter()
@@ -446,7 +454,8 @@ class GRPOModule(Objective):
         ids, mask = packed["ids"], packed["mask"]
         logits = (model or self.policy)(input_ids=ids, attention_mask=packed["attention"]).logits  # (B, L, V)
         B, T = mask.shape
-        pos = (packed["prompt_len"] - 1).unsqueeze(-1) + torch.arange(T, device=ids.device).unsqueeze(0)  # (B, T): position predicting token k
+        # (B, T): the position whose logits predict completion token k
+        pos = (packed["prompt_len"] - 1).unsqueeze(-1) + torch.arange(T, device=ids.device).unsqueeze(0)
         pos = pos.clamp(max=ids.shape[1] - 2)
         targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1))  # (B, T)
         picked = logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])).float()  # (B, T, V)
@@ -455,7 +464,8 @@ class GRPOModule(Objective):
 
     @torch.no_grad()
     def frozen_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:
-        """``token_logprobs`` without gradients, ``logprob_rows`` sequences at a time (behaviour and reference passes)."""
+        """``token_logprobs`` without gradients, ``logprob_rows`` sequences at a time (behaviour and reference
+        passes)."""
         rows = self.rollout_cfg.logprob_rows
         parts = [self.token_logprobs({k: v[i : i + rows] for k, v in packed.items()}, model)
                  for i in range(0, packed["ids"].shape[0], rows)]
