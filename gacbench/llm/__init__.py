@@ -1,4 +1,4 @@
-"""The LLM side of gacbench (in progress, issue 5): a procedural arithmetic task with exact-answer
+"""The LLM side of gacbench: GRPO with rollout engines, a procedural arithmetic task with exact-answer
 rewards, a character-level tokenizer and a tiny Qwen3-architecture model built from a config,
 cached on disk, loaded through the same ``from_pretrained`` path as any local checkpoint."""
 
