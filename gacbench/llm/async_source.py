@@ -27,8 +27,8 @@ at lag L, L = 0..s_max), ``async/dropped`` (jobs dropped since the previous step
 ``async/dropped_total``,
 ``async/regenerated_total`` (drops + restarts + resume), ``async/worker_restarts``, ``time/generate_s`` (the
 trainer's wait for rollouts: the generation time it does not hide), ``time/worker_gen_s`` and
-``time/worker_wait_s`` (the workers' generation time, and their wait for weights under ``wait``, for this
-step's jobs).
+``time/worker_wait_s``, ``time/worker_load_s`` (the workers' generation time, their wait for weights under
+``wait``, and their loading of new weights, for this step's jobs).
 
 ``rollout.mode: uniform`` (the simulator with a random lag, for comparison with real async runs) lives in
 :mod:`gacbench.llm.lag_schedule`; :func:`build_source` returns the source of the run's mode.
@@ -233,7 +233,8 @@ class AsyncGRPOSource:
                                                           + self.total("resume_regenerated")),
                          "async/worker_restarts": float(self.total("restarts")),
                          "time/worker_gen_s": sum(res.gen_s for res in results),
-                         "time/worker_wait_s": sum(res.wait_s for res in results)}
+                         "time/worker_wait_s": sum(res.wait_s for res in results),
+                         "time/worker_load_s": sum(res.load_s for res in results)}
         if self._first_step:
             self._metrics["async/resume_regenerated"] = float(self.resume_regenerated)
             self._first_step = False
@@ -263,7 +264,8 @@ class AsyncGRPOSource:
                 "regenerated": self.total("dropped") + self.total("restart_regenerated")
                 + self.total("resume_regenerated"), "worker_restarts": self.total("restarts"),
                 "resume_regenerated": self.resume_regenerated, "trainer_wait_s": c.waited_s,
-                "worker_gen_s": c.worker_gen_s, "worker_wait_s": c.worker_wait_s, "workers": self.cfg.workers,
+                "worker_gen_s": c.worker_gen_s, "worker_wait_s": c.worker_wait_s, "worker_load_s": c.worker_load_s,
+                "workers": self.cfg.workers,
                 "worker_threads": self.cfg.worker_threads, "trainer_threads": trainer_threads(self.cfg),
                 "worker_pids": self.producer.worker_pids(), "sync_checks": list(self.producer.sync_checks),
                 "events": list(self.producer.events)}

@@ -499,7 +499,7 @@ class GRPOModule(Objective):
         return [SourceCloser()]  # stops the rollout workers at the end of fit, also a failed one
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rollout_queue"] = self.queue.state_dict()
+        super().on_save_checkpoint(checkpoint)  # the stale-rollout queue
         checkpoint["grpo_rollouts_made"] = self.rollouts_made
         if self.rollout_source is not None:
             checkpoint["rollout_source"] = self.rollout_source.state_dict()
@@ -508,5 +508,5 @@ class GRPOModule(Objective):
         from gacbench.llm.async_source import resume_state
 
         self._source_resume = resume_state(self, checkpoint)
-        self.queue.load_state_dict(checkpoint["rollout_queue"])
+        super().on_load_checkpoint(checkpoint)
         self.rollouts_made = checkpoint["grpo_rollouts_made"]

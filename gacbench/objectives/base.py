@@ -38,6 +38,17 @@ class Objective(pl.LightningModule):
         if step % self.eval_every == 0 or step == self.trainer.max_steps:
             self.log_scalars({f"eval/{self.metric_name}": self.metric()})
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """A rollout objective's stale-rollout queue (``self.queue``) goes into the checkpoint with the run."""
+        queue = getattr(self, "queue", None)
+        if queue is not None:
+            checkpoint["rollout_queue"] = queue.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        queue = getattr(self, "queue", None)
+        if queue is not None:
+            queue.load_state_dict(checkpoint["rollout_queue"])
+
     def log_scalars(self, metrics: dict) -> None:
         """Scalars to ``trainer.callback_metrics`` and the loggers (gacbench.callbacks._common.log_metrics says how)."""
         from gacbench.callbacks._common import log_metrics

@@ -156,9 +156,3 @@ class SequencePolicy(Objective):
 
     def train_dataloader(self):
         return step_loader(torch.utils.data.TensorDataset(self.prompt_ids))
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rollout_queue"] = self.queue.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.queue.load_state_dict(checkpoint["rollout_queue"])

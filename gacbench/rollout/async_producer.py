@@ -88,6 +88,7 @@ class JobResult:
     pid: int
     gen_s: float
     wait_s: float  # time the worker waited for weights of version >= min_version
+    load_s: float  # time the worker spent loading new weights into its engine before this job
     tokens: int
     sync_check: float | None = None  # the worker's one-off engine-vs-policy log-prob check, when it ran
 
@@ -173,6 +174,7 @@ class RolloutWorker:
             newest, self._newest = self._newest, None
         wait_s = time.perf_counter() - t0
         check = None
+        t_load = time.perf_counter()
         if newest is not None and newest[0] > self.engine.version:
             version, state_dict = newest[0], from_transport(newest[1])
             self.engine.load_weights(state_dict, version=version)
@@ -185,7 +187,7 @@ class RolloutWorker:
         groups = self.engine.generate(job.prompts, n=job.n, max_tokens=job.max_tokens, seed=job.seed)
         gen_s = time.perf_counter() - t1
         return JobResult(job.step, job.chunk, job.attempt, self.engine.version, groups, self.index, os.getpid(),
-                         gen_s, wait_s, sum(len(r.completion_ids) for g in groups for r in g), check)
+                         gen_s, wait_s, t1 - t_load, sum(len(r.completion_ids) for g in groups for r in g), check)
 
     def _check(self, state_dict: dict, prompts: list[list[int]]) -> float:
         from gacbench.rollout.engines import check_sync
@@ -224,6 +226,7 @@ class _Counters:
     consumed: int = 0  # jobs consumed by the trainer
     waited_s: float = 0.0  # the trainer's time waiting for rollouts
     worker_wait_s: float = 0.0  # workers' time waiting for weights
+    worker_load_s: float = 0.0  # workers' time loading weights into their engines
     worker_gen_s: float = 0.0
     tokens: int = 0
 
@@ -475,6 +478,7 @@ class AsyncRolloutProducer:
                                "the engine works, or switch engine ('hf' needs no vLLM)") from None
         self.counters.worker_gen_s += result.gen_s
         self.counters.worker_wait_s += result.wait_s
+        self.counters.worker_load_s += result.load_s
         self.counters.tokens += result.tokens
         if result.sync_check is not None:
             self.sync_checks.append(result.sync_check)
