@@ -277,3 +277,16 @@ def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_pa
     assert len(rec["runs"]["sync"]["reward"]) == len(rec["runs"]["async"]["reward"]) == 4
     assert all(0 <= lag <= 2 for lag in rec["runs"]["async"]["lag"])
     assert {"sync_reward_final", "async_reward_final"} <= set(rec)
+
+
+@pytest.mark.slow
+def test_a_vllm_rollout_worker_verifies_its_weight_sync(tiny_llm_dir):
+    pytest.importorskip("vllm")
+    m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "vllm"}, task=dict(TINY_TASK),
+                   rollout={"prompts": 4, "group": 4, "max_tokens": 4, "mode": "async", "max_staleness": 1},
+                   lr=3e-3, steps=4, eval_every=10**6)
+    trainer = make_trainer([SlowTrainer(0.1)], max_steps=4)
+    trainer.fit(m)
+    summary = m.source_summary
+    assert len(summary["sync_checks"]) == 1 and summary["sync_checks"][0] < 1e-3  # after the first new weights
+    assert summary["lag_max"] <= 1 and trainer.global_step == 4

@@ -180,7 +180,7 @@ class RolloutWorker:
             self.engine.load_weights(state_dict, version=version)
             if self._first_version is None:
                 self._first_version = version
-            elif self.needs_check:  # the first weights that differ from the start-up ones: prove the reload took
+            elif self.needs_check:  # the first reload over weights the engine already ran: prove that it took
                 check = self._check(state_dict, job.prompts[:4])
                 self.needs_check = False
         t1 = time.perf_counter()
