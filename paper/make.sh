@@ -24,6 +24,9 @@ if [ "$#" -eq 0 ]; then
         --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
     mkdir -p paper/bandit-baselines
     cp runs/bandit-baselines/summary.md runs/bandit-baselines/fig_*.png paper/bandit-baselines/
+    # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in runs/async/
+    # (paper/async/run.py produces them, about 20 min), rebuilt into paper/async/summary.md and its figures
+    if [ -d runs/async ]; then "${PYTHON:-python3}" paper/async/make.py; fi
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
 fi
