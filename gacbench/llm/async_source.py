@@ -279,31 +279,16 @@ def assemble(module, step: int, problems: list, groups: list[list[Rollout]], ver
     log-probs, ``engine_logp``, ``logp_ref``, ``adv``, ``rewards``) plus ``versions`` and ``sample_lag`` per
     sequence. Also returns the lags (step - version) per sequence, and counts the tokens and the reference pass
     in the module's step timings."""
-    m, r = module, module.rollout_cfg
+    m = module
     flat: list[Rollout] = [x for g in groups for x in g]
     stamped = torch.tensor([v for g, v in zip(groups, versions) for _ in g])
     if any(x.version != v for x, v in zip(flat, stamped.tolist())):
         raise RuntimeError(f"GRPO: a sample of step {step} is stamped with another version than its job's; the engine "
                            "loaded weights in the middle of a generation")
-    if len(groups) != len(problems) or any(len(g) != r.group for g in groups):
-        raise RuntimeError(f"GRPO: the rollout engine returned {len(groups)} groups of sizes "
-                           f"{sorted({len(g) for g in groups})} for {len(problems)} prompts x n={r.group}")
-    rewards = torch.tensor([[m.reward(m.tok.decode(x.completion_ids, skip_special_tokens=True), p.answer)
-                             for x in g] for g, p in zip(groups, problems)])
-    packed = m._pack(flat)
-    engine_lp = torch.zeros(packed["mask"].shape)
-    for i, x in enumerate(flat):
-        engine_lp[i, : len(x.logprobs)] = torch.tensor(x.logprobs)
-    engine_lp = engine_lp.to(m.device)
-    t1 = time.perf_counter()
-    logp_ref = m.frozen_logprobs(packed, m._ref[0]) if m._ref else None
-    m._times["time/behav_s"] += time.perf_counter() - t1
-    m._tokens += sum(len(x.completion_ids) for x in flat)
+    data = m.batch_from_groups(problems, groups)
     m.rollouts_made = step + 1
     lag = step - stamped
-    data = {"packed": packed, "logp_behav": engine_lp, "engine_logp": engine_lp, "logp_ref": logp_ref,
-            "adv": m.advantages(rewards).reshape(-1).to(m.device), "rewards": rewards,
-            "versions": stamped.to(m.device), "sample_lag": lag.to(m.device)}
+    data.update({"logp_behav": data["engine_logp"], "versions": stamped.to(m.device), "sample_lag": lag.to(m.device)})
     return data, lag
 
 

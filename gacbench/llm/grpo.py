@@ -411,25 +411,36 @@ class GRPOModule(Objective):
             raise RuntimeError(f"GRPO: the {name} rollout engine failed at version {self.engine.version} "
                                f"({type(exc).__name__}: {exc}). The run stops here; resume from the last checkpoint "
                                "(ckpt_path) after restarting, or switch engine ('hf' needs no server).") from exc
-        if len(groups) != len(prompts) or any(len(g) != r.group for g in groups):
-            raise RuntimeError(f"GRPO: the {name} engine returned {len(groups)} groups of sizes "
-                               f"{sorted({len(g) for g in groups})} for {len(prompts)} prompts x n={r.group}")
         self._times["time/generate_s"] += time.perf_counter() - t0
-        self._tokens += sum(len(x.completion_ids) for g in groups for x in g)
         self.rollouts_made += 1
+        data = self.batch_from_groups(problems, groups)
+        t0 = time.perf_counter()
+        data["logp_behav"] = self.frozen_logprobs(data["packed"]) if self.staleness > 0 else None
+        self._times["time/behav_s"] += time.perf_counter() - t0
+        return data
+
+    def batch_from_groups(self, problems: list, groups: list[list[Rollout]]) -> dict[str, Any]:
+        """One batch from the engine's groups of rollouts (one group of ``rollout.group`` samples per problem, in
+        order): rewards, the packed sequences, the engine's per-token log-probs (B, T), the reference log-probs
+        (with ``loss.kl_coef`` > 0) and the advantages. Used by every rollout source (this process's engine, the
+        asynchronous workers); the caller adds the behaviour log-probs."""
+        r = self.rollout_cfg
+        if len(groups) != len(problems) or any(len(g) != r.group for g in groups):
+            raise RuntimeError(f"GRPO: the {self.engine_cfg.name} engine returned {len(groups)} groups of sizes "
+                               f"{sorted({len(g) for g in groups})} for {len(problems)} prompts x n={r.group}")
         flat: list[Rollout] = [x for g in groups for x in g]
+        self._tokens += sum(len(x.completion_ids) for x in flat)
         rewards = torch.tensor([[self.reward(self.tok.decode(x.completion_ids, skip_special_tokens=True), p.answer)
                                  for x in g] for g, p in zip(groups, problems)])
         packed = self._pack(flat)
-        t0 = time.perf_counter()
-        logp_behav = self.frozen_logprobs(packed) if self.staleness > 0 else None
-        logp_ref = self.frozen_logprobs(packed, self._ref[0]) if self._ref else None
-        self._times["time/behav_s"] += time.perf_counter() - t0
         engine_lp = torch.zeros(packed["mask"].shape)
         for i, x in enumerate(flat):
             engine_lp[i, : len(x.logprobs)] = torch.tensor(x.logprobs)
-        return {"packed": packed, "logp_behav": logp_behav, "engine_logp": engine_lp.to(self.device),
-                "logp_ref": logp_ref, "adv": self.advantages(rewards).reshape(-1).to(self.device), "rewards": rewards}
+        t0 = time.perf_counter()
+        logp_ref = self.frozen_logprobs(packed, self._ref[0]) if self._ref else None
+        self._times["time/behav_s"] += time.perf_counter() - t0
+        return {"packed": packed, "engine_logp": engine_lp.to(self.device), "logp_ref": logp_ref,
+                "adv": self.advantages(rewards).reshape(-1).to(self.device), "rewards": rewards}
 
     def _pack(self, rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
         """ids (B, L): prompt + completion, right-padded; attention (B, L); mask (B, T) over completion
