@@ -20,6 +20,7 @@ from gacbench.bench.report import (
     share_bootstrap_ci,
 )
 from gacbench.bench.runner import expand_cells, load_suite, run_grid
+from gacbench.usage import UsageError
 
 
 def test_equal_seeds_give_a_zero_width_interval():
@@ -183,3 +184,45 @@ def test_suites_of_the_headline_and_the_regime_map():
     sizes = {t["params"]["model"]["size"] for t in regime["tasks"].values()}
     assert len(lrs) >= 4 and max(lrs) / min(lrs) >= 10 and sizes == {"tiny", "small"}
     assert regime["staleness"] == [0, 8, 16, 32] and regime["methods"] == ["sync", "stale"]
+
+
+def test_regime_map_checks_the_step_size_condition_when_the_suite_monitors_assumptions(tmp_path):
+    suite = {"name": "regime", "steps": 30, "warmup": 5, "assumptions": 5,
+             "tasks": {f"q-lr{lr}": {"objective": "quadratic", "params": {"lr": lr}} for lr in (0.02, 0.2)},
+             "methods": ["sync", "stale"], "staleness": [0, 8], "seeds": [0, 1]}
+    path = tmp_path / "regime.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    cells = expand_cells(load_suite(str(path)))
+    assert all(c["assumptions"] == 5 for c in cells)
+    run_grid(cells, out)
+    build_report(out)
+    summary = json.loads((out / "summary.json").read_text())
+    stale = [c for c in summary["cells"] if c["method"] == "stale"]
+    assert all(c["assume_L"] > 0 and c["assume_eta_max"] > 0 for c in stale)
+    for p in summary["regime"]:
+        etas = [c["assume_eta_max"] for c in stale if c["task"] == p["task"]]
+        assert p["stale_eta_max"] == pytest.approx(float(np.median(etas)))
+        assert p["lr_within_eta_max"] == (p["lr"] <= p["stale_eta_max"])
+        effs = [c["assume_eta_eff"] for c in stale if c["task"] == p["task"]]
+        assert p["stale_eta_eff"] == pytest.approx(float(np.mean(effs)))
+        assert p["eff_within_eta_max"] == (p["stale_eta_eff"] <= p["stale_eta_max"])
+    md = (out / "summary.md").read_text()
+    assert "### The step-size condition on this workload" in md and "lr > eta_max(s) matches the observation at" in md
+    # the monitor is part of a cell's identity: the same grid without it is refused, not reused
+    suite.pop("assumptions")
+    path.write_text(yaml.safe_dump(suite))
+    with pytest.raises(Exception, match="assumptions"):
+        run_grid(expand_cells(load_suite(str(path))), out)
+
+
+def test_suite_assumptions_must_be_an_integer_of_at_least_two(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"steps": 10, "assumptions": 1, "tasks": {"q": {"objective": "quadratic"}},
+                                    "methods": ["sync"], "staleness": [0], "seeds": [0]}))
+    with pytest.raises(UsageError, match="assumptions: 1 is not an integer >= 2"):
+        load_suite(str(path))
+    path.write_text(yaml.safe_dump({"steps": 10, "assumptions": 5, "tasks": {"b": {"objective": "bandit"}},
+                                    "methods": ["sync"], "staleness": [0], "seeds": [0]}))
+    with pytest.raises(UsageError, match="objective 'bandit' has no side-effect-free loss_on"):
+        load_suite(str(path))

@@ -164,3 +164,15 @@ def test_assumption_monitor_leaves_training_unchanged():
     _fit(a, [StalenessSimulator(3)], 50)
     _fit(b, [AssumptionMonitor(every=3), StalenessSimulator(3)], 50)
     assert torch.equal(a.theta, b.theta)
+
+
+def test_assumption_monitor_effective_step_is_the_learning_rate_for_noiseless_sgd_and_not_for_adamw():
+    def run(optimizer):
+        model = NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=0.0, steps=40, lr=0.01, optimizer=optimizer, seed=0)
+        trainer = make_trainer([AssumptionMonitor(every=5)], max_steps=40)
+        trainer.fit(model)
+        return trainer.logger.last("assume/eta_eff")
+
+    assert run("sgd") == pytest.approx(0.01, rel=1e-4)  # theta_t - theta_{t-1} = -lr grad(theta_{t-1}), no noise
+    # AdamW moves every coordinate by about lr, a step of norm ~ lr sqrt(dim), whatever ||g|| is
+    assert abs(run("adamw") / 0.01 - 1) > 0.2

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
-from gacbench.callbacks import AlignmentMonitor, StalenessSimulator
+from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, StalenessSimulator
 from gacbench.jsonio import json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
@@ -39,7 +39,9 @@ from gacbench.trainer import build_trainer
 #: The keys compared between a stored done cell and the cell asked for: those its results depend on
 #: that its directory does not encode, and the method (the directory encodes it only up to a
 #: substitution of unusual characters).
-IDENTITY_KEYS = ("objective", "params", "steps", "method")
+IDENTITY_KEYS = ("objective", "params", "steps", "method", "assumptions")
+#: identity keys a cell may leave unset (unset and absent from a stored config compare equal)
+OPTIONAL_IDENTITY_KEYS = ("assumptions",)
 
 
 class StepTimer(pl.Callback):
@@ -263,7 +265,7 @@ def identity_diff(stored: dict, cell: dict) -> dict[str, tuple[Any, Any]]:
                 a, b = old_p.get(name, UNSET), new_p.get(name, UNSET)
                 if a != b:
                     diff[f"params.{name}"] = (a, b)
-        elif key in stored and stored.get(key) != new.get(key):
+        elif (key in stored or key in OPTIONAL_IDENTITY_KEYS) and stored.get(key) != new.get(key):
             diff[key] = (stored.get(key), new.get(key))
     return diff
 
@@ -326,6 +328,8 @@ def _run(cell: dict, out: Path) -> dict:
     cls = objective_class(cell["objective"])
     model = cls(**params, seed=cell["seed"], steps=cell["steps"], **({"staleness": s} if cls.rollout_staleness else {}))
     callbacks: list[pl.Callback] = []
+    if cell.get("assumptions"):  # before the simulator, which swaps in the stale iterate
+        callbacks.append(AssumptionMonitor(every=int(cell["assumptions"])))
     if s > 0 and not model.rollout_staleness:
         callbacks.append(StalenessSimulator(s))
     callbacks.append(AlignmentMonitor(warmup=cell.get("warmup", 0)))

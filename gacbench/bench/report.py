@@ -110,6 +110,11 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     calibration = _stored_calibration(root, cell)
     if calibration is not None:  # a method calibrated from its reference cell: the thresholds it used
         rec.update({"c_low": calibration.get("c_low"), "c_high": calibration.get("c_high")})
+    for key, name in (("assume/L", "assume_L"), ("assume/eta_max", "assume_eta_max")):
+        if series.get(key):  # AssumptionMonitor (a suite's ``assumptions``): the estimate at the run's end
+            rec[name] = float(series[key][-1][1])
+    if series.get("assume/eta_eff"):  # the step taken, as an SGD step size: its median over the run
+        rec["assume_eta_eff"] = float(np.median([v for _, v in series["assume/eta_eff"]]))
     reward = [v for _, v in series.get("reward/mean", [])]
     if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
         k = max(1, len(reward) // 5)
@@ -599,6 +604,19 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
                 "sync_degraded_frac": float(np.mean([bool(c.get("degraded")) for c in sync])) if sync else math.nan,
                 "sync_rise": _nanmean(rises), "sync_healthy": healthy,
             })
+            etas = [c["assume_eta_max"] for c in stale if c.get("assume_eta_max") is not None]
+            if etas:  # the step-size condition of the bounded-staleness bound at the stale run's own L and lag
+                lr = points[-1]["lr"]
+                points[-1].update({
+                    "sync_L": _nanmean([c["assume_L"] for c in sync if c.get("assume_L") is not None]),
+                    "stale_L": _nanmean([c["assume_L"] for c in stale if c.get("assume_L") is not None]),
+                    "stale_eta_max": float(np.median(etas)),
+                    "lr_within_eta_max": bool(lr <= float(np.median(etas))),
+                    "stale_eta_eff": _nanmean([c.get("assume_eta_eff", math.nan) for c in stale]),
+                    "stale_worse": bool(points[-1]["gap_ci_high"] < 0) if points[-1]["n"] >= 2 else None,
+                })
+                eff = points[-1]["stale_eta_eff"]
+                points[-1]["eff_within_eta_max"] = None if math.isnan(eff) else bool(eff <= points[-1]["stale_eta_max"])
     points.sort(key=lambda p: (p["model"], p["lr"], p["staleness"]))
     return points
 
@@ -622,6 +640,27 @@ def _regime_section(points: list[dict]) -> list[str]:
                      f"{_fmt(p['sync_cos_abs_q90'], 2)} → {_fmt(p['stale_cos_abs_q90'], 2)} | "
                      f"{_fmt(p['stale_degraded_frac'], 2)} ({_fmt(p['stale_reward_drop'], 2)}) | "
                      f"{'yes' if p['sync_healthy'] else 'no'} | {p['n']} |")
+    checked = [p for p in points if "stale_eta_max" in p]
+    if checked:
+        lines += ["", "### The step-size condition on this workload", "",
+                  "AssumptionMonitor's estimates at the end of each run: the secant smoothness L̂ (running maximum), and "
+                  "eta_max(s), the largest step with L̂ eta + L̂² eta² s² <= 1 at the stale run's realised lag "
+                  "(theory/README.md), an SGD step size. eta_eff: the step actually taken as an SGD step size, "
+                  "||theta_t - theta_{t-1}|| / ||g||, median over the run (it is lr for SGD; for Adam it is the "
+                  "number comparable with eta_max). The bound predicts a stale failure where the step exceeds "
+                  "eta_max(s); observed: the gap's interval lies below 0.", "",
+                  "| model | lr | s | L̂ sync | L̂ stale | eta_max(s) | eta_eff | lr <= eta_max | eta_eff <= eta_max | "
+                  "stale worse (CI < 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        yes = {True: "yes", False: "no", None: "n/a"}
+        for p in checked:
+            lines.append(f"| {p['model']} | {p['lr']:.3g} | {p['staleness']} | {_fmt(p['sync_L'], 3)} | "
+                         f"{_fmt(p['stale_L'], 3)} | {p['stale_eta_max']:.3g} | {_fmt(p['stale_eta_eff'], 3)} | "
+                         f"{yes[p['lr_within_eta_max']]} | {yes[p['eff_within_eta_max']]} | {yes[p['stale_worse']]} |")
+        for key, name in (("lr_within_eta_max", "lr"), ("eff_within_eta_max", "eta_eff")):
+            judged = [p for p in checked if p["stale_worse"] is not None and p[key] is not None]
+            agree = sum((not p[key]) == p["stale_worse"] for p in judged)
+            lines.append(f"{'' if key == 'eff_within_eta_max' else chr(10)}Predicting a stale failure where {name} > "
+                         f"eta_max(s) matches the observation at {agree} of {len(judged)} points.")
     return lines
 
 

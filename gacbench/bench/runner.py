@@ -116,6 +116,13 @@ def _check_methods(where: str, methods: Any) -> list[str]:
     return methods
 
 
+def has_loss_on(objective: str) -> bool:
+    """Whether the objective defines its own side-effect-free ``loss_on`` (what AssumptionMonitor needs)."""
+    from gacbench.objectives.base import Objective
+
+    return getattr(objective_class(objective), "loss_on", Objective.loss_on) is not Objective.loss_on
+
+
 def load_suite(name: str) -> dict[str, Any]:
     """A suite YAML file, checked: a malformed or empty file, a missing key, or a value of the wrong kind
     raises a UsageError that names the file and the key."""
@@ -143,6 +150,9 @@ def load_suite(name: str) -> dict[str, Any]:
         raise UsageError(f"{where}: steps: {suite['steps']!r} is not a positive integer (e.g. steps: 300)")
     if not _is_int(suite.get("warmup", 0)) or suite.get("warmup", 0) < 0:
         raise UsageError(f"{where}: warmup: {suite['warmup']!r} is not a non-negative integer")
+    if "assumptions" in suite and (not _is_int(suite["assumptions"]) or suite["assumptions"] < 2):
+        raise UsageError(f"{where}: assumptions: {suite['assumptions']!r} is not an integer >= 2 (AssumptionMonitor's "
+                         "every: estimate L and eta_max(s) every this many steps)")
     _int_list(where, "staleness", suite["staleness"], 0)
     _int_list(where, "seeds", suite["seeds"], 0, SEED_MAX)
     _check_methods(f"{where}: methods:", suite["methods"])
@@ -161,6 +171,10 @@ def load_suite(name: str) -> dict[str, Any]:
             raise UsageError(f"{at}: params: {spec['params']!r} must be a mapping of parameter names to values")
         if "steps" in spec and (not _is_int(spec["steps"]) or spec["steps"] < 1):
             raise UsageError(f"{at}: steps: {spec['steps']!r} is not a positive integer")
+        if suite.get("assumptions") and not has_loss_on(spec["objective"]):
+            raise UsageError(f"{at}: assumptions: objective {spec['objective']!r} has no side-effect-free loss_on, "
+                             "which AssumptionMonitor needs; drop assumptions: from the suite, or use an objective "
+                             "that defines loss_on (quadratic, logistic, mlp, grpo)")
         if "extra_methods" in spec:
             _check_methods(f"{at}: extra_methods:", spec["extra_methods"])
     ablation = suite.get("ablation")
@@ -236,7 +250,8 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     def base(task: str) -> dict:
         spec = suite["tasks"][task]
         return {"task": task, "objective": spec["objective"], "params": spec.get("params", {}),
-                "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0)}
+                "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0),
+                **({"assumptions": suite["assumptions"]} if suite.get("assumptions") else {})}
 
     cells = []
     for task in tasks:

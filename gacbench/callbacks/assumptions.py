@@ -7,6 +7,9 @@ Every ``every`` optimizer steps, at the current parameters theta_t and before th
 - L (local smoothness): the secant ||grad L(theta_t; B_t) - grad L(theta_{t-1}; B_t)|| / ||theta_t - theta_{t-1}||
   on the *same* batch, so the batch noise cancels where it does not depend on theta; the running
   maximum is logged. For a quadratic the secant lies in [mu, L] exactly.
+- eta_eff, the step actually taken as an SGD step size: ||theta_t - theta_{t-1}|| / ||grad L(theta_{t-1}; B_t)||.
+  It equals the learning rate for noiseless SGD; for Adam it is the preconditioned step's scale, the number
+  to set against eta_max (an SGD step size) when the optimizer is not SGD;
 - the realised staleness (the logged ``stale/lag`` in ``trainer.callback_metrics``: StalenessSimulator
   logs it, and so does a stale-rollout module in its training_step; 0 when nothing logs it), its
   running maximum s, and eta_max, the largest step with L eta + L^2 eta^2 s^2 <= 1 - delta
@@ -34,7 +37,8 @@ from gacbench.functional.stepsize import eta_max
 
 
 class AssumptionMonitor(Callback):
-    """Logs ``assume/L``, ``assume/sigma2``, ``assume/staleness``, ``assume/eta_max``, ``assume/ok``.
+    """Logs ``assume/L``, ``assume/sigma2``, ``assume/eta_eff``, ``assume/staleness``, ``assume/eta_max``,
+    ``assume/ok`` (the optimizer's learning rate <= eta_max).
 
     Args:
         every: estimate every this many optimizer steps (>= 1).
@@ -115,6 +119,9 @@ class AssumptionMonitor(Callback):
                 secant = math.sqrt(float(sq_norm(torch._foreach_sub(g, g_then)))) / step
                 self.L_hat = max(self.L_hat, secant)
                 metrics["assume/L"] = self.L_hat
+                g_norm = math.sqrt(float(sq_norm(g_then)))
+                if g_norm > 0:  # the SGD step size that would have made this step from this gradient
+                    metrics["assume/eta_eff"] = step / g_norm
         self._prev_batch = batch
         metrics["assume/staleness"] = float(self.s_max)
         if self.L_hat > 0:

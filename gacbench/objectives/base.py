@@ -58,7 +58,8 @@ class Objective(pl.LightningModule):
     # Defaults for objectives whose data are pre-drawn batches (``self.batches``), whose loss is the
     # side-effect-free ``loss_on(batch)``, and whose hyperparameters name ``optimizer`` and ``lr``.
     def loss_on(self, batch) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no side-effect-free loss_on(batch) (its training_step "
+                                  "moves state), so AssumptionMonitor cannot estimate on it")
 
     def training_step(self, batch, batch_idx):
         return self.loss_on(batch)
