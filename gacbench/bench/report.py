@@ -643,8 +643,8 @@ def _regime_section(points: list[dict]) -> list[str]:
     checked = [p for p in points if "stale_eta_max" in p]
     if checked:
         lines += ["", "### The step-size condition on this workload", "",
-                  "AssumptionMonitor's estimates at the end of each run: the secant smoothness L̂ (running maximum), and "
-                  "eta_max(s), the largest step with L̂ eta + L̂² eta² s² <= 1 at the stale run's realised lag "
+                  "AssumptionMonitor's estimates at the end of each run: the secant smoothness L̂ (running maximum), "
+                  "and eta_max(s), the largest step with L̂ eta + L̂² eta² s² <= 1 at the stale run's realised lag "
                   "(theory/README.md), an SGD step size. eta_eff: the step actually taken as an SGD step size, "
                   "||theta_t - theta_{t-1}|| / ||g||, median over the run (it is lr for SGD; for Adam it is the "
                   "number comparable with eta_max). The bound predicts a stale failure where the step exceeds "
