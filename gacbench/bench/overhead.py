@@ -98,8 +98,16 @@ def run_overhead(
     buffer_dtype: str | None = None,
     shape: str = "auto",
     seed: int = 0,
+    kernels: tuple[str, ...] = ("eager",),
 ) -> dict:
-    """Time AdamW and a GAC pass on the same parameters; returns the JSON record."""
+    """Time AdamW and a GAC pass on the same parameters; returns the JSON record. ``kernels``: GAC's kernel
+    paths to time (``"eager"`` and/or ``"compiled"``; the compiled one needs a float32 reference buffer)."""
+    kernels = tuple(kernels)
+    if not kernels or set(kernels) - {"eager", "compiled"}:
+        raise ValueError(f"overhead: kernels={kernels!r} must be a non-empty subset of ('eager', 'compiled')")
+    if "compiled" in kernels and buffer_dtype not in (None, "float32"):
+        raise ValueError(f"overhead: the compiled kernels need a float32 reference buffer, not {buffer_dtype}; "
+                         "time them without --buffer-dtype, or use --kernels eager")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     qshape = QWEN3_1_7B if shape == "qwen3-1.7b" else shape_for_params(params)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -123,8 +131,8 @@ def run_overhead(
     # aligned component is shrunk (the costly branch); "keep": an independent reference (c ~ 0).
     Case = tuple[Callable[[], object], Callable[[], None], GACTransform]
 
-    def gac_case(ref: list[torch.Tensor], c_low: float) -> Case:
-        gac = GACTransform(c_low=c_low, c_high=1.0, buffer_dtype=buffer_dtype)
+    def gac_case(ref: list[torch.Tensor], c_low: float, kernel: str) -> Case:
+        gac = GACTransform(c_low=c_low, c_high=1.0, buffer_dtype=buffer_dtype, kernels=kernel)
         for p, r in zip(ps, ref):  # the first step stores the reference
             p.grad = r.clone()
         gac.step(ps, swap=True, keep_alias=True)
@@ -139,8 +147,11 @@ def run_overhead(
 
     perturbed = [g + 0.5 * torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
     independent = [torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
-    project_fn, project_setup, _ = gac_case(perturbed, c_low=0.0)
-    keep_fn, keep_setup, _ = gac_case(independent, c_low=0.5)
+    branches = {}  # "gac" / "gac_keep" + "" (eager) or "_compiled" -> (fn, setup)
+    for kernel in kernels:
+        suffix = "" if kernel == "eager" else "_compiled"
+        branches["gac" + suffix] = gac_case(perturbed, 0.0, kernel)[:2]
+        branches["gac_keep" + suffix] = gac_case(independent, 0.5, kernel)[:2]
 
     # The floor of each branch on this machine, timed beside them: the kernels GAC's traffic cannot go below.
     # "read": one pass reading g and r (a dot product per tensor): all the keep branch needs with a fused
@@ -156,17 +167,13 @@ def run_overhead(
         for g, r in zip(flat_g, scratch):
             torch.add(g, r, alpha=-1e-3, out=r)
 
-    cases = {"adamw": (opt.step, set_grads), "gac": (project_fn, project_setup), "gac_keep": (keep_fn, keep_setup)}
+    cases = {"adamw": (opt.step, set_grads), **branches}
     floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
     if floors:
         cases.update({"read": (read_pass, lambda: None), "write": (write_pass, lambda: None)})
     medians = _interleaved(cases, repeats, sync)
-    adamw_s, gac_s, gac_keep_s = medians["adamw"], medians["gac"], medians["gac_keep"]
-    project_setup()
-    action = project_fn().decision.action
-    keep_setup()
-    keep_action = keep_fn().decision.action
-    return {
+    adamw_s = medians["adamw"]
+    record = {
         "params": sum(p.numel() for p in ps),
         "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
         "shape": qshape.__dict__,
@@ -174,38 +181,43 @@ def run_overhead(
         "adamw": "fused" if fused else "foreach",
         "buffer_dtype": buffer_dtype or str(ps[0].dtype).replace("torch.", ""),
         "repeats": repeats,
+        "kernels": list(kernels),
         "adamw_step_s": adamw_s,
-        "gac_s": gac_s,
-        "gac_over_adamw": gac_s / adamw_s,
-        "gac_case": ACTION_NAMES[action],
-        "gac_keep_s": gac_keep_s,
-        "gac_keep_over_adamw": gac_keep_s / adamw_s,
-        "gac_keep_case": ACTION_NAMES[keep_action],
+    }
+    for name, (fn, setup) in branches.items():  # gac_s, gac_over_adamw, gac_case; gac_keep_...; ..._compiled
+        setup()
+        record[f"{name}_s"] = medians[name]
+        record[f"{name}_over_adamw"] = medians[name] / adamw_s
+        record[f"{name}_case"] = ACTION_NAMES[fn().decision.action]
+    record.update({
         "read_pass_s": medians["read"] if floors else None,
         "write_pass_s": medians["write"] if floors else None,
         "floor_keep_over_adamw": medians["read"] / adamw_s if floors else None,
         "floor_project_over_adamw": (medians["read"] + medians["write"]) / adamw_s if floors else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-    }
+    })
+    return record
 
 
 def main(args) -> int:
-    record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape)
-    floor = (
-        f"\n  floor: one read of g and r {record['read_pass_s'] * 1e3:.2f} ms, one g - alpha r pass "
-        f"{record['write_pass_s'] * 1e3:.2f} ms: keep >= {record['floor_keep_over_adamw']:.3f}, "
-        f"shrink >= {record['floor_project_over_adamw']:.3f} of AdamW"
-    ) if record["read_pass_s"] is not None else ""
-    print(
-        f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW {record['adamw']}, "
-        f"buffer {record['buffer_dtype']})\n"
-        f"  AdamW step  {record['adamw_step_s'] * 1e3:9.2f} ms (median of {record['repeats']})\n"
-        f"  GAC pass    {record['gac_s'] * 1e3:9.2f} ms  ({record['gac_case']}: the costly branch)  "
-        f"gac_over_adamw = {record['gac_over_adamw']:.3f}\n"
-        f"  GAC pass    {record['gac_keep_s'] * 1e3:9.2f} ms  ({record['gac_keep_case']}: the on-policy branch)  "
-        f"ratio = {record['gac_keep_over_adamw']:.3f}{floor}"
-    )
+    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape, kernels=kernels)
+    lines = [f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW "
+             f"{record['adamw']}, buffer {record['buffer_dtype']})",
+             f"  AdamW step           {record['adamw_step_s'] * 1e3:9.2f} ms (median of {record['repeats']})"]
+    for kernel in kernels:
+        suffix = "" if kernel == "eager" else "_compiled"
+        for name, what in (("gac", "the costly branch"), ("gac_keep", "the on-policy branch")):
+            key = name + suffix
+            lines.append(f"  GAC pass, {kernel:8s}  {record[key + '_s'] * 1e3:9.2f} ms  ({record[key + '_case']}: "
+                         f"{what})  {key}_over_adamw = {record[key + '_over_adamw']:.3f}")
+    if record["read_pass_s"] is not None:
+        lines.append(f"  floor (eager kernels): one read of g and r {record['read_pass_s'] * 1e3:.2f} ms, one "
+                     f"g - alpha r pass {record['write_pass_s'] * 1e3:.2f} ms: keep >= "
+                     f"{record['floor_keep_over_adamw']:.3f}, shrink >= {record['floor_project_over_adamw']:.3f} "
+                     "of AdamW")
+    print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)

@@ -29,8 +29,10 @@ from gacbench.functional.alignment import (
     project_,
     validate_thresholds,
 )
+from gacbench.functional.kernels import compiled_available, compiled_project, compiled_scalars
 
 REFERENCES = ("grad", "applied", "update", "ema")
+KERNELS = ("eager", "compiled")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -149,8 +151,10 @@ class GACTransform:
         ema_decay: float = 0.9,
         shrink: str = "component",
         buffer_dtype: str | torch.dtype | None = None,
+        kernels: str = "eager",
     ) -> None:
         validate_thresholds(c_low, c_high)
+        check_choice("GAC", "kernels", kernels, KERNELS)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "reference", reference, REFERENCES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
@@ -159,6 +163,7 @@ class GACTransform:
         self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
         self.reference, self.ema_decay = reference, float(ema_decay)
         self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
+        self.kernels = kernels
         self.state = GACState()
 
     # -- the step -------------------------------------------------------------------------
@@ -188,7 +193,15 @@ class GACTransform:
         g = [local(params[i].grad) for i in live]
         r = [ref[i] for i in live]
         ref_sq = st.ref_sq if len(live) == len(params) else None
-        local_scalars = alignment_scalars(g, r, ref_sq)
+        swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
+        compiled = self.kernels == "compiled" and swap and ref_sq is not None and compiled_available()
+        local_scalars = None
+        if compiled:  # one compiled pass; a non-finite sum is left to the eager path, which tells overflow from inf
+            two = compiled_scalars(g, r)
+            if two is not None and bool(torch.isfinite(two).all()):
+                local_scalars = torch.cat([two, ref_sq.to(device=two.device, dtype=torch.float64).reshape(1)])
+        if local_scalars is None:
+            local_scalars = alignment_scalars(g, r, ref_sq)
         scalars = reduce(local_scalars.clone())  # a collective may work in place
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
@@ -200,9 +213,8 @@ class GACTransform:
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
-        swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
         if swap:
-            self._step_swapping(params, g, r, alpha, skipped, keep_alias)
+            self._step_swapping(params, g, r, alpha, skipped, keep_alias, compiled)
             st.ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
         else:
             if alpha:
@@ -217,12 +229,14 @@ class GACTransform:
         return GACStep(decision, g_sq)
 
     def _step_swapping(
-        self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool
+        self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool,
+        compiled: bool = False,
     ) -> None:
         """Reference 'grad' without copying the raw gradient twice: see the class docstring."""
         if alpha:
-            for gi, ri in zip(g, r):
-                torch.add(gi, ri, alpha=-alpha, out=ri)  # ri <- g_tilde
+            if not (compiled and compiled_project(g, r, alpha)):
+                for gi, ri in zip(g, r):
+                    torch.add(gi, ri, alpha=-alpha, out=ri)  # ri <- g_tilde
             for p, ri in zip(params, r):
                 p.grad = ri
         elif not skipped and keep_alias:
