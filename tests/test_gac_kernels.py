@@ -61,9 +61,86 @@ def test_unknown_kernels_are_refused():
 
 
 def test_overhead_times_the_compiled_kernels_beside_the_eager_ones():
-    record = run_overhead(params=200_000, repeats=1, kernels=("eager", "compiled"))
-    for name in ("gac", "gac_keep", "gac_compiled", "gac_keep_compiled"):
+    record = run_overhead(params=200_000, repeats=1, kernels=("eager", "compiled", "fused-adamw"))
+    for name in ("gac", "gac_keep", "gac_compiled", "gac_keep_compiled", "gac_keep_fused"):
         assert record[f"{name}_over_adamw"] == pytest.approx(record[f"{name}_s"] / record["adamw_step_s"])
+        assert record[f"{name}_took_the_step"] is False
+    # GAC took the shrunk step itself: its cost is what it adds to the AdamW update it includes
+    assert record["gac_fused_took_the_step"] is True and record["gac_fused_case"] == "shrink"
+    assert record["gac_fused_over_adamw"] == pytest.approx(record["gac_fused_s"] / record["adamw_step_s"] - 1)
     assert record["gac_compiled_case"] == "shrink" and record["gac_keep_compiled_case"] == "keep"
     with pytest.raises(ValueError, match="need a float32 reference buffer"):
         run_overhead(params=200_000, repeats=1, buffer_dtype="bfloat16", kernels=("compiled",))
+
+
+def _adamw(params, fused_ok: bool = True):
+    groups = [{"params": params[: len(params) // 2]},
+              {"params": params[len(params) // 2:], "lr": 3e-3, "weight_decay": 0.1, "betas": (0.8, 0.99)}]
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01, foreach=False)
+
+
+def test_fused_adamw_takes_the_step_adamw_would_take_on_the_projected_gradient():
+    """kernels="fused-adamw" against the eager GAC followed by torch's own AdamW step, over a run that keeps,
+    shrinks and projects, with two parameter groups of different lr, weight decay and betas."""
+    gen = torch.Generator().manual_seed(1)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    runs = {}
+    for kernels in ("eager", "fused-adamw"):
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = _adamw(params)
+        gac = GACTransform(c_low=0.05, c_high=0.3, kernels=kernels)
+        g_gen = torch.Generator().manual_seed(2)
+        prev, actions, stepped = None, [], []
+        for mix in (0.0, 0.0, 0.005, 0.008, 0.9, 0.0, 0.5, 0.9):
+            g = [torch.randn(s, generator=g_gen) for s in SHAPES]
+            if prev is not None:
+                g = [x + mix * 20.0 * p for x, p in zip(g, prev)]
+            prev = [x.clone() for x in g]
+            for p, x in zip(params, g):
+                p.grad = x.clone()
+            d = gac.step(params, swap=True, keep_alias=True, optimizer=opt if kernels != "eager" else None)
+            actions.append(d.decision.action)
+            stepped.append(d.stepped)
+            opt.step()
+            gac.release(params)
+            for p in params:
+                p.grad = None
+        runs[kernels] = (params, opt, actions, stepped)
+    (pe, oe, ae, _), (pf, of, af, sf) = runs["eager"], runs["fused-adamw"]
+    assert ae == af and {SHRINK, PROJECT} <= set(af)
+    assert sf == [a in (SHRINK, PROJECT) for a in af]  # exactly the changed steps were taken by GAC
+    for a, b in zip(pe, pf):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq", "step"):  # to float32 rounding of g - alpha r (formed in registers)
+            ref = oe.state[a][key]
+            torch.testing.assert_close(of.state[b][key], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_fused_adamw_in_a_trainer_matches_the_eager_path():
+    from conftest import UserRegressor, flat_params, make_trainer
+
+    from gacbench import GAC, StalenessSimulator
+
+    finals = {}
+    for kernels in ("eager", "fused-adamw"):
+        model = UserRegressor(optimizer="adamw", lr=0.05)
+        gac = GAC(c_low=0.05, c_high=0.3, warmup=0, kernels=kernels)
+        make_trainer([StalenessSimulator(4), gac], max_steps=40).fit(model)
+        finals[kernels] = (flat_params(model), gac.changed)
+    assert finals["eager"][1] == finals["fused-adamw"][1] > 0
+    torch.testing.assert_close(finals["fused-adamw"][0], finals["eager"][0], rtol=1e-4, atol=1e-5)
+
+
+def test_fused_adamw_leaves_other_optimizers_to_the_compiled_projection():
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    gac = GACTransform(c_low=0.05, c_high=0.3, kernels="fused-adamw")
+    gen = torch.Generator().manual_seed(3)
+    g0 = [torch.randn(s, generator=gen) for s in SHAPES]
+    for g in (g0, [2.0 * x for x in g0]):  # the second is fully aligned with the first: projected
+        for p, x in zip(params, g):
+            p.grad = x.clone()
+        d = gac.step(params, swap=True, keep_alias=True, optimizer=sgd)
+        gac.release(params)
+    assert d.decision.action == PROJECT and not d.stepped
+    assert all(p.grad is not None for p in params)  # the projected gradient, for SGD's own step

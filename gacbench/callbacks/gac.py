@@ -63,11 +63,14 @@ class GAC(Callback):
             (AdamW still moves on momentum); ``"skip"`` skips the step with a warning; ``"raise"``
             stops the run. The reference is kept either way.
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
-        kernels: ``"eager"`` (default) or ``"compiled"``: the alignment scalars and the projection as two
-            ``torch.compile`` kernels over the whole parameter list (gacbench.functional.kernels), about
-            half the eager path's time on the CPU; used where the reference is the raw gradient and the
-            gradients are plain tensors of the reference's dtype, else the eager path runs. The first step
-            compiles (20-30 s on 2 CPU cores); a compile failure falls back to eager with one warning.
+        kernels: ``"eager"`` (default), ``"compiled"``: the alignment scalars and the projection as two
+            ``torch.compile`` kernels over the whole parameter list (gacbench.functional.kernels), or
+            ``"fused-adamw"``: the compiled scalars, and, when the optimizer is a plain ``torch.optim.AdamW``
+            and no gradient clipping or GradScaler acts after this hook, a shrunk or projected step taken
+            by GAC as that AdamW's update with g - alpha r formed in its own pass (the optimizer's step then
+            finds no gradient and does nothing). Used where the reference is the raw gradient and the
+            gradients are plain float32 tensors, else the eager path runs. The first step compiles
+            (20-30 s on 2 CPU cores); a compile failure falls back to eager with one warning.
 
     Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``), ``grad/norm``,
     ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``, into
@@ -154,7 +157,11 @@ class GAC(Callback):
         sharded = is_sharded(trainer)
         clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
         reduce = partial(agree, trainer, sharded=sharded)
-        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=not clipping)
+        # kernels="fused-adamw" takes a shrunk or projected AdamW step itself; not under a GradScaler, which may
+        # still decide to skip the step after this hook
+        fuse = self.transform.kernels == "fused-adamw" and getattr(trainer.precision_plugin, "scaler", None) is None
+        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=not clipping,
+                                  optimizer=optimizer if fuse else None)
         if out is None:  # no gradient at all (training_step returned None)
             return
         self.steps += 1

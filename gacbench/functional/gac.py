@@ -29,10 +29,16 @@ from gacbench.functional.alignment import (
     project_,
     validate_thresholds,
 )
-from gacbench.functional.kernels import compiled_available, compiled_project, compiled_scalars
+from gacbench.functional.kernels import (
+    adamw_group_fusable,
+    compiled_adamw_projected,
+    compiled_available,
+    compiled_project,
+    compiled_scalars,
+)
 
 REFERENCES = ("grad", "applied", "update", "ema")
-KERNELS = ("eager", "compiled")
+KERNELS = ("eager", "compiled", "fused-adamw")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,6 +95,7 @@ class GACStep:
     grad_sq: float
     bad: bool = False
     zero: bool = False
+    stepped: bool = False  # kernels="fused-adamw": the optimizer step was taken by GAC
 
     @property
     def cos(self) -> float:
@@ -173,6 +180,7 @@ class GACTransform:
         reduce: Callable[[Tensor], Tensor] = _identity,
         swap: bool = False,
         keep_alias: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> GACStep | None:
         """Apply the rule to the gradients of ``params`` in place; None when no parameter has a gradient.
 
@@ -180,6 +188,11 @@ class GACTransform:
         ``keep_alias``: with ``swap``, on a kept step the reference *is* ``p.grad`` (no copy at all);
         only valid if nothing edits ``p.grad`` in place before the optimizer step (no gradient
         clipping) and ``release`` is called before ``zero_grad``.
+        ``optimizer``: with ``kernels="fused-adamw"``, ``swap`` and ``keep_alias``, the AdamW optimizer about to
+        step: a shrunk or projected step is then taken here, by that AdamW's update with g - alpha r formed in
+        its pass, and every ``p.grad`` is set to None so that the optimizer's own step does nothing
+        (``GACStep.stepped``); the raw gradient stays the reference, untouched. An optimizer this cannot
+        take (see :func:`~gacbench.functional.kernels.adamw_group_fusable`) gets the compiled projection.
         """
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
@@ -194,7 +207,7 @@ class GACTransform:
         r = [ref[i] for i in live]
         ref_sq = st.ref_sq if len(live) == len(params) else None
         swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
-        compiled = self.kernels == "compiled" and swap and ref_sq is not None and compiled_available()
+        compiled = self.kernels != "eager" and swap and ref_sq is not None and compiled_available()
         local_scalars = None
         if compiled:  # one compiled pass; a non-finite sum is left to the eager path, which tells overflow from inf
             two = compiled_scalars(g, r)
@@ -213,6 +226,12 @@ class GACTransform:
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
+        if (swap and alpha and compiled and keep_alias and optimizer is not None and self.kernels == "fused-adamw"
+                and adamw_group_fusable(optimizer, list(params))
+                and compiled_adamw_projected(optimizer, g, r, alpha)):
+            st.ref, st.ref_sq, st.has_ref = list(g), local_scalars[1], True  # the raw gradient, as with swap
+            self.skip(params)  # the step is taken: the optimizer's own step must not move anything
+            return GACStep(decision, g_sq, stepped=True)
         if swap:
             self._step_swapping(params, g, r, alpha, skipped, keep_alias, compiled)
             st.ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient

@@ -7,7 +7,10 @@ Inductor emits:
 - ``scalars(g, r)``: ``[<g, r>, ||g||^2]`` in one read of g and r (both products in the same loop), each
   tensor reduced in float32 and the per-tensor sums added in float64;
 - ``project(g, r, alpha)``: ``r <- g - alpha r`` in place, one read of g and r and one write of r (the
-  swapping projection of :class:`~gacbench.functional.gac.GACTransform`: r's storage then becomes ``p.grad``).
+  swapping projection of :class:`~gacbench.functional.gac.GACTransform`: r's storage then becomes ``p.grad``);
+- ``adamw_projected``: torch's AdamW update (decoupled weight decay, bias correction; amsgrad, maximize off)
+  of p and its moments m, v with the gradient g - alpha r formed inside the loop, never written
+  (``GAC(kernels="fused-adamw")``): the projection costs one more read, of r, in the optimizer's own pass.
 
 ``alpha`` travels as a 0-d tensor, so a new coefficient does not recompile. Each distinct parameter list
 (number, shapes, dtypes of tensors) compiles once, about 20-30 s on 2 CPU cores for a 46-tensor model, and
@@ -43,6 +46,19 @@ def _project(gl: list[Tensor], rl: list[Tensor], alpha: Tensor) -> None:
     torch._foreach_add_(rl, gl)
 
 
+def _adamw_projected(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[Tensor], V: list[Tensor],
+                     alpha: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor, step_size: Tensor,
+                     bias2_sqrt: Tensor, eps: Tensor) -> None:
+    # torch.optim.AdamW's single-tensor update, on g~ = g - alpha r: p *= 1 - lr wd; m = lerp(m, g~, 1 - b1);
+    # v = b2 v + (1 - b2) g~^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    for p, g, r, m, v in zip(P, G, R, M, V):
+        gt = g - alpha * r
+        p.mul_(decay)
+        m.lerp_(gt, 1 - beta1)
+        v.mul_(beta2).addcmul_(gt, gt, value=1 - beta2)
+        p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+
+
 def _get(name: str, fn: Callable) -> Callable | None:
     if _FAILED:
         return None
@@ -75,6 +91,65 @@ def compiled_project(g: list[Tensor], r: list[Tensor], alpha: float) -> bool:
     """``r <- g - alpha r`` for every pair, in one compiled pass; False if the compiled path is unavailable."""
     a = torch.tensor(alpha, dtype=r[0].dtype, device=r[0].device)
     return _run("project", _project, list(g), list(r), a)[0]
+
+
+def adamw_group_fusable(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
+    """Whether :func:`compiled_adamw_projected` can take ``optimizer``'s step for ``params``: a plain
+    ``torch.optim.AdamW`` (amsgrad, maximize, capturable, differentiable off) over exactly these parameters,
+    float32, each with its moments already created (the optimizer creates them at its first step)."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    owned = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(owned) != len(params) or any(a is not b for a, b in zip(owned, params)):
+        return False
+    for group in optimizer.param_groups:
+        if any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable")):
+            return False
+        steps = set()
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if p.dtype != torch.float32 or not st or "exp_avg" not in st or "exp_avg_sq" not in st:
+                return False
+            steps.add(float(st["step"]))
+        if len(steps) != 1:  # one bias correction per group: every parameter has taken the same number of steps
+            return False
+    return True
+
+
+def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tensor], refs: list[Tensor],
+                             alpha: float) -> bool:
+    """The optimizer's AdamW step with g - alpha r as the gradient, one compiled pass per parameter group
+    (``grads`` and ``refs`` in the optimizer's parameter order); ``state["step"]`` advances as the optimizer's
+    own step would. False (nothing changed) if the compiled path is unavailable. The caller checked
+    :func:`adamw_group_fusable`."""
+    if _FAILED:
+        return False
+    i = 0
+    for group in optimizer.param_groups:
+        ps = group["params"]
+        n = len(ps)
+        states = [optimizer.state[p] for p in ps]
+        for st in states:
+            st["step"] += 1
+        t = float(states[0]["step"])
+        lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        dev = ps[0].device
+
+        def f(x: float) -> Tensor:
+            return torch.tensor(x, dtype=torch.float32, device=dev)
+
+        ok, _ = _run("adamw", _adamw_projected, [p.detach() for p in ps], list(grads[i:i + n]), list(refs[i:i + n]),
+                     [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], f(alpha),
+                     f(1 - lr * wd), f(b1), f(b2), f(lr / (1 - b1 ** t)), f((1 - b2 ** t) ** 0.5), f(eps))
+        if not ok:
+            if i:  # a failure after a group was updated cannot be undone: the caller must not step again
+                raise RuntimeError("GAC(kernels='fused-adamw'): torch.compile failed part-way through the "
+                                   f"optimizer's parameter groups ({_FAILED[0][:300]})")
+            for st in states:
+                st["step"] -= 1
+            return False
+        i += n
+    return True
 
 
 def compiled_available() -> bool:
