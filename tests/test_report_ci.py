@@ -184,6 +184,7 @@ def test_suites_of_the_headline_and_the_regime_map():
     sizes = {t["params"]["model"]["size"] for t in regime["tasks"].values()}
     assert len(lrs) >= 4 and max(lrs) / min(lrs) >= 10 and sizes == {"tiny", "small"}
     assert regime["staleness"] == [0, 8, 16, 32] and regime["methods"] == ["sync", "stale"]
+    assert regime["assumptions"] >= 2  # the map checks the step-size condition on GRPO
 
 
 def test_regime_map_checks_the_step_size_condition_when_the_suite_monitors_assumptions(tmp_path):
