@@ -11,6 +11,7 @@ from scipy import stats
 from gacbench.bench.report import (
     BOOT_RESAMPLES,
     build_report,
+    degrade_threshold,
     group_records,
     mean_bootstrap_ci,
     paired_difference,
@@ -18,6 +19,7 @@ from gacbench.bench.report import (
     regime_points,
     running_max_drop,
     share_bootstrap_ci,
+    window_noise,
 )
 from gacbench.bench.runner import expand_cells, load_suite, run_grid
 from gacbench.usage import UsageError
@@ -227,3 +229,19 @@ def test_suite_assumptions_must_be_an_integer_of_at_least_two(tmp_path):
                                     "methods": ["sync"], "staleness": [0], "seeds": [0]}))
     with pytest.raises(UsageError, match="objective 'bandit' has no side-effect-free loss_on"):
         load_suite(str(path))
+
+
+def test_degradation_needs_a_drop_beyond_the_curve_s_own_noise():
+    rng = np.random.default_rng(0)
+    noisy_flat = list(0.3 + 0.15 * rng.standard_normal(100))  # a 10-step mean has sd ~0.047
+    noise = window_noise(noisy_flat)
+    diffs = np.diff(noisy_flat)
+    assert noise == pytest.approx(np.std(diffs, ddof=1) / math.sqrt(2) / math.sqrt(10))
+    assert noise == pytest.approx(0.15 / math.sqrt(10), rel=0.25)
+    assert degrade_threshold(noise) == pytest.approx(5 * noise)  # above the fixed 0.05 margin
+    assert running_max_drop(noisy_flat) < degrade_threshold(noise)  # noise alone is not degradation
+    collapse = [0.3] * 50 + [0.0] * 50  # a noiseless collapse: the fixed margin applies
+    assert window_noise(collapse) < 0.01 and degrade_threshold(window_noise(collapse)) == 0.05
+    assert running_max_drop(collapse) == pytest.approx(0.3)
+    assert running_max_drop(collapse) > degrade_threshold(window_noise(collapse))
+    assert degrade_threshold(math.nan) == 0.05

@@ -27,8 +27,10 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   interval are null when sync or stale has no cells (``missing`` names them), the comparison when stale has
   none;
 - a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
-  ``DEGRADE_WINDOW`` steps, ends below its own running maximum; ``degraded`` when that exceeds
-  ``DEGRADE_MARGIN`` (the progressive-degradation indicator of the regime map);
+  ``DEGRADE_WINDOW`` steps, ends below its own running maximum, and ``reward_noise``, the standard deviation
+  of a DEGRADE_WINDOW-step mean from the step-to-step noise; ``degraded`` when the drop exceeds both
+  ``DEGRADE_MARGIN`` and ``DEGRADE_SIGMAS`` x reward_noise (the progressive-degradation indicator of the
+  regime map);
 - appended to summary.md after the existing sections: the intervals, paper Table 1 (:func:`_table1`, at
   :func:`table1_staleness`), paper Table 3 with the calibrated thresholds (:func:`_table3`) and the regime
   map (:func:`regime_points`, also ``regime`` in summary.json);
@@ -57,7 +59,7 @@ BOOT_RESAMPLES, BOOT_SEED, CI_LEVEL = 9999, 0, 0.95
 #: The percentile of the resampled statistics: the smallest value whose empirical CDF reaches the level (no
 #: interpolation, so that an unbounded resample gives an unbounded end rather than inf - inf)
 QUANTILE_METHOD = "inverted_cdf"
-DEGRADE_WINDOW, DEGRADE_MARGIN = 10, 0.05
+DEGRADE_WINDOW, DEGRADE_MARGIN, DEGRADE_SIGMAS = 10, 0.05, 5.0
 
 
 def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -119,8 +121,9 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
         k = max(1, len(reward) // 5)
         rec.update({"reward_first": float(np.mean(reward[:k])), "reward_last": float(np.mean(reward[-k:]))})
-        drop = running_max_drop(reward)
-        rec.update({"reward_drop": drop, "degraded": None if math.isnan(drop) else bool(drop > DEGRADE_MARGIN)})
+        drop, noise = running_max_drop(reward), window_noise(reward)
+        rec.update({"reward_drop": drop, "reward_noise": noise,
+                    "degraded": None if math.isnan(drop) else bool(drop > degrade_threshold(noise))})
     return rec
 
 
@@ -144,6 +147,22 @@ def running_max_drop(values: list[float], window: int = DEGRADE_WINDOW) -> float
         return math.nan
     smooth = np.convolve(x, np.ones(window) / window, mode="valid")
     return float(smooth.max() - smooth[-1])
+
+
+def window_noise(values: list[float], window: int = DEGRADE_WINDOW) -> float:
+    """The standard deviation of a ``window``-step mean of ``values`` from their step-to-step noise alone:
+    std(r_t - r_{t-1}) / sqrt(2) / sqrt(window) (differences cancel a slow trend). NaN below 3 values."""
+    x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+    if x.size < 3 or window < 1:
+        return math.nan
+    return float(np.std(np.diff(x), ddof=1) / math.sqrt(2.0) / math.sqrt(window))
+
+
+def degrade_threshold(noise: float) -> float:
+    """The drop below the running maximum that counts as degradation: DEGRADE_MARGIN, or DEGRADE_SIGMAS
+    standard deviations of the smoothed curve where its noise is larger (the running maximum of a noisy,
+    flat curve sits a few standard deviations above its end)."""
+    return DEGRADE_MARGIN if math.isnan(noise) else max(DEGRADE_MARGIN, DEGRADE_SIGMAS * noise)
 
 
 def _capped(rec: dict) -> float:
@@ -553,7 +572,8 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
     per staleness s > 0 of ``stale``: the stale - sync gap on the training reward (last 20% of steps; the final
     metric where no reward is logged), paired over seeds, with its 95% bootstrap interval; median c_t and
     q0.9(|c_t|) of sync and stale; the share of seeds whose training reward degraded (fell more than
-    DEGRADE_MARGIN below its own running maximum, smoothed over DEGRADE_WINDOW steps); and whether sync training
+    the degradation threshold below its own running maximum, smoothed over DEGRADE_WINDOW steps:
+    :func:`degrade_threshold`); and whether sync training
     is healthy (no sync seed diverged or degraded, and its reward rose from the first to the last 20% of steps
     on average)."""
     params: dict[str, tuple] = {}
@@ -628,8 +648,10 @@ def _regime_section(points: list[dict]) -> list[str]:
              f"Gap: stale − sync on the training reward of the last 20% of steps (the final metric where no reward is "
              f"logged), paired over seeds, mean [{CI_LEVEL:.0%} bootstrap]; < 0 = stale worse. c_t: median and "
              f"q0.9(|c_t|) after the warm-up, means over seeds. Degraded: share of stale seeds whose reward "
-             f"(smoothed over {DEGRADE_WINDOW} steps) ends more than {DEGRADE_MARGIN} below its own running maximum "
-             "(mean drop in brackets). Sync healthy: no sync seed diverged or degraded and its reward rose.", "",
+             f"(smoothed over {DEGRADE_WINDOW} steps) ends below its own running maximum by more than {DEGRADE_MARGIN} "
+             f"and more than {DEGRADE_SIGMAS:g} standard deviations of a {DEGRADE_WINDOW}-step mean (from its "
+             "step-to-step noise) (mean drop in brackets). Sync healthy: no sync seed diverged or degraded and its "
+             "reward rose.", "",
              "| model | lr | s | sync | stale | gap | 95% CI | median c_t sync → stale | q0.9 |c_t| sync → stale | "
              "stale degraded | sync healthy | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
