@@ -886,7 +886,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
                     sig = key == "gap" and p["gap_ci_high"] is not None and not math.isnan(p["gap_ci_high"]) \
                         and (p["gap_ci_high"] < 0 or p["gap_ci_low"] > 0)
                     if math.isfinite(v):
-                        note = "" if p["sync_healthy"] else "\n(sync unhealthy)"
+                        note = "" if p["sync_healthy"] else " †"
                         ax.text(lrs.index(p["lr"]), svals.index(p["staleness"]), f"{v:.2g}{'*' if sig else ''}{note}",
                                 ha="center", va="center", fontsize=7,
                                 bbox={"facecolor": "white", "alpha": 0.7, "lw": 0, "pad": 1})
@@ -897,7 +897,8 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
                 ax.set_yticks(range(len(svals)), [str(x) for x in svals])
                 ax.set_xlabel("learning rate")
                 ax.set_ylabel("staleness s")
-                ax.set_title(f"{model}: {title}" + (" (* = 95% CI excludes 0)" if key == "gap" else ""), fontsize=9)
+                ax.set_title(f"{model}: {title}" + (" (*: 95% CI excludes 0)" if key == "gap" else "")
+                             + " (†: sync unhealthy)", fontsize=8)
                 fig.colorbar(im, ax=ax)
         save(fig, "fig_regime.png")
 
