@@ -144,3 +144,21 @@ def test_fused_adamw_leaves_other_optimizers_to_the_compiled_projection():
         gac.release(params)
     assert d.decision.action == PROJECT and not d.stepped
     assert all(p.grad is not None for p in params)  # the projected gradient, for SGD's own step
+
+
+def test_a_compile_failure_falls_back_to_the_eager_path_with_one_warning(monkeypatch):
+    from gacbench.functional import kernels
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(kernels, "_COMPILED", {"scalars": broken, "project": broken, "adamw": broken})
+    monkeypatch.setattr(kernels, "_FAILED", [])
+    with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C.. compiler.*eager kernels"):
+        compiled = _run("compiled")
+    eager = _run("eager")
+    assert [a for a, *_ in compiled] == [a for a, *_ in eager]
+    for (_, _, _, g1), (_, _, _, g2) in zip(eager, compiled):
+        for x, y in zip(g1, g2):
+            assert torch.equal(x, y)  # the eager kernels ran: bit for bit
+    assert not kernels.compiled_available()
