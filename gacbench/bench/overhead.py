@@ -104,14 +104,15 @@ def run_overhead(
     kernels: tuple[str, ...] = ("eager",),
 ) -> dict:
     """Time AdamW and a GAC pass on the same parameters; returns the JSON record. ``kernels``: GAC's kernel
-    paths to time (:data:`KERNEL_SUFFIX`; all but eager need a float32 reference buffer). With ``fused-adamw``
-    a shrunk step includes the AdamW update GAC takes itself, so its ``_over_adamw`` is (time - AdamW) / AdamW."""
+    paths to time (:data:`KERNEL_SUFFIX`; ``compiled`` needs a float32 reference buffer). A step GAC takes itself
+    (``fused-adamw``: a shrunk one, or every one with a bfloat16 buffer) includes the AdamW update, so its
+    ``_over_adamw`` is (time - AdamW) / AdamW."""
     kernels = tuple(kernels)
     if not kernels or set(kernels) - set(KERNEL_SUFFIX):
         raise ValueError(f"overhead: kernels={kernels!r} must be a non-empty subset of {tuple(KERNEL_SUFFIX)}")
-    if set(kernels) - {"eager"} and buffer_dtype not in (None, "float32"):
+    if "compiled" in kernels and buffer_dtype not in (None, "float32"):
         raise ValueError(f"overhead: the compiled kernels need a float32 reference buffer, not {buffer_dtype}; "
-                         "time them without --buffer-dtype, or use --kernels eager")
+                         "time them without --buffer-dtype, or use --kernels eager,fused-adamw")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     qshape = QWEN3_1_7B if shape == "qwen3-1.7b" else shape_for_params(params)
     gen = torch.Generator(device="cpu").manual_seed(seed)

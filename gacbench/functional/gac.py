@@ -35,6 +35,7 @@ from gacbench.functional.kernels import (
     compiled_available,
     compiled_project,
     compiled_scalars,
+    compiled_scalars_lowp,
 )
 
 REFERENCES = ("grad", "applied", "update", "ema")
@@ -191,8 +192,11 @@ class GACTransform:
         ``optimizer``: with ``kernels="fused-adamw"``, ``swap`` and ``keep_alias``, the AdamW optimizer about to
         step: a shrunk or projected step is then taken here, by that AdamW's update with g - alpha r formed in
         its pass, and every ``p.grad`` is set to None so that the optimizer's own step does nothing
-        (``GACStep.stepped``); the raw gradient stays the reference, untouched. An optimizer this cannot
-        take (see :func:`~gacbench.functional.kernels.adamw_group_fusable`) gets the compiled projection.
+        (``GACStep.stepped``); the raw gradient stays the reference, untouched. With a lower-precision
+        reference buffer every step that is not skipped is taken here, and the same pass stores g, rounded, as
+        the next reference. An optimizer this cannot take (see
+        :func:`~gacbench.functional.kernels.adamw_group_fusable`) gets the compiled projection (float32
+        reference) or the eager path.
         """
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
@@ -208,11 +212,21 @@ class GACTransform:
         ref_sq = st.ref_sq if len(live) == len(params) else None
         swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
         compiled = self.kernels != "eager" and swap and ref_sq is not None and compiled_available()
+        # fused-adamw with a lower-precision reference: GAC takes every (unskipped) AdamW step and stores g,
+        # rounded, as the next reference in the same pass
+        lowp = (self.kernels == "fused-adamw" and self.reference == "grad" and keep_alias and optimizer is not None
+                and len(live) == len(params) and compiled_available()
+                and all(type(gi) is torch.Tensor and gi.dtype == torch.float32
+                        and ri.dtype in (torch.bfloat16, torch.float16) for gi, ri in zip(g, r)))
         local_scalars = None
         if compiled:  # one compiled pass; a non-finite sum is left to the eager path, which tells overflow from inf
             two = compiled_scalars(g, r)
             if two is not None and bool(torch.isfinite(two).all()):
                 local_scalars = torch.cat([two, ref_sq.to(device=two.device, dtype=torch.float64).reshape(1)])
+        elif lowp:
+            three = compiled_scalars_lowp(g, r)
+            if three is not None and bool(torch.isfinite(three).all()):
+                local_scalars = three
         if local_scalars is None:
             local_scalars = alignment_scalars(g, r, ref_sq)
         scalars = reduce(local_scalars.clone())  # a collective may work in place
@@ -231,6 +245,11 @@ class GACTransform:
                 and compiled_adamw_projected(optimizer, g, r, alpha)):
             st.ref, st.ref_sq, st.has_ref = list(g), local_scalars[1], True  # the raw gradient, as with swap
             self.skip(params)  # the step is taken: the optimizer's own step must not move anything
+            return GACStep(decision, g_sq, stepped=True)
+        if (lowp and not skipped and adamw_group_fusable(optimizer, list(params))
+                and compiled_adamw_projected(optimizer, g, r, alpha, write_ref=True)):
+            st.ref_sq, st.has_ref = None, True  # r now holds g, rounded: its norm is taken with the next products
+            self.skip(params)
             return GACStep(decision, g_sq, stepped=True)
         if swap:
             self._step_swapping(params, g, r, alpha, skipped, keep_alias, compiled)

@@ -10,7 +10,9 @@ Inductor emits:
   swapping projection of :class:`~gacbench.functional.gac.GACTransform`: r's storage then becomes ``p.grad``);
 - ``adamw_projected``: torch's AdamW update (decoupled weight decay, bias correction; amsgrad, maximize off)
   of p and its moments m, v with the gradient g - alpha r formed inside the loop, never written
-  (``GAC(kernels="fused-adamw")``): the projection costs one more read, of r, in the optimizer's own pass.
+  (``GAC(kernels="fused-adamw")``): the projection costs one more read, of r, in the optimizer's own pass;
+  with a reference stored in a lower precision (``buffer_dtype="bfloat16"``) the same loop also stores g,
+  rounded, as the next reference, on every step, kept ones included (then r is not read).
 
 ``alpha`` travels as a 0-d tensor, so a new coefficient does not recompile. Each distinct parameter list
 (number, shapes, dtypes of tensors) compiles once, about 20-30 s on 2 CPU cores for a 46-tensor model, and
@@ -57,6 +59,39 @@ def _adamw_projected(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[
         m.lerp_(gt, 1 - beta1)
         v.mul_(beta2).addcmul_(gt, gt, value=1 - beta2)
         p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+
+
+def _scalars_lowp(gl: list[Tensor], rl: list[Tensor]) -> Tensor:
+    # a reference stored in a lower precision: ||r||^2 is not cached (r is g rounded), so all three products
+    dot = sum((g * r.float()).sum().double() for g, r in zip(gl, rl))
+    sq = sum((g * g).sum().double() for g in gl)
+    rsq = sum((r.float() * r.float()).sum().double() for r in rl)
+    return torch.stack([dot, sq, rsq])
+
+
+def _adamw_lowp_ref(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[Tensor], V: list[Tensor],
+                    alpha: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor, step_size: Tensor,
+                    bias2_sqrt: Tensor, eps: Tensor) -> None:
+    # _adamw_projected, then r <- g rounded to r's precision, in the same loop (r is read before it is written)
+    for p, g, r, m, v in zip(P, G, R, M, V):
+        gt = g - alpha * r.float()
+        p.mul_(decay)
+        m.lerp_(gt, 1 - beta1)
+        v.mul_(beta2).addcmul_(gt, gt, value=1 - beta2)
+        p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+        r.copy_(g)
+
+
+def _adamw_lowp_ref_keep(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[Tensor], V: list[Tensor],
+                         alpha: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor, step_size: Tensor,
+                         bias2_sqrt: Tensor, eps: Tensor) -> None:
+    # a kept step (alpha = 0): AdamW on g itself, and r <- g rounded; r is not read
+    for p, g, r, m, v in zip(P, G, R, M, V):
+        p.mul_(decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+        r.copy_(g)
 
 
 def _get(name: str, fn: Callable) -> Callable | None:
@@ -116,14 +151,24 @@ def adamw_group_fusable(optimizer: torch.optim.Optimizer, params: list[Tensor]) 
     return True
 
 
+def compiled_scalars_lowp(g: list[Tensor], r: list[Tensor]) -> Tensor | None:
+    """``tensor([<g, r>, ||g||^2, ||r||^2])`` (float64) for a reference ``r`` of lower precision than ``g``, in one
+    compiled pass (r upcast in registers), or None (use eager)."""
+    return _run("scalars_lowp", _scalars_lowp, list(g), list(r))[1]
+
+
 def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tensor], refs: list[Tensor],
-                             alpha: float) -> bool:
+                             alpha: float, write_ref: bool = False) -> bool:
     """The optimizer's AdamW step with g - alpha r as the gradient, one compiled pass per parameter group
     (``grads`` and ``refs`` in the optimizer's parameter order); ``state["step"]`` advances as the optimizer's
-    own step would. False (nothing changed) if the compiled path is unavailable. The caller checked
+    own step would. ``write_ref``: also store g, rounded, into ``refs`` (a lower-precision reference) in the same
+    pass. False (nothing changed) if the compiled path is unavailable. The caller checked
     :func:`adamw_group_fusable`."""
     if _FAILED:
         return False
+    name, fn = "adamw", _adamw_projected
+    if write_ref:
+        name, fn = ("adamw_lowp", _adamw_lowp_ref) if alpha else ("adamw_lowp_keep", _adamw_lowp_ref_keep)
     i = 0
     for group in optimizer.param_groups:
         ps = group["params"]
@@ -138,7 +183,7 @@ def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tenso
         def f(x: float) -> Tensor:
             return torch.tensor(x, dtype=torch.float32, device=dev)
 
-        ok, _ = _run("adamw", _adamw_projected, [p.detach() for p in ps], list(grads[i:i + n]), list(refs[i:i + n]),
+        ok, _ = _run(name, fn, [p.detach() for p in ps], list(grads[i:i + n]), list(refs[i:i + n]),
                      [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], f(alpha),
                      f(1 - lr * wd), f(b1), f(b2), f(lr / (1 - b1 ** t)), f((1 - b2 ** t) ** 0.5), f(eps))
         if not ok:
