@@ -16,7 +16,7 @@ SUITES=("$@")
 for suite in "${SUITES[@]}"; do
     "$GACBENCH" bench --suite "$suite" --out "runs/$suite"
     mkdir -p "paper/$suite"
-    cp "runs/$suite/summary.md" runs/"$suite"/fig_*.png "paper/$suite/"
+    cp "runs/$suite/summary.md" "runs/$suite/summary.json" runs/"$suite"/fig_*.png "paper/$suite/"
 done
 if [ "$#" -eq 0 ]; then
     # every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells, about 2 min)
