@@ -15,10 +15,11 @@ from gacbench.usage import UsageError, check_output_dir, check_output_file  # no
 
 
 def _kernel_list(text: str) -> str:
+    from gacbench.functional.gac import KERNELS
+
     kernels = [k.strip() for k in text.split(",")]
-    if not all(kernels) or set(kernels) - {"eager", "compiled", "fused-adamw"} or len(set(kernels)) != len(kernels):
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of eager, compiled, fused-adamw, "
-                                         "comma-separated")
+    if not all(kernels) or set(kernels) - set(KERNELS) or len(set(kernels)) != len(kernels):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(KERNELS)}, comma-separated")
     return text
 
 

@@ -48,17 +48,21 @@ def _project(gl: list[Tensor], rl: list[Tensor], alpha: Tensor) -> None:
     torch._foreach_add_(rl, gl)
 
 
+def _adamw_update(p: Tensor, gt: Tensor, m: Tensor, v: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor,
+                  step_size: Tensor, bias2_sqrt: Tensor, eps: Tensor) -> None:
+    # torch.optim.AdamW's single-tensor update with gradient gt: p *= 1 - lr wd; m = lerp(m, gt, 1 - b1);
+    # v = b2 v + (1 - b2) gt^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    p.mul_(decay)
+    m.lerp_(gt, 1 - beta1)
+    v.mul_(beta2).addcmul_(gt, gt, value=1 - beta2)
+    p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+
+
 def _adamw_projected(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[Tensor], V: list[Tensor],
-                     alpha: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor, step_size: Tensor,
-                     bias2_sqrt: Tensor, eps: Tensor) -> None:
-    # torch.optim.AdamW's single-tensor update, on g~ = g - alpha r: p *= 1 - lr wd; m = lerp(m, g~, 1 - b1);
-    # v = b2 v + (1 - b2) g~^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+                     alpha: Tensor, *hyper: Tensor) -> None:
+    # AdamW on g~ = g - alpha r, formed in the loop and never written
     for p, g, r, m, v in zip(P, G, R, M, V):
-        gt = g - alpha * r
-        p.mul_(decay)
-        m.lerp_(gt, 1 - beta1)
-        v.mul_(beta2).addcmul_(gt, gt, value=1 - beta2)
-        p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+        _adamw_update(p, g - alpha * r, m, v, *hyper)
 
 
 def _scalars_lowp(gl: list[Tensor], rl: list[Tensor]) -> Tensor:
@@ -70,27 +74,18 @@ def _scalars_lowp(gl: list[Tensor], rl: list[Tensor]) -> Tensor:
 
 
 def _adamw_lowp_ref(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[Tensor], V: list[Tensor],
-                    alpha: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor, step_size: Tensor,
-                    bias2_sqrt: Tensor, eps: Tensor) -> None:
+                    alpha: Tensor, *hyper: Tensor) -> None:
     # _adamw_projected, then r <- g rounded to r's precision, in the same loop (r is read before it is written)
     for p, g, r, m, v in zip(P, G, R, M, V):
-        gt = g - alpha * r.float()
-        p.mul_(decay)
-        m.lerp_(gt, 1 - beta1)
-        v.mul_(beta2).addcmul_(gt, gt, value=1 - beta2)
-        p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+        _adamw_update(p, g - alpha * r.float(), m, v, *hyper)
         r.copy_(g)
 
 
 def _adamw_lowp_ref_keep(P: list[Tensor], G: list[Tensor], R: list[Tensor], M: list[Tensor], V: list[Tensor],
-                         alpha: Tensor, decay: Tensor, beta1: Tensor, beta2: Tensor, step_size: Tensor,
-                         bias2_sqrt: Tensor, eps: Tensor) -> None:
+                         alpha: Tensor, *hyper: Tensor) -> None:
     # a kept step (alpha = 0): AdamW on g itself, and r <- g rounded; r is not read
     for p, g, r, m, v in zip(P, G, R, M, V):
-        p.mul_(decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        p.sub_(step_size * m / (v.sqrt() / bias2_sqrt + eps))
+        _adamw_update(p, g, m, v, *hyper)
         r.copy_(g)
 
 
