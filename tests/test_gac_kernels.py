@@ -169,6 +169,7 @@ def test_a_compile_failure_falls_back_to_the_eager_path_with_one_warning(monkeyp
 
     monkeypatch.setattr(kernels, "_COMPILED", {"scalars": broken, "project": broken, "adamw": broken})
     monkeypatch.setattr(kernels, "_FAILED", [])
+    monkeypatch.setattr(kernels, "_DIRECT", {})  # no kernel compiled by an earlier test is called directly
     with pytest.warns(RuntimeWarning, match="torch.compile failed .*no C.. compiler.*eager kernels"):
         compiled = _run("compiled")
     eager = _run("eager")
@@ -177,3 +178,60 @@ def test_a_compile_failure_falls_back_to_the_eager_path_with_one_warning(monkeyp
         for x, y in zip(g1, g2):
             assert torch.equal(x, y)  # the eager kernels ran: bit for bit
     assert not kernels.compiled_available()
+
+
+def _products(g: list[torch.Tensor], r: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([sum((a.double() * b.double()).sum() for a, b in zip(g, r)),
+                        sum((a.double() ** 2).sum() for a in g)])
+
+
+def test_a_signature_seen_before_is_called_without_torch_compile_and_shapes_are_still_checked(monkeypatch):
+    """The direct call into Inductor's code: a repeated signature does not go through torch.compile, and a list
+    with the same length and dtypes but other shapes or strides (or a tensor passed twice) is compiled, not run
+    through code built for other shapes."""
+    from gacbench.functional import kernels
+
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(kernels, "_DIRECT", {})
+    gen = torch.Generator().manual_seed(3)
+    calls = []
+    kernels._get("scalars", kernels._scalars)
+    real = kernels._COMPILED["scalars"]
+    kernels._COMPILED["scalars"] = lambda *a: (calls.append(1), real(*a))[1]
+
+    def close(g, r):
+        got = kernels.compiled_scalars(g, r)
+        assert torch.allclose(got, _products(g, r), rtol=1e-5), (got, _products(g, r))
+
+    a = [torch.randn(s, generator=gen) for s in ((24, 16), (16,), (8, 4))]
+    ra = [torch.randn(x.shape, generator=gen) for x in a]
+    close(a, ra)
+    assert len(calls) == 1
+    close(a, ra)
+    close([x * 2 for x in a], ra)  # new tensors, same shapes: direct
+    assert len(calls) == 1
+    b = [torch.randn(s, generator=gen) for s in ((4, 6), (2,), (3, 3))]  # same signature, other shapes
+    close(b, [torch.randn(x.shape, generator=gen) for x in b])
+    assert len(calls) == 2
+    t = [torch.randn(16, 24, generator=gen).t(), a[1], a[2]]  # a's shapes, another stride
+    close(t, ra)
+    assert len(calls) == 3
+    close(a, ra)  # the entry compiled first is kept
+    assert len(calls) == 3
+    close(a, a)  # one tensor passed twice: Dynamo compiles aliased inputs apart
+    assert len(calls) == 4
+
+
+def test_no_direct_call_without_inductors_shape_asserts(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    from gacbench.functional import kernels
+
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(kernels, "_DIRECT", {})
+    monkeypatch.setattr(inductor_config, "size_asserts", False)
+    g = [torch.randn(5, 7), torch.randn(3)]
+    r = [torch.randn(5, 7), torch.randn(3)]
+    for _ in range(2):
+        assert torch.allclose(kernels.compiled_scalars(g, r), _products(g, r), rtol=1e-5)
+    assert kernels._DIRECT == {}
