@@ -14,6 +14,14 @@ import sys
 from gacbench.usage import UsageError, check_output_dir, check_output_file  # noqa: F401  (re-exported)
 
 
+def _suite_names() -> str:
+    """The suites shipped in tasks/suites/ (read without importing the runner, which imports torch)."""
+    from pathlib import Path
+
+    names = sorted(x.stem for x in (Path(__file__).resolve().parents[1] / "tasks" / "suites").glob("*.yaml"))
+    return ", ".join(names) or "none found: run from a clone of the repository"
+
+
 def _kernel_list(text: str) -> str:
     from gacbench.functional.gac import KERNELS
 
@@ -52,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench",
                        help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped")
     p.add_argument("--suite", default="synthetic-smoke",
-                   help="a suite in tasks/suites/ (synthetic-smoke, synthetic, llm-smoke, llm-tiny) or a YAML path")
+                   help=f"a suite in tasks/suites/ ({_suite_names()}) or a YAML path")
     p.add_argument("--methods", default=None,
                    help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)' (default: the suite's)")
     p.add_argument("--staleness", default=None,

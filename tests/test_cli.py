@@ -47,3 +47,15 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert main(["demo", "--staleness", "0"]) == 2  # a user error: one line, exit status 2
     assert capsys.readouterr().err == ("gacbench demo: error: --staleness 0 must be >= 1 (the stale runs need a "
                                        "delay)\n")
+
+
+def test_bench_help_lists_every_shipped_suite(capsys):
+    from gacbench.bench.runner import SUITES_DIR
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    suites = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
+    assert "llm-headline" in suites
+    for name in suites:
+        assert name in text
