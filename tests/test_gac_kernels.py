@@ -235,3 +235,10 @@ def test_no_direct_call_without_inductors_shape_asserts(monkeypatch):
     for _ in range(2):
         assert torch.allclose(kernels.compiled_scalars(g, r), _products(g, r), rtol=1e-5)
     assert kernels._DIRECT == {}
+
+
+def test_a_graph_without_dynamos_sources_gets_no_direct_call():
+    from gacbench.functional import kernels
+
+    gm = torch.fx.symbolic_trace(lambda x, y: (x * y).sum())  # no grapharg metadata: other torch versions
+    assert kernels._input_order(gm, ["x", "y"], None, 1) is None

@@ -114,27 +114,44 @@ def _capturing(name: str, fn: Callable) -> Callable:
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         compiled = compile_fx(gm, example_inputs)
-        order: list[tuple[int, int | None]] | None = []
-        for node in gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
-            grapharg = node.meta.get("grapharg")
-            match = _SOURCE.match(getattr(getattr(grapharg, "source", None), "name", "") or "")
-            if match is None or match.group(1) not in params:
-                order = None
-                break
-            arg, index = params.index(match.group(1)), match.group(2)
-            if arg == varargs:  # *hyper: its elements are the trailing positional arguments
-                arg, index = arg + int(index), None
-            order.append((arg, None if index is None else int(index)))
-        outputs = [n for n in gm.graph.nodes if n.op == "output"]
-        n_out = len(outputs[0].args[0]) if outputs and isinstance(outputs[0].args[0], (tuple, list)) else -1
         # the direct call relies on the compiled code checking shapes and strides (Inductor's size_asserts)
-        if order is not None and n_out == _OUTPUTS[name] and inductor_config.size_asserts:
+        order = _input_order(gm, params, varargs, _OUTPUTS[name]) if inductor_config.size_asserts else None
+        if order is not None:
             _CAPTURED.append((name, compiled, order))
         return compiled
 
     return backend
+
+
+def _input_order(gm: torch.fx.GraphModule, params: list[str], varargs: int | None,
+                 n_outputs: int) -> list[tuple[int, int | None]] | None:
+    """Each graph input of ``gm`` as (argument position, list index or None), read from the sources Dynamo
+    records; None (no direct call) if an input is anything else, the graph returns another number of
+    outputs, or this torch records sources differently."""
+    try:
+        order: list[tuple[int, int | None]] = []
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                out = node.args[0]
+                if not isinstance(out, (tuple, list)) or len(out) != n_outputs:
+                    return None
+            if node.op != "placeholder":
+                continue
+            name = getattr(node.meta.get("grapharg"), "source", None)
+            name = getattr(name, "name", None)
+            name = name() if callable(name) else name
+            match = _SOURCE.match(name) if isinstance(name, str) else None
+            if match is None or match.group(1) not in params:
+                return None
+            arg, index = params.index(match.group(1)), match.group(2)
+            if arg == varargs:  # *hyper: its elements are the trailing positional arguments
+                if index is None:
+                    return None
+                arg, index = arg + int(index), None
+            order.append((arg, None if index is None else int(index)))
+        return order
+    except Exception:  # noqa: BLE001  (private structures of another torch version: no direct call)
+        return None
 
 
 def _signature(args: tuple) -> tuple | None:
