@@ -245,3 +245,22 @@ def test_degradation_needs_a_drop_beyond_the_curve_s_own_noise():
     assert running_max_drop(collapse) == pytest.approx(0.3)
     assert running_max_drop(collapse) > degrade_threshold(window_noise(collapse))
     assert degrade_threshold(math.nan) == 0.05
+
+
+def test_the_legend_names_methods_that_appear_in_one_panel_only():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gacbench.bench.report import figure_legend_entries
+
+    fig, (a, b) = plt.subplots(1, 2)
+    a.plot([0, 1], label="stale")
+    a.plot([0, 1], label="dual-clip")  # run at s = 16 only
+    b.plot([0, 1], label="stale")
+    b.plot([0, 1], label="gac")
+    handles, labels = figure_legend_entries(fig)
+    assert labels == ["stale", "dual-clip", "gac"]
+    assert len(handles) == 3
+    plt.close(fig)

@@ -253,6 +253,16 @@ def mean_bootstrap_ci(x: np.ndarray, level: float = CI_LEVEL, resamples: int = B
     return float(low), float(high)
 
 
+def figure_legend_entries(fig) -> tuple[list, list[str]]:
+    """The labelled artists of every panel of ``fig``, one per label in first-seen order: the legend drawn on one
+    panel then names the methods that appear only in others (a method run at s = 16 alone)."""
+    entries: dict[str, object] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    return list(entries.values()), list(entries)
+
+
 def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> dict[str, float]:
     """mean(a - b) over paired seeds, its t-interval (mean +- t_{(1+level)/2, n-1} sd/sqrt(n)) and the two-sided
     paired t-test's p-value (scipy.stats.ttest_rel; NaN when every difference is equal). NaNs below two seeds."""
@@ -724,7 +734,8 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
 
     def save(fig, name: str, legend_ax=None) -> None:
         if legend_ax is not None:
-            legend_ax.legend(fontsize=7)
+            handles, labels = figure_legend_entries(fig)
+            legend_ax.legend(handles, labels, fontsize=7)
         fig.tight_layout()
         fig.savefig(root / name, dpi=110)
         plt.close(fig)
