@@ -52,6 +52,19 @@ def test_ablation_cells_skip_invalid_thresholds(tmp_path):
     assert specs == {"gac(c_low=0.05,c_high=0.3)", "gac(c_low=0.05,c_high=0.5)", "gac(c_low=0.3,c_high=0.5)"}
 
 
+def test_the_ablation_keyword_selects_the_same_ablation_cells_as_the_full_grid(tmp_path):
+    suite = load_suite(str(tiny_suite(tmp_path, ablation={"method": "gac", "staleness": 4, "c_low": [0.05],
+                                                          "c_high": [0.3, 0.5]})))
+    full = expand_cells(suite)
+    abl = [c for c in full if c.get("ablation")]
+    assert len(abl) == 2 * 2 * 2  # 2 tasks x 2 threshold pairs x 2 seeds
+    assert expand_cells(suite, methods=["ablation"]) == abl
+    assert expand_cells(suite, methods=["gac", "ablation"]) == [c for c in full if c["method"] == "gac"] + abl
+    # an explicit subset without the keyword has no ablation cells; the suite's own list has them
+    assert not any(c.get("ablation") for c in expand_cells(suite, methods=["sync", "gac"]))
+    assert expand_cells(suite, methods=list(suite["methods"])) == full
+
+
 def test_grid_writes_summary_and_never_reruns_a_finished_cell(tmp_path):
     out = tmp_path / "out"
     cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))

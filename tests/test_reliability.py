@@ -56,6 +56,8 @@ def statuses(out: Path) -> dict[str, str]:
     ("--staleness", "0,4,4", "--staleness '0,4,4' lists 4 twice"),
     ("--methods", "sync,stale,sync", "--methods 'sync,stale,sync' lists sync twice"),
     ("--methods", "gac(c_lo=0.1)", "unexpected keyword argument 'c_lo'"),
+    ("--methods", "stale,ablation", "'ablation' selects the suite's threshold-ablation cells, and suite 'tiny' has "
+                                    "no ablation: section"),
     ("--tasks", "quadratic,quadratic", "--tasks 'quadratic,quadratic' lists quadratic twice"),
     ("--param", "lr=fast", "--param lr: lr takes a number, got the text 'fast'"),
     ("--param", "dim=1.5", "--param dim: dim takes an integer, got 1.5"),

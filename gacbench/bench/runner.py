@@ -104,6 +104,9 @@ def _no_repeats(where: str, values: list) -> None:
         seen.add(x)
 
 
+ABLATION = "ablation"  # the --methods keyword that selects a suite's threshold-ablation cells
+
+
 def _check_methods(where: str, methods: Any) -> list[str]:
     if not isinstance(methods, list) or not methods or not all(isinstance(m, str) and m.strip() for m in methods):
         raise UsageError(f"{where}: {methods!r} must be a non-empty list of method names, e.g. [sync, stale, gac]")
@@ -231,9 +234,13 @@ def parse_int_list(option: str, text: str | None, lo: int, hi: int | None = None
 
 def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[int] | None = None,
                  seeds: list[int] | None = None, tasks: list[str] | None = None) -> list[dict]:
-    """The grid as a list of cell dicts. ``sync`` runs once at s = 0; stale methods run at each s > 0."""
+    """The grid as a list of cell dicts. ``sync`` runs once at s = 0; stale methods run at each s > 0. The suite's
+    threshold-ablation cells come with the suite's own method list, or alone with the keyword ``ablation`` in
+    ``methods``."""
     explicit = methods is not None
     methods = methods or suite["methods"]
+    with_ablation = methods == suite["methods"] or ABLATION in methods
+    methods = [m for m in methods if m != ABLATION]
     staleness = suite["staleness"] if staleness is None else staleness
     seeds = suite["seeds"] if seeds is None else seeds
     tasks = tasks or list(suite["tasks"])
@@ -265,7 +272,7 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                 for seed in seeds:
                     cells.append({**base(task), "method": m, "staleness": s, "seed": seed})
     ablation = suite.get("ablation")
-    if ablation and methods == suite["methods"]:
+    if ablation and with_ablation:
         for task in tasks:
             for lo in ablation["c_low"]:
                 for hi in ablation["c_high"]:
@@ -863,8 +870,11 @@ def main(args) -> int:
     console = Console()
     suite = load_suite(args.suite)
     methods = parse_list("--methods", args.methods, lambda t: split_top_level(t, ","))
-    if methods is not None:
-        _check_methods("--methods:", methods)
+    if methods is not None and ABLATION in methods and not suite.get("ablation"):
+        raise UsageError(f"--methods: {ABLATION!r} selects the suite's threshold-ablation cells, and suite "
+                         f"{suite.get('name', args.suite)!r} has no ablation: section")
+    if methods is not None and [m for m in methods if m != ABLATION]:
+        _check_methods("--methods:", [m for m in methods if m != ABLATION])
     cells = expand_cells(
         suite,
         methods=methods,
