@@ -209,6 +209,17 @@ def test_a_subset_rerun_keeps_the_summary_of_the_whole_directory(tmp_path, capsy
     assert "3 stored cells" in " ".join(capsys.readouterr().out.split())
 
 
+def test_the_missing_sync_note_looks_at_the_stored_cells_too(tmp_path, capsys):
+    suite, out = tiny_suite(tmp_path), tmp_path / "out"
+    assert bench(suite, tmp_path / "alone", "--methods", "stale") == 0
+    assert "no sync cell in this grid" in " ".join(capsys.readouterr().out.split())
+    assert bench(suite, out, "--methods", "sync") == 0
+    capsys.readouterr()
+    assert bench(suite, out, "--methods", "stale,gac") == 0  # sync is done in --out: the shares can be computed
+    assert "no sync cell" not in " ".join(capsys.readouterr().out.split())
+    assert "Recovered share" in (out / "summary.md").read_text()
+
+
 def test_a_section_field_of_the_wrong_type_is_refused(monkeypatch):
     import dataclasses
 

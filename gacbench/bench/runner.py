@@ -892,9 +892,11 @@ def main(args) -> int:
     out = check_output_dir("--out", args.out)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
                   f"(workers={args.workers}, executor={args.executor})")
-    if not any(c["method"] == "sync" for c in cells):
-        console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0): the recovered shares "
-                      "cannot be computed")
+    sync = [{**{k: v for k, v in c.items() if k not in ("method", "staleness", "ablation")}, "method": "sync",
+             "staleness": 0} for c in cells]
+    if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, c) for c in sync):
+        console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
+                      "recovered shares cannot be computed")
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console)
     except CellMismatchError as exc:
