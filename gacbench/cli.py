@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", default="synthetic-smoke",
                    help=f"a suite in tasks/suites/ ({_suite_names()}) or a YAML path")
     p.add_argument("--methods", default=None,
-                   help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)'; the keyword ablation adds the "
-                        "suite's threshold-ablation cells (default: the suite's methods and its ablation)")
+                   help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)'; the keyword ablation "
+                        "adds the suite's threshold-ablation cells (default: the suite's methods and its ablation)")
     p.add_argument("--staleness", default=None,
                    help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
