@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from gacbench.bench.report import (
     build_report,
     degrade_threshold,
     group_records,
+    markdown,
     mean_bootstrap_ci,
     paired_difference,
     recovered_shares,
@@ -104,6 +106,46 @@ def test_lower_is_better_difference_is_signed_so_positive_means_better():
              + [_cell("q", "gac", 4, k, 2.0 + k, hib=False) for k in (0, 1)])
     (row,) = recovered_shares(group_records(cells), cells=cells)
     assert row["vs_stale_diff"] == pytest.approx(3.0) and row["share"] == pytest.approx((5.5 - 2.5) / (5.5 - 1.0))
+
+
+def test_ablation_shares_against_a_hand_computation():
+    cells = ([_cell("t", "sync", 0, k, 1.0, reward=0.3 + 0.01 * k) for k in (0, 1, 2)]
+             + [_cell("t", "stale", 16, k, 0.5, reward=0.1 + 0.01 * k) for k in (0, 1, 2)]
+             + [_cell("t", "gac", 16, k, 0.5, reward=0.12 + 0.01 * k) for k in (0, 1, 2)])
+    abl = [dict(_cell("t", "gac(c_low=0.05,c_high=0.3)", 16, k, 0.5, reward=0.15 + 0.01 * k), ablation=True)
+           for k in (0, 1, 2)]
+    groups = group_records(cells + abl)
+    (row,) = recovered_shares(groups, "reward_last", cells=cells + abl, ablation=True)
+    # gap 0.2 on every seed and the ablation point 0.05 above stale on every seed: share 0.25, a zero-width interval
+    assert row["method"] == "gac(c_low=0.05,c_high=0.3)" and row["n"] == 3
+    assert row["share"] == pytest.approx(0.25)
+    assert (row["share_ci_low"], row["share_ci_high"]) == pytest.approx((0.25, 0.25))
+    assert row["vs_stale_diff"] == pytest.approx(0.05)
+    # the main rows do not list the ablation point, and the ablation rows do not list the main methods
+    assert [r["method"] for r in recovered_shares(groups, "reward_last", cells=cells + abl)] == ["gac"]
+    md = markdown(cells + abl, groups, recovered_shares(groups, cells=cells + abl), Path("x"),
+                  recovered_shares(groups, "reward_last", cells=cells + abl))
+    table = md[md.index("## Threshold ablation"):]
+    assert "in the training reward" in table and "| 0.25 [0.25, 0.25] | +0.05 " in table
+
+
+def test_a_stored_ablation_grid_gets_shares_and_figure_5(tmp_path):
+    suite = {"name": "abl", "steps": 30, "warmup": 5,
+             "tasks": {"bandit": {"objective": "bandit", "params": {"lr": 0.05}}},
+             "methods": ["sync", "stale"], "staleness": [0, 4], "seeds": [0, 1],
+             "ablation": {"method": "gac", "staleness": 4, "c_low": [0.02, 0.05], "c_high": [0.3]}}
+    path = tmp_path / "abl.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    run_grid(expand_cells(load_suite(str(path))), out)
+    build_report(out)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["ablation_recovered_reward"]
+    assert sorted(r["method"] for r in rows) == ["gac(c_low=0.02,c_high=0.3)", "gac(c_low=0.05,c_high=0.3)"]
+    assert all(r["n"] == 2 and {"share_ci_low", "share_ci_high", "vs_stale_p"} <= set(r) for r in rows)
+    assert len(summary["ablation_recovered"]) == 2 and summary["recovered_reward"] == []
+    assert (out / "fig_thresholds.png").is_file()
+    assert "`gac(c_low=0.02,c_high=0.3)` | 4 |" in (out / "summary.md").read_text()
 
 
 def test_running_max_drop_by_hand():

@@ -203,11 +203,12 @@ def group_records(cells: list[dict]) -> list[dict]:
 
 
 def _per_seed(cells: list[dict], key: str) -> dict[tuple, dict[int, float]]:
-    """{(task, method, staleness): {seed: value}} of the done, non-ablation cells: ``final`` (a diverged run at
-    its starting value, as in ``final_mean``) or another per-cell key (``reward_last``)."""
+    """{(task, method, staleness): {seed: value}} of the done cells: ``final`` (a diverged run at its starting
+    value, as in ``final_mean``) or another per-cell key (``reward_last``). An ablation cell's method names its
+    thresholds (``gac(c_low=0.05,c_high=0.3)``), so its key never meets a main grid's."""
     out: dict[tuple, dict[int, float]] = defaultdict(dict)
     for c in cells:
-        if c["status"] != "done" or c.get("ablation"):
+        if c["status"] != "done":
             continue
         value = _capped(c) if key == "final" else c.get(key)
         if value is not None and math.isfinite(value):
@@ -305,18 +306,20 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
     return row
 
 
-def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] | None = None) -> list[dict]:
+def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] | None = None,
+                     ablation: bool = False) -> list[dict]:
     """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
     training reward over the last 20% of steps, for rollout objectives). With ``cells`` (the cell records)
     each row also gets its confidence intervals (module docstring); a method whose sync or stale group has no
-    cells gets a row with ``missing`` naming them and null share."""
+    cells gets a row with ``missing`` naming them and null share. ``ablation=True``: the rows of the threshold
+    ablation's groups instead, against the same sync and stale groups."""
     mean, std = f"{key}_mean", f"{key}_std"
     groups = [g for g in groups if mean in g]
     by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
     seeds = _per_seed(cells, key) if cells is not None else None
     rows = []
     for g in groups:
-        if g["method"] in REFERENCE_METHODS or g["ablation"] or g["staleness"] == 0:
+        if g["method"] in REFERENCE_METHODS or bool(g["ablation"]) != ablation or g["staleness"] == 0:
             continue
         sync, stale = by.get((g["task"], "sync", 0)), by.get((g["task"], "stale", g["staleness"]))
         higher = key == "reward_last" or bool(g["higher_is_better"])
@@ -342,6 +345,12 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
                "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)}
         rows.append(_with_ci(row, seeds, key, higher) if cells is not None else row)
     return rows
+
+
+def _ablation_key(abl: list[dict]) -> str:
+    """The measure the threshold ablation is read on: the training reward where every ablation group has one
+    (rollout objectives), else the final metric."""
+    return "reward_last" if all("reward_last_mean" in g for g in abl) else "final"
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -420,11 +429,25 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
                      f"{_fmt(g['cos_abs_le_005'], 2)} | {g['n']} |")
     abl = [g for g in groups if g["ablation"]]
     if abl:
-        lines += ["", "## Threshold ablation (c_low, c_high)", "", "| task | method | s | final (mean) | diverged |",
-                  "|---|---|---|---|---|"]
+        key = _ablation_key(abl)
+        rows = {(r["task"], r["method"]): r for r in recovered_shares(groups, key, cells=cells, ablation=True)}
+        what = "training reward" if key == "reward_last" else "final metric"
+        lines += ["", "## Threshold ablation (c_low, c_high)", "",
+                  f"Recovered share of the stale–sync gap in the {what} (95% paired bootstrap interval) and the "
+                  "paired difference to stale at the same s (t-interval, paired t-test p), as in the tables above.",
+                  "", "| task | method | s | final (mean) | training reward (last 20%) | share [95% CI] | "
+                  "method − stale [95% CI] | p | diverged | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
         for g in abl:
+            r = rows.get((g["task"], g["method"]), {})
+            reward = (f"{_fmt(g['reward_last_mean'], 3)} ± {_fmt(g['reward_last_std'], 2)}"
+                      if "reward_last_mean" in g else "—")
+            share = "—" if r.get("share") is None or math.isnan(r["share"]) else (
+                f"{r['share']:.2f} {_ci(r.get('share_ci_low'), r.get('share_ci_high'))}")
+            diff = "—" if r.get("vs_stale_diff") is None else (
+                f"{r['vs_stale_diff']:+.3g} {_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)}")
             lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {_fmt(g['final_mean'], 4)} | "
-                         f"{g['diverged_frac']:.0%} |")
+                         f"{reward} | {share} | {diff} | {_fmt(r.get('vs_stale_p'), 2)} | {g['diverged_frac']:.0%} | "
+                         f"{g['n']} |")
     sections = (("Failed cells", "failed"), ("Incomplete cells (stored files damaged; not counted)", "incomplete"))
     for title, kind in sections:
         listed = [c for c in cells if c["status"] != "done" and (c["status"] == "incomplete") == (kind == "incomplete")]
@@ -918,26 +941,43 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
     if abl:
         import re
 
+        key = _ablation_key(abl)
+        shares = {(r["task"], r["method"]): r["share"] for r in recovered_shares(groups, key, ablation=True)}
+        by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
         atasks = sorted({g["task"] for g in abl})
-        fig, axes = plt.subplots(1, len(atasks), figsize=(4 * len(atasks), 3.4), squeeze=False)
+        fig, axes = plt.subplots(1, len(atasks), figsize=(4.6 * len(atasks), 3.6), squeeze=False)
         for ax, task in zip(axes[0], atasks):
-            pts = {}
+            pts, share_at = {}, {}
             tg = [g for g in abl if g["task"] == task]
+            s_abl = tg[0]["staleness"]
             for g in tg:
                 m = re.search(r"c_low=([0-9.]+),c_high=([0-9.]+)", g["method"])
                 if m:
-                    pts[(float(m.group(1)), float(m.group(2)))] = g["final_mean"]
+                    pts[(float(m.group(1)), float(m.group(2)))] = g[f"{key}_mean"]
+                    share_at[(float(m.group(1)), float(m.group(2)))] = shares.get((task, g["method"]), math.nan)
             lows, highs = sorted({k[0] for k in pts}), sorted({k[1] for k in pts})
             grid = np.full((len(lows), len(highs)), np.nan)
             for (lo, hi), v in pts.items():
                 grid[lows.index(lo), highs.index(hi)] = v
-            im = ax.imshow(grid, origin="lower", cmap="viridis" if tg[0]["higher_is_better"] else "viridis_r",
-                           aspect="auto")
+                sh = share_at[(lo, hi)]
+                ax.text(highs.index(hi), lows.index(lo), f"{v:.3g}" + ("" if math.isnan(sh) else f"\nshare {sh:.2f}"),
+                        ha="center", va="center", fontsize=7, color="black",
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.6, "lw": 0})
+            higher = key == "reward_last" or tg[0]["higher_is_better"]
+            refs = {name: by[(task, name, st)][f"{key}_mean"] for name, st in (("sync", 0), ("stale", s_abl))
+                    if f"{key}_mean" in by.get((task, name, st), {})}
+            # the colour scale spans stale and sync too, so a colour reads as a place in the gap
+            span = [v for v in grid.ravel() if math.isfinite(v)] + list(refs.values())
+            im = ax.imshow(grid, origin="lower", cmap="viridis" if higher else "viridis_r", aspect="auto",
+                           vmin=min(span), vmax=max(span))
             ax.set_xticks(range(len(highs)), [f"{h:g}" for h in highs])
             ax.set_yticks(range(len(lows)), [f"{lo:g}" for lo in lows])
             ax.set_xlabel("c_high")
             ax.set_ylabel("c_low")
-            ax.set_title(f"{task}, s={tg[0]['staleness']}: final {tg[0]['metric']} (bright = better)")
+            what = "training reward (last 20%)" if key == "reward_last" else f"final {tg[0]['metric']}"
+            ref_text = ", ".join(f"{name} {v:.3g}" for name, v in refs.items())
+            ax.set_title(f"{task}, s={s_abl}: {what}, bright = better" + (f"\n({ref_text})" if refs else ""),
+                         fontsize=8)
             fig.colorbar(im, ax=ax)
             if (0.05, 0.3) in pts:  # the paper's default
                 ax.add_patch(plt.Rectangle((highs.index(0.3) - 0.5, lows.index(0.05) - 0.5), 1, 1, fill=False,
@@ -1006,6 +1046,9 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     regime = regime_points(records, specs)
     timing = read_timing(root)
     summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares}
+    if any(g["ablation"] for g in groups):
+        summary["ablation_recovered"] = recovered_shares(groups, cells=records, ablation=True)
+        summary["ablation_recovered_reward"] = recovered_shares(groups, "reward_last", cells=records, ablation=True)
     if regime:
         summary["regime"] = regime
     if timing is not None:
