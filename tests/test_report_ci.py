@@ -1,5 +1,6 @@
 """Confidence intervals, Tables 1 and 3, the degradation indicator and the regime map of the report."""
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 import yaml
 from scipy import stats
 
+from gacbench.bench.cell import cell_dir
 from gacbench.bench.report import (
     BOOT_RESAMPLES,
     build_report,
@@ -194,6 +196,19 @@ def test_report_of_a_stored_grid_has_the_new_keys_and_sections(tmp_path):
     assert md.index("## Timing") < md.index("## Confidence intervals")  # appended after the existing sections
     for name in ("fig_staleness_bandit.png", "fig_cos_methods_bandit.png", "fig_reward_bandit.png"):
         assert (out / name).is_file()
+    # the update diagnostics, read back from a cell's metrics.csv independently of read_metrics
+    gac = next(c for c in summary["cells"] if c["method"] == "gac" and c["seed"] == 1)
+    with (cell_dir(out, {**cells[0], "method": "gac", "staleness": 4, "seed": 1}) / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    norms = [float(r["grad/norm"]) for r in rows if r["grad/norm"] and int(r["step"]) >= 5]
+    changed = [float(r["align/proj_frac"]) for r in rows if r["align/proj_frac"]]
+    assert len(norms) == 25 and gac["grad_norm"] == pytest.approx(np.mean(norms))
+    assert gac["gac_changed"] == pytest.approx(changed[-1])
+    assert not any("gac_changed" in c for c in summary["cells"] if c["method"] != "gac")
+    group = next(g for g in summary["groups"] if g["method"] == "gac")
+    assert group["gac_changed_mean"] == pytest.approx(np.mean([c["gac_changed"] for c in summary["cells"]
+                                                                if c["method"] == "gac"]))
+    assert "## Update diagnostics, after the warm-up" in md and "| GAC: steps changed |" in md
 
 
 def test_regime_map_of_a_stored_grid(tmp_path):

@@ -60,6 +60,14 @@ BOOT_RESAMPLES, BOOT_SEED, CI_LEVEL = 9999, 0, 0.95
 #: interpolation, so that an unbounded resample gives an unbounded end rather than inf - inf)
 QUANTILE_METHOD = "inverted_cdf"
 DEGRADE_WINDOW, DEGRADE_MARGIN, DEGRADE_SIGMAS = 10, 0.05, 5.0
+#: per-step diagnostics of the update, averaged over a cell's steps after the warm-up where the cell logs them:
+#: record key -> (logged name, column title in summary.md)
+DIAGNOSTICS = {
+    "grad_norm": ("grad/norm", "gradient norm"),
+    "ratio_max": ("is/ratio_max", "largest token ratio π_θ/π_behav"),
+    "clipfrac": ("pg/clipfrac", "clipped-token share"),
+    "clipfrac_dual": ("pg/clipfrac_dual", "dual-clipped-token share"),
+}
 
 
 def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -117,6 +125,13 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
             rec[name] = float(series[key][-1][1])
     if series.get("assume/eta_eff"):  # the step taken, as an SGD step size: its median over the run
         rec["assume_eta_eff"] = float(np.median([v for _, v in series["assume/eta_eff"]]))
+    warmup = cell.get("warmup", 0)
+    for name, (logged, _) in DIAGNOSTICS.items():
+        values = [v for step, v in series.get(logged, []) if step >= warmup]
+        if values:
+            rec[name] = float(np.mean(values))
+    if series.get("align/proj_frac"):  # GAC: the share of its steps it shrank, projected or skipped
+        rec["gac_changed"] = float(series["align/proj_frac"][-1][1])
     reward = [v for _, v in series.get("reward/mean", [])]
     if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
         k = max(1, len(reward) // 5)
@@ -197,6 +212,8 @@ def group_records(cells: list[dict]) -> list[dict]:
             "cos_median": _nanmean([r["cos_median"] for r in recs]),
             "cos_abs_q90": _nanmean([r["cos_abs_q90"] for r in recs]),
             "cos_abs_le_005": _nanmean([r["cos_abs_le_005"] for r in recs]),
+            **{f"{k}_mean": float(np.mean([r[k] for r in recs])) for k in (*DIAGNOSTICS, "gac_changed")
+               if all(k in r for r in recs)},
             "n": len(recs),
         })
     return out
@@ -347,6 +364,24 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
     return rows
 
 
+def _diagnostics_table(groups: list[dict]) -> list[str]:
+    """Per group, the update diagnostics its cells logged (``DIAGNOSTICS``, means over seeds of each cell's mean
+    after the warm-up) and GAC's share of changed steps; nothing when no group logged any."""
+    keys = [k for k in (*DIAGNOSTICS, "gac_changed") if any(f"{k}_mean" in g for g in groups)]
+    rows = [g for g in groups if any(f"{k}_mean" in g for k in keys)]
+    if not rows:
+        return []
+    titles = [DIAGNOSTICS[k][1] if k in DIAGNOSTICS else "GAC: steps changed" for k in keys]
+    lines = ["", "## Update diagnostics, after the warm-up", "",
+             "Each cell's mean over its steps after the warm-up, then the mean over seeds; GAC: the share of its "
+             "steps it shrank, projected or skipped. — where the method does not log the value.", "",
+             "| task | method | s | " + " | ".join(titles) + " | seeds |", "|---|---|---|" + "---|" * (len(keys) + 1)]
+    for g in rows:
+        vals = [_fmt(g.get(f"{k}_mean"), 3) for k in keys]
+        lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | " + " | ".join(vals) + f" | {g['n']} |")
+    return lines
+
+
 def _ablation_key(abl: list[dict]) -> str:
     """The measure the threshold ablation is read on: the training reward where every ablation group has one
     (rollout objectives), else the final metric."""
@@ -427,6 +462,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | {_fmt(g['cos_median'])} | "
                      f"{_fmt(g['cos_abs_q90'])} | "
                      f"{_fmt(g['cos_abs_le_005'], 2)} | {g['n']} |")
+    lines += _diagnostics_table(main)
     abl = [g for g in groups if g["ablation"]]
     if abl:
         key = _ablation_key(abl)
