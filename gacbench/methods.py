@@ -158,8 +158,11 @@ register_method("gac-calibrated", "GAC with (c_low, c_high) anchored to the sync
 def reference_cell(cell: dict) -> dict | None:
     """The cell ``cell``'s method needs done before it runs (the synchronous cell of its task and seed), or None."""
     method, _ = parse_method(cell["method"])
-    if method.reference is None:
-        return None
+    return None if method.reference is None else sync_cell(cell)
+
+
+def sync_cell(cell: dict) -> dict:
+    """The synchronous cell (s = 0) of ``cell``'s task, parameters and seed."""
     ref = {k: v for k, v in cell.items() if k not in ("method", "staleness", "ablation", "calibration")}
     return {**ref, "method": "sync", "staleness": 0}
 

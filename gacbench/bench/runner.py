@@ -52,7 +52,14 @@ from gacbench.bench.cell import (
     write_json,
 )
 from gacbench.functional.calibration import calibration_record
-from gacbench.methods import method_callbacks, parse_method, reference_cell, reference_rule, split_top_level
+from gacbench.methods import (
+    method_callbacks,
+    parse_method,
+    reference_cell,
+    reference_rule,
+    split_top_level,
+    sync_cell,
+)
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 from gacbench.usage import UsageError, check_output_dir
 
@@ -892,9 +899,7 @@ def main(args) -> int:
     out = check_output_dir("--out", args.out)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
                   f"(workers={args.workers}, executor={args.executor})")
-    sync = [{**{k: v for k, v in c.items() if k not in ("method", "staleness", "ablation")}, "method": "sync",
-             "staleness": 0} for c in cells]
-    if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, c) for c in sync):
+    if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, sync_cell(c)) for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
                       "recovered shares cannot be computed")
     try:
