@@ -428,7 +428,9 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
 
 def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
              reward_shares: list[dict] | None = None, timing: dict | None = None,
-             regime: list[dict] | None = None) -> str:
+             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None) -> str:
+    """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
+    (:func:`_ablation_key`), if already computed."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     tasks = sorted({g["task"] for g in groups})
@@ -466,7 +468,9 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     abl = [g for g in groups if g["ablation"]]
     if abl:
         key = _ablation_key(abl)
-        rows = {(r["task"], r["method"]): r for r in recovered_shares(groups, key, cells=cells, ablation=True)}
+        if ablation_rows is None:
+            ablation_rows = recovered_shares(groups, key, cells=cells, ablation=True)
+        rows = {(r["task"], r["method"]): r for r in ablation_rows}
         what = "training reward" if key == "reward_last" else "final metric"
         lines += ["", "## Threshold ablation (c_low, c_high)", "",
                   f"Recovered share of the stale–sync gap in the {what} (95% paired bootstrap interval) and the "
@@ -783,7 +787,7 @@ def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tup
 
 
 def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[dict],
-            regime: list[dict] | None = None) -> list[Path]:
+            regime: list[dict] | None = None, ablation_rows: list[dict] | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -978,7 +982,9 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
         import re
 
         key = _ablation_key(abl)
-        shares = {(r["task"], r["method"]): r["share"] for r in recovered_shares(groups, key, ablation=True)}
+        if ablation_rows is None:
+            ablation_rows = recovered_shares(groups, key, cells=cells, ablation=True)
+        shares = {(r["task"], r["method"]): r["share"] for r in ablation_rows}
         by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
         atasks = sorted({g["task"] for g in abl})
         fig, axes = plt.subplots(1, len(atasks), figsize=(4.6 * len(atasks), 3.6), squeeze=False)
@@ -1082,16 +1088,21 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     regime = regime_points(records, specs)
     timing = read_timing(root)
     summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares}
-    if any(g["ablation"] for g in groups):
+    abl = [g for g in groups if g["ablation"]]
+    ablation_rows = None
+    if abl:
         summary["ablation_recovered"] = recovered_shares(groups, cells=records, ablation=True)
         summary["ablation_recovered_reward"] = recovered_shares(groups, "reward_last", cells=records, ablation=True)
+        ablation_rows = summary["ablation_recovered_reward" if _ablation_key(abl) == "reward_last"
+                                else "ablation_recovered"]
     if regime:
         summary["regime"] = regime
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
-    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing, regime))
-    figs = figures(root, records, specs, groups, regime) if groups else []
+    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing, regime,
+                                                  ablation_rows))
+    figs = figures(root, records, specs, groups, regime, ablation_rows) if groups else []
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]

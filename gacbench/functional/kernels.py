@@ -108,9 +108,9 @@ def _capturing(name: str, fn: Callable) -> Callable:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    params = list(inspect.signature(fn).parameters)
-    varargs = next((i for i, v in enumerate(inspect.signature(fn).parameters.values())
-                    if v.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    parameters = inspect.signature(fn).parameters
+    params = list(parameters)
+    varargs = next((i for i, v in enumerate(parameters.values()) if v.kind is inspect.Parameter.VAR_POSITIONAL), None)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         compiled = compile_fx(gm, example_inputs)
