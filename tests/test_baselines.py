@@ -30,7 +30,7 @@ from gacbench.stabilizers import (
     policy_loss,
 )
 from gacbench.stabilizers.registry import available
-from gacbench.stabilizers.vcpo import per_sequence_grad_sq_norms
+from gacbench.stabilizers.vcpo import per_sequence_grad_sq_norms, recomputed_grad_sq_norms
 
 D = torch.float64
 
@@ -420,6 +420,70 @@ def test_per_sequence_gradient_norms_match_the_softmax_score_function():
     p = torch.softmax(x @ W, -1).detach()
     expected = (x**2).sum(-1) * ((torch.nn.functional.one_hot(a, 4) - p) ** 2).sum(-1)  # ||x||^2 ||e_a - p||^2
     assert got.tolist() == pytest.approx(expected.tolist())
+
+
+def _token_policy(seed=0, B=6, T=3):
+    """A softmax policy over 4 tokens with logits x @ W per token: (W, row_logp, mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.nn.Parameter(torch.randn(3, 4, generator=gen, dtype=D))
+    x = torch.randn(B, T, 3, generator=gen, dtype=D)
+    a = torch.randint(0, 4, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 2] = mask[3, 1:] = False
+
+    def row_logp(rows):
+        return torch.log_softmax(x[rows] @ W, -1).gather(-1, a[rows].unsqueeze(-1)).squeeze(-1) * mask[rows]
+
+    return W, row_logp, mask
+
+
+def test_recomputed_gradient_norms_equal_the_norms_through_the_batch_graph():
+    W, row_logp, mask = _token_policy()
+    every = torch.arange(mask.shape[0])
+    through_batch = per_sequence_grad_sq_norms(row_logp(every).sum(-1), [W])
+    assert (through_batch > 0).all()
+    assert recomputed_grad_sq_norms(row_logp, mask, [W], every).tolist() == pytest.approx(through_batch.tolist())
+    # only the rows asked for are computed
+    assert recomputed_grad_sq_norms(row_logp, mask, [W], torch.tensor([1, 4])).tolist() == pytest.approx(
+        [0.0, through_batch[1].item(), 0.0, 0.0, through_batch[4].item(), 0.0])
+
+
+def test_vcpo_baseline_skips_norms_that_cannot_change_an_advantage():
+    W, row_logp, mask = _token_policy()
+    every = torch.arange(mask.shape[0])
+    # group 0 (rows 0-2) has advantages, group 1 (rows 3-5) is all ties; the behaviour log-probs give unequal
+    # sequence weights w_i = exp(sum_t log(pi_prox / pi_behav))
+    adv = t([1.0, -0.5, 2.0, 0.0, 0.0, 0.0]).view(-1, 1).expand(-1, 3)
+    behav = t([[0.3, 0.0, 0.0], [-0.2, 0.1, 0.0], [0.0, 0.5, -0.1], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0, 0]])
+    asked = []
+
+    def counting(rows):
+        asked.extend(rows.tolist())
+        return row_logp(rows)
+
+    def run(recompute):
+        W.grad = None
+        logp = row_logp(every)
+        b = PolicyBatch(logp, logp.detach() - behav, adv, mask, group=torch.tensor([0, 0, 0, 1, 1, 1]),
+                        row_logp=counting if recompute else None)
+        stab = VCPO()
+        stab._params = [W]
+        loss, m = stab.policy_loss(b)
+        loss.backward()
+        return loss.item(), W.grad.clone(), m
+
+    loss_r, grad_r, m = run(True)
+    assert sorted(asked) == [0, 1, 2] and m["vcpo/grad_rows_frac"] == pytest.approx(3 / 6)
+    loss_b, grad_b, _ = run(False)
+    assert loss_r == pytest.approx(loss_b) and torch.allclose(grad_r, grad_b)
+    # every norm taken: the same advantages, since the skipped rows' group has only zero advantages
+    logp = row_logp(every)
+    w = torch.exp((logp.detach() - (logp.detach() - behav)).masked_fill(~mask, 0).sum(-1).clamp(-20, 20))
+    gsq = per_sequence_grad_sq_norms(logp.sum(-1), [W])
+    full = opob_advantages(adv[:, 0], torch.tensor([0, 0, 0, 1, 1, 1]), w**2 * gsq)
+    assert full[3:].tolist() == [0.0, 0.0, 0.0]
+    expected = -(w.clamp(max=8).unsqueeze(-1) * full.unsqueeze(-1)).expand(-1, 3)[mask].mean()
+    assert loss_r == pytest.approx(expected.item())
 
 
 def test_vcpo_baseline_needs_groups():

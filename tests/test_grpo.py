@@ -309,3 +309,25 @@ def test_every_registered_stabilizer_runs_in_grpo(model_dir, method):
     trainer.fit(m)
     assert len(trainer.logger.values("reward/mean")) == 3 and m.engine.version == 3
     assert all(torch.isfinite(p).all() for p in m.policy.parameters())
+
+
+def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_dir, monkeypatch):
+    """PolicyBatch.row_logp gives a row's log-probs from a forward of that row alone; VCPO's per-sequence gradient
+    norms from it equal those taken through the whole batch's graph."""
+    import gacbench.llm.grpo as grpo
+    from gacbench.stabilizers.vcpo import per_sequence_grad_sq_norms, recomputed_grad_sq_norms
+
+    m = module(model_dir, staleness=1)
+    make_trainer([], max_steps=1).fit(m)
+    data = m.rollout()
+    seen = []
+    monkeypatch.setattr(grpo, "policy_loss", lambda stab, pb: (seen.append(pb), (pb.logp.sum(), {}))[1])
+    m.policy_loss(data)
+    (pb,) = seen
+    rows = torch.tensor([0, 5, pb.logp.shape[0] - 1])
+    assert torch.allclose(pb.row_logp(rows), pb.logp[rows], rtol=1e-4, atol=1e-5)
+    params = [p for p in m.parameters() if p.requires_grad]
+    recomputed = recomputed_grad_sq_norms(pb.row_logp, pb.mask, params, rows)
+    through_batch = per_sequence_grad_sq_norms(pb.logp.sum(-1), params, rows)
+    assert (through_batch[rows] > 0).all()
+    assert recomputed.tolist() == pytest.approx(through_batch.tolist(), rel=1e-3)

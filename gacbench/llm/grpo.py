@@ -327,7 +327,8 @@ class GRPOModule(Objective):
         pb = PolicyBatch(logp, logp_behav, data["adv"].unsqueeze(-1).expand_as(logp), mask,
                          clip_low=lc.clip_low, clip_high=lc.clip_high, agg=lc.agg, logp_engine=data["engine_logp"],
                          # rows are prompt-major: row i belongs to prompt i // group
-                         group=torch.arange(logp.shape[0], device=logp.device) // self.rollout_cfg.group)
+                         group=torch.arange(logp.shape[0], device=logp.device) // self.rollout_cfg.group,
+                         row_logp=lambda rows: self.token_logprobs({k: v[rows] for k, v in data["packed"].items()}))
         loss, metrics = policy_loss(self.loss_stabilizer, pb)
         # E_engine[log p_engine - log p_trainer] over the batch's tokens, at the behaviour policy
         metrics["is/engine_mismatch_kl"] = ((data["engine_logp"] - logp_behav) * mask).sum() / mask.sum().clamp_min(1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -57,6 +58,11 @@ class PolicyBatch:
     ``group``: (B,) integer id of the prompt group of each sequence (GRPO's groups), or None; VCPO's
     baseline needs it.
 
+    ``row_logp``: optional callable that takes a 1-D index tensor of rows and returns those rows' (n, T)
+    log-probs at the current parameters from a fresh forward pass (with gradients), equal to ``logp[rows]``
+    up to rounding. With it a stabilizer takes one sequence's parameter gradient at the cost of that
+    sequence's forward and backward pass, not a backward pass through the whole batch (VCPO's baseline).
+
     Settings: ``clip_low``/``clip_high`` (ratio clipped to [1 - clip_low, 1 + clip_high]) and ``agg`` (one of
     ``AGG_MODES``), as the module's own surrogate uses them.
     """
@@ -71,6 +77,7 @@ class PolicyBatch:
     agg: str = "token-mean"
     logp_engine: Tensor | None = None
     group: Tensor | None = None
+    row_logp: Callable[[Tensor], Tensor] | None = None
 
     def __post_init__(self) -> None:
         optional = [k for k in ("logp_prox", "logp_engine") if getattr(self, k) is not None]

@@ -10,8 +10,11 @@ Two parts, both implemented:
   W_i = w_i^2 ||grad log pi_theta(tau_i)||^2, and advantages (R_i - b) / sigma_group. With the module's
   group-normalised advantages A_i = (R_i - mean) / sigma this is A_i - sum_j lambda_j A_j,
   lambda_j = W_j / sum W, computed without the raw rewards. The per-sequence gradient norms take one
-  backward pass per sequence (``torch.autograd.grad`` of the sequence's summed log-probs with respect to
-  the module's trainable parameters).
+  forward and backward pass per sequence when the batch offers ``row_logp`` (as the authors' code does, one
+  trajectory per micro-batch), else one backward pass through the batch's graph per sequence
+  (``torch.autograd.grad`` of the sequence's summed log-probs with respect to the module's trainable
+  parameters). They are not taken for a group whose advantages are all zero (a group of tied rewards): its
+  baseline-corrected advantages are zero whatever the weights, so the result is the same as taking every norm.
 
 Loss (the authors' scripts: PPO clipping disabled, sequence-level truncated IS at 8): -agg(min(w_i, C) r A'),
 r = pi_theta / pi_prox, with the module's aggregation. The module's clip bounds are not used.
@@ -70,13 +73,37 @@ def opob_advantages(adv: Tensor, group: Tensor, weight: Tensor) -> Tensor:
     return adv - base[gid]
 
 
-def per_sequence_grad_sq_norms(seq_logp: Tensor, params: list[Tensor]) -> Tensor:
-    """(B,) ||grad_params seq_logp_i||^2, one backward pass per sequence (the graph is kept)."""
+def _sq_norm(grads) -> float:
+    return sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
+
+
+def per_sequence_grad_sq_norms(seq_logp: Tensor, params: list[Tensor], rows: Tensor | None = None) -> Tensor:
+    """(B,) ||grad_params seq_logp_i||^2 for the sequences i in ``rows`` (default: all; 0 elsewhere), one backward
+    pass through the batch's graph per sequence (the graph is kept)."""
     out = torch.zeros(seq_logp.numel(), dtype=torch.float64, device=seq_logp.device)
-    for i in range(seq_logp.numel()):
-        grads = torch.autograd.grad(seq_logp[i], params, retain_graph=True, allow_unused=True)
-        out[i] = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
+    for i in range(seq_logp.numel()) if rows is None else rows.tolist():
+        out[i] = _sq_norm(torch.autograd.grad(seq_logp[i], params, retain_graph=True, allow_unused=True))
     return out
+
+
+def recomputed_grad_sq_norms(row_logp, mask: Tensor, params: list[Tensor], rows: Tensor) -> Tensor:
+    """(B,) ||grad_params sum_t logp_{i,t}||^2 for the sequences i in ``rows`` (0 elsewhere), each from a forward
+    and backward pass of that sequence alone: ``row_logp`` (PolicyBatch.row_logp) recomputes its log-probs."""
+    out = torch.zeros(mask.shape[0], dtype=torch.float64, device=mask.device)
+    for i in rows.tolist():
+        index = torch.tensor([i], device=mask.device)
+        seq = sanitize(row_logp(index), mask[index]).sum()
+        out[i] = _sq_norm(torch.autograd.grad(seq, params, allow_unused=True))
+    return out
+
+
+def rows_needing_norms(adv_seq: Tensor, group: Tensor) -> Tensor:
+    """Indices of the sequences whose gradient norm can change an off-policy optimal baseline advantage: those in
+    a group with a non-zero advantage."""
+    _, gid = torch.unique(group, return_inverse=True)
+    live = torch.zeros(int(gid.max()) + 1 if gid.numel() else 0, dtype=torch.bool, device=adv_seq.device)
+    live[gid[adv_seq != 0]] = True
+    return torch.nonzero(live[gid]).flatten()
 
 
 class VCPO(LossStabilizer):
@@ -111,10 +138,14 @@ class VCPO(LossStabilizer):
                                  "PolicyBatch(..., group=...) (shape (B,)), or use vcpo(baseline=False)")
             if not self._params:
                 raise RuntimeError("VCPO: no trainable parameters recorded; the callback's setup hook did not run")
-            seq_logp = sanitize(batch.logp, m).sum(-1)
-            gsq = per_sequence_grad_sq_norms(seq_logp, self._params)
+            rows = rows_needing_norms(adv_seq.detach(), batch.group)
+            if batch.row_logp is not None:
+                gsq = recomputed_grad_sq_norms(batch.row_logp, m, self._params, rows)
+            else:
+                gsq = per_sequence_grad_sq_norms(sanitize(batch.logp, m).sum(-1), self._params, rows)
             adv_seq = opob_advantages(adv_seq, batch.group, w.double() ** 2 * gsq).to(batch.logp.dtype)
-            metrics["vcpo/grad_sq_mean"] = gsq.mean()
+            metrics["vcpo/grad_sq_mean"] = gsq[rows].mean() if rows.numel() else 0.0
+            metrics["vcpo/grad_rows_frac"] = rows.numel() / max(m.shape[0], 1)
         r = torch.exp(safe_log_ratio(batch.logp, batch.logp_prox, m))
         weight = w.clamp(max=self.is_cap).unsqueeze(-1)
         loss = agg_loss(-weight * r * adv_seq.unsqueeze(-1), m, batch.agg)
