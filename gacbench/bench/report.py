@@ -388,6 +388,14 @@ def _ablation_key(abl: list[dict]) -> str:
     return "reward_last" if all("reward_last_mean" in g for g in abl) else "final"
 
 
+def _ablation_rows(groups: list[dict], cells: list[dict], given: list[dict] | None) -> list[dict]:
+    """The threshold ablation's recovered shares on its measure: ``given`` (build_report computes them once for
+    summary.json), else computed here."""
+    if given is not None:
+        return given
+    return recovered_shares(groups, _ablation_key([g for g in groups if g["ablation"]]), cells=cells, ablation=True)
+
+
 def _fmt(x: float | None, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "—"
@@ -468,9 +476,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     abl = [g for g in groups if g["ablation"]]
     if abl:
         key = _ablation_key(abl)
-        if ablation_rows is None:
-            ablation_rows = recovered_shares(groups, key, cells=cells, ablation=True)
-        rows = {(r["task"], r["method"]): r for r in ablation_rows}
+        rows = {(r["task"], r["method"]): r for r in _ablation_rows(groups, cells, ablation_rows)}
         what = "training reward" if key == "reward_last" else "final metric"
         lines += ["", "## Threshold ablation (c_low, c_high)", "",
                   f"Recovered share of the stale–sync gap in the {what} (95% paired bootstrap interval) and the "
@@ -982,9 +988,7 @@ def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[
         import re
 
         key = _ablation_key(abl)
-        if ablation_rows is None:
-            ablation_rows = recovered_shares(groups, key, cells=cells, ablation=True)
-        shares = {(r["task"], r["method"]): r["share"] for r in ablation_rows}
+        shares = {(r["task"], r["method"]): r["share"] for r in _ablation_rows(groups, cells, ablation_rows)}
         by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
         atasks = sorted({g["task"] for g in abl})
         fig, axes = plt.subplots(1, len(atasks), figsize=(4.6 * len(atasks), 3.6), squeeze=False)

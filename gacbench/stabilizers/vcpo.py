@@ -59,12 +59,17 @@ def ess_lr_scale(rho_ess: float, rho_base: float = 1.0) -> float:
     return math.sqrt(min(1.0, rho_ess / rho_base))
 
 
+def group_index(group: Tensor) -> tuple[Tensor, int]:
+    """(gid, n): each sequence's group as an index in 0..n-1, and the number of groups n."""
+    _, gid = torch.unique(group, return_inverse=True)
+    return gid, int(gid.max()) + 1 if gid.numel() else 0
+
+
 def opob_advantages(adv: Tensor, group: Tensor, weight: Tensor) -> Tensor:
     """Per-sequence advantages with the off-policy optimal baseline, shapes (B,): A_i - sum_{j in g(i)} lambda_j A_j,
     lambda_j = weight_j / sum_{k in g(j)} weight_k. A group whose weights are all zero keeps its advantages."""
     adv, weight = adv.detach().double(), weight.detach().double()
-    _, gid = torch.unique(group, return_inverse=True)
-    n = int(gid.max()) + 1 if gid.numel() else 0
+    gid, n = group_index(group)
     wsum = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, weight)
     wa = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, weight * adv)
     cnt = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, torch.ones_like(adv))
@@ -100,8 +105,8 @@ def recomputed_grad_sq_norms(row_logp, mask: Tensor, params: list[Tensor], rows:
 def rows_needing_norms(adv_seq: Tensor, group: Tensor) -> Tensor:
     """Indices of the sequences whose gradient norm can change an off-policy optimal baseline advantage: those in
     a group with a non-zero advantage."""
-    _, gid = torch.unique(group, return_inverse=True)
-    live = torch.zeros(int(gid.max()) + 1 if gid.numel() else 0, dtype=torch.bool, device=adv_seq.device)
+    gid, n = group_index(group)
+    live = torch.zeros(n, dtype=torch.bool, device=adv_seq.device)
     live[gid[adv_seq != 0]] = True
     return torch.nonzero(live[gid]).flatten()
 
