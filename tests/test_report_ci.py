@@ -102,6 +102,26 @@ def test_n_counts_distinct_shared_seeds_and_missing_groups_give_null():
     assert all("n" not in r for r in recovered_shares(group_records(cells)))  # without cells: as before, no CIs
 
 
+def test_share_table_across_s_by_hand():
+    # sync 1.0; stale 0.4 at s = 8 and 0.2 at s = 16 on every seed; gac at s = 8 only
+    stale = {8: 0.4, 16: 0.2}
+    cells = ([_cell("t", "sync", 0, k, 1.0) for k in (0, 1, 2)]
+             + [_cell("t", "stale", s, k, stale[s]) for s in (8, 16) for k in (0, 1, 2)]
+             + [_cell("t", "gac", 8, k, 0.7 + 0.03 * k) for k in (0, 1, 2)]
+             + [_cell("t", "m2po", s, k, stale[s] + (0.02 if k == 1 else -0.01)) for s in (8, 16) for k in (0, 1, 2)])
+    groups = group_records(cells)
+    md = markdown(cells, groups, recovered_shares(groups, cells=cells), Path("x"))
+    table = md[md.index("### t: recovered share across s, final metric"):].split("\n\n")[1].splitlines()
+    assert table[0] == "| method | s=8 | s=16 |"
+    rows = {line.split(" | ")[0][2:]: line for line in table[2:]}
+    assert set(rows) == {"gac", "m2po"}
+    # gac at s = 8: shares 0.50, 0.55, 0.60, mean 0.55 and bootstrap interval inside [0.50, 0.60]; every paired
+    # difference to stale > 0 (p < 0.05): *; no s = 16 cells: an empty entry
+    assert rows["gac"].startswith("| gac | 0.55 [0.5") and rows["gac"].endswith("0.6] * |  |")
+    # m2po: 0.0 on average against stale, not significant: no star, and an entry at both s
+    assert rows["m2po"].startswith("| m2po | 0.00 [") and rows["m2po"].count("[") == 2 and "*" not in rows["m2po"]
+
+
 def test_lower_is_better_difference_is_signed_so_positive_means_better():
     cells = ([_cell("q", "sync", 0, k, 1.0, hib=False) for k in (0, 1)]
              + [_cell("q", "stale", 4, k, 5.0 + k, hib=False) for k in (0, 1)]

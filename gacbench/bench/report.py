@@ -521,6 +521,29 @@ def _ci(low: float | None, high: float | None, digits: int = 2) -> str:
     return f"[{_fmt(low + 0.0, digits)}, {_fmt(high + 0.0, digits)}]"  # + 0.0: no "-0"
 
 
+def _share_pivot(title: str, rows: list[dict]) -> list[str]:
+    """Robustness across s as a table (the paper's Figure 4): per task, one row per method and one column per
+    staleness, each entry the share with its interval, ``*`` where the paired t-test against stale has
+    p < 0.05."""
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        tr = [r for r in rows if r["task"] == task]
+        svals = sorted({r["staleness"] for r in tr})
+        lines += ["", f"### {task}: recovered share across s, {title}", "",
+                  "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
+        for m in dict.fromkeys(r["method"] for r in tr):
+            row = []
+            for s in svals:
+                r = next((x for x in tr if x["method"] == m and x["staleness"] == s), None)
+                if r is None or r.get("missing") or r["no_gap"]:
+                    row.append("")
+                    continue
+                star = " *" if r["vs_stale_p"] is not None and r["vs_stale_p"] < 0.05 else ""
+                row.append(f"{round(r['share'], 2) + 0.0:.2f} {_ci(r['share_ci_low'], r['share_ci_high'])}{star}")
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return lines
+
+
 def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
     """The appended confidence-interval tables (module docstring: paired bootstrap of the share, paired t on
     the difference to stale)."""
@@ -530,11 +553,13 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
              "Share: paired percentile bootstrap over the seeds that sync, stale and the method share "
              f"({BOOT_RESAMPLES} resamples, seed {BOOT_SEED}). Method − stale: mean paired difference, > 0 = the "
              "method is better, with its t-interval and the two-sided paired t-test's p-value. — = fewer than two "
-             "seeds (or no gap to recover)."]
+             "seeds (or no gap to recover). In the tables across s, * marks p < 0.05 and an empty entry a "
+             "missing group or no gap."]
     for title, rows in (("final metric", shares), ("training reward (last 20% of steps)", reward_shares)):
         rows = [r for r in rows if "n" in r]
         if not rows:
             continue
+        lines += _share_pivot(title, rows)
         lines += ["", f"### {title}", "",
                   "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | seeds |",
                   "|---|---|---|---|---|---|---|---|---|"]
