@@ -402,10 +402,11 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def _method_table(title: str, groups: list[dict], cell) -> list[str]:
-    """A markdown table, one row per method and one column per staleness, each entry ``cell(group)``."""
+def _method_table(title: str, groups: list[dict], cell, heading: str = "##") -> list[str]:
+    """A markdown table, one row per method and one column per staleness, each entry ``cell(group)`` (``groups``:
+    any rows with ``method`` and ``staleness``)."""
     svals = sorted({g["staleness"] for g in groups})
-    lines = [f"## {title}", "", "| method | " + " | ".join(f"s={s}" for s in svals) + " |",
+    lines = [f"{heading} {title}", "", "| method | " + " | ".join(f"s={s}" for s in svals) + " |",
              "|---|" + "---|" * len(svals)]
     for m in dict.fromkeys(g["method"] for g in groups):
         row = []
@@ -521,27 +522,13 @@ def _ci(low: float | None, high: float | None, digits: int = 2) -> str:
     return f"[{_fmt(low + 0.0, digits)}, {_fmt(high + 0.0, digits)}]"  # + 0.0: no "-0"
 
 
-def _share_pivot(title: str, rows: list[dict]) -> list[str]:
-    """Robustness across s as a table (the paper's Figure 4): per task, one row per method and one column per
-    staleness, each entry the share with its interval, ``*`` where the paired t-test against stale has
-    p < 0.05."""
-    lines = []
-    for task in dict.fromkeys(r["task"] for r in rows):
-        tr = [r for r in rows if r["task"] == task]
-        svals = sorted({r["staleness"] for r in tr})
-        lines += ["", f"### {task}: recovered share across s, {title}", "",
-                  "| method | " + " | ".join(f"s={s}" for s in svals) + " |", "|---|" + "---|" * len(svals)]
-        for m in dict.fromkeys(r["method"] for r in tr):
-            row = []
-            for s in svals:
-                r = next((x for x in tr if x["method"] == m and x["staleness"] == s), None)
-                if r is None or r.get("missing") or r["no_gap"]:
-                    row.append("")
-                    continue
-                star = " *" if r["vs_stale_p"] is not None and r["vs_stale_p"] < 0.05 else ""
-                row.append(f"{round(r['share'], 2) + 0.0:.2f} {_ci(r['share_ci_low'], r['share_ci_high'])}{star}")
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
-    return lines
+def _share_cell(r: dict) -> str:
+    """One entry of the table of shares across s: the share, its interval and ``*`` where the paired t-test
+    against stale has p < 0.05; empty for a missing group or no gap."""
+    if r.get("missing") or r["no_gap"]:
+        return ""
+    star = " *" if r["vs_stale_p"] is not None and r["vs_stale_p"] < 0.05 else ""
+    return f"{round(r['share'], 2) + 0.0:.2f} {_ci(r['share_ci_low'], r['share_ci_high'])}{star}"
 
 
 def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
@@ -559,7 +546,9 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
         rows = [r for r in rows if "n" in r]
         if not rows:
             continue
-        lines += _share_pivot(title, rows)
+        for task in dict.fromkeys(r["task"] for r in rows):  # robustness across s (the paper's Figure 4)
+            lines += [""] + _method_table(f"{task}: recovered share across s, {title}",
+                                          [r for r in rows if r["task"] == task], _share_cell, heading="###")[:-1]
         lines += ["", f"### {title}", "",
                   "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | seeds |",
                   "|---|---|---|---|---|---|---|---|---|"]
