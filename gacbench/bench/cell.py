@@ -168,7 +168,8 @@ def _short(exc: BaseException) -> str:
 def metrics_problem(path: Path, steps_run: Any) -> str | None:
     """Why ``path`` (a finished cell's metrics.csv) is incomplete, or None: it must exist, end with a
     newline, have a header with a ``step`` column, rows with as many fields as the header, numbers
-    only, and a row for the last step the run took (``steps_run - 1``: every step is logged)."""
+    only, and a row for the last step the run took (``steps_run - 1``: every step is logged; the rows
+    logged after training, at step ``steps_run``, do not count for it)."""
     import csv
 
     if not path.is_file():
@@ -187,6 +188,7 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
         return f"{path} has no 'step' column in its header"
     at = header.index("step")
     last = -1
+    steps: set[int] = set()
     for i, row in enumerate(body, start=2):
         if len(row) != len(header):
             return f"{path} is truncated (line {i} has {len(row)} of {len(header)} fields)"
@@ -198,10 +200,13 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
         except ValueError:
             return f"{path} is corrupt (line {i} holds a value that is not a number)"
         last = max(last, step)
+        steps.add(step)
     need = int(steps_run) - 1 if isinstance(steps_run, (int, float)) and not isinstance(steps_run, bool) else 0
     if last < need:
         return (f"{path} is truncated (its last row is step {last}, the run took {int(steps_run)} steps)" if body
                 else f"{path} has a header but no rows")
+    if need >= 0 and need not in steps:  # rows logged after the last step (the final eval) do not stand in for it
+        return f"{path} has no row for step {need}, the last of the {int(steps_run)} steps the run took"
     return None
 
 
