@@ -162,6 +162,7 @@ def test_a_held_cell_whose_holder_ends_without_storing_it_is_run_by_the_waiting_
     assert stored_done(out, cells[0]) is not None
 
 
+@pytest.mark.slow
 def test_three_concurrent_runners_on_one_out_run_every_cell_exactly_once(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", "synthetic-smoke", "--out", str(out),
@@ -180,9 +181,9 @@ def test_three_concurrent_runners_on_one_out_run_every_cell_exactly_once(tmp_pat
         status = json.loads(path.read_text())
         assert status["status"] == "done"
         by_pid[status["worker_pid"]] = by_pid.get(status["worker_pid"], 0) + 1
-        assert steps_of(path.parent / "metrics.csv").count(299) == 1
-        trained = [s for s in steps_of(path.parent / "metrics.csv") if s < 300]
-        assert sorted(trained) == list(range(300))  # every step logged once, no interleaved second run
+        rows = (path.parent / "metrics.csv").read_text().splitlines()
+        assert len(rows) == len(set(rows))  # a second run interleaved would repeat the seeded run's rows
+        assert set(steps_of(path.parent / "metrics.csv")) == set(range(301))  # 300 steps, then the final eval
     assert by_pid == {pid: n for pid, n in ran.items() if n}
     summary = json.loads((out / "summary.json").read_text())
     keys = [(c["task"], c["method"], c["staleness"], c["seed"]) for c in summary["cells"]]
