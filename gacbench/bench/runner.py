@@ -1,15 +1,24 @@
 """``gacbench bench``: a grid of (task, method, staleness, seed) cells, each a stored run.
 
-Cells run in a local process pool (default) or on Ray actors. Workers live for the whole grid
-and run cell after cell, so a worker's imports, and the rollout engine an LLM objective keeps per
-process, are paid once per worker rather than once per cell; pending cells are ordered so that
-cells sharing an objective and parameters (hence an engine configuration) run back to back. Local
-workers exit when the runner's process does.
+This module expands a suite into cells, orders them and runs the grid (:func:`run_grid`, :func:`main`);
+the executors that run the pending cells (in this process, a local process pool, or Ray actors; the
+dependency tracking of reference cells; the progress display) are in :mod:`gacbench.bench.executors`.
+Workers live for the whole grid and run cell after cell, so a worker's imports, and the rollout engine
+an LLM objective keeps per process, are paid once per worker rather than once per cell; pending cells
+are ordered so that cells sharing an objective and parameters (hence an engine configuration) run back
+to back. Local workers exit when the runner's process does.
 
 A cell whose directory records it as done (with complete files: :func:`gacbench.bench.cell.done_problem`)
 is never rerun, so an interrupted grid resumes where it stopped; a done cell computed with other
-settings (objective, parameters, steps, method) is refused up front rather than reused. A failed or
+settings (objective, parameters, steps, method), or a done cell of the same task stored with another
+objective, parameters or steps, is refused up front rather than reused or mixed in. A failed or
 incomplete cell is recomputed, and a failed cell is recorded with its error and the grid goes on.
+Each cell is claimed before it runs (:func:`gacbench.bench.cell.claim`), so several runners can share one
+output directory: a cell another runner holds is waited for at the end and reused, and the summary is
+written by one process at a time. Done cells stored by another environment
+(:func:`gacbench.provenance.environment_key`) are counted in a note and reused, or recomputed with
+``--rerun-other-versions``. SIGINT or SIGTERM stops the workers at once, writes the summary of the cells
+stored and exits 130 or 143; a full disk ends the run with one line naming the file.
 The suite, the command-line lists and the parameters are checked before anything runs; bad input
 raises :class:`gacbench.cli.UsageError` naming the option or file. Summary tables and figures are
 then built from the stored runs alone (:mod:`gacbench.bench.report`), over every cell in the output
