@@ -273,7 +273,7 @@ def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display
 
 
 def _kill_pool(pool: ProcessPoolExecutor) -> None:
-    """Kill the pool's worker processes now (their cells in flight stay unfinished) and wait until they are gone."""
+    """Kill the pool's worker processes at once (their cells in flight stay unfinished) and wait until they are gone."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
     for p in processes:
         try:
