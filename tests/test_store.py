@@ -321,6 +321,18 @@ def test_a_full_disk_ends_bench_and_report_with_one_line_and_no_temporaries(tmp_
     assert not list(out.rglob("*.tmp"))
 
 
+def test_a_full_disk_inside_a_run_is_raised_not_recorded_as_the_cells_failure(tmp_path, monkeypatch):
+    def full(cell, out):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(out / "metrics.csv"))
+
+    monkeypatch.setattr(cell_mod, "_run", full)
+    with pytest.raises(OSError) as exc:
+        run_cell(CELL, tmp_path)
+    assert exc.value.errno == errno.EDQUOT and not (cell_dir(tmp_path, CELL) / "status.json").exists()
+    monkeypatch.setattr(cell_mod, "_run", lambda cell, out: 1 / 0)
+    assert run_cell(CELL, tmp_path)["error"] == "ZeroDivisionError: division by zero"  # other errors: recorded
+
+
 def test_stray_temporaries_of_dead_processes_are_removed_by_the_next_report(tmp_path, capsys):
     out = tmp_path / "out"
     run_cell(CELL, out)
