@@ -58,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
     p = sub.add_parser("bench",
-                       help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped")
+                       help="run a benchmark grid (task x method x staleness x seed); resumes where it stopped",
+                       description="Run a benchmark grid into --out, cell by cell; cells done there are reused. Each "
+                                   "cell is claimed before it runs, so several runners may share one --out: a cell "
+                                   "another runner holds is waited for and reused. SIGINT or SIGTERM stops the "
+                                   "workers, writes the summary of the cells stored and exits 130 or 143; the same "
+                                   "command resumes. A full disk ends the run with one line naming the file.")
     p.add_argument("--suite", default="synthetic-smoke",
                    help=f"a suite in tasks/suites/ ({_suite_names()}) or a YAML path")
     p.add_argument("--methods", default=None,
@@ -81,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 2)")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="a local process pool, or Ray actors on the cluster at RAY_ADDRESS (else a local instance)")
+    p.add_argument("--rerun-other-versions", action="store_true",
+                   help="recompute the done cells of the grid stored by another environment (another library source, "
+                        "package versions, thread count or device: gacbench.provenance); by default they are counted "
+                        "in a note and reused")
 
     sub.add_parser("grpo", add_help=False,
                    help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml "
@@ -178,7 +187,7 @@ def _run(argv: list[str]) -> int:
 
         return run(args)
     if args.command == "report":
-        from gacbench.bench.report import main as run
+        from gacbench.bench.runner import report_command as run
 
         return run(args)
     if args.command == "methods":

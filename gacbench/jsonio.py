@@ -1,18 +1,43 @@
-"""JSON files written atomically, and values made strict-JSON safe (NaN and infinities as null)."""
+"""JSON files written atomically, and values made strict-JSON safe (NaN and infinities as null).
+
+:func:`write_json` writes ``.NAME.PID.tmp`` beside the target and renames it over the target, so a reader sees
+the old file or the new one, never a part. A write that fails (a full disk: ``ENOSPC``, a quota: ``EDQUOT``)
+removes its temporary file and raises the OSError with the target's path; a process killed between the write
+and the rename leaves its temporary behind, and :func:`remove_stray_temporaries` removes those of processes
+that are gone.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
+#: the errors of a device or a quota with no room left
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp$")
+
+
+def temporary_path(path: Path) -> Path:
+    """Where :func:`write_json` writes ``path``'s content before renaming it: ``.NAME.PID.tmp`` beside it."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    tmp = temporary_path(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:  # a failed write() names no file: name the one being written
+            exc.filename = str(path)
+        raise
 
 
 def read_json(path: Path) -> Any:
@@ -28,3 +53,52 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def remove_stray_temporaries(root: Path, min_age_s: float = 60.0) -> list[Path]:
+    """Remove the temporary files of :func:`write_json` under ``root`` whose process is not running on this host
+    and that are older than ``min_age_s`` (a write lasts milliseconds; the age keeps a live write of a process on
+    another host that shares the folder safe); returns the paths removed."""
+    removed = []
+    now = time.time()
+    for path in Path(root).rglob(".*.tmp"):
+        match = _TEMPORARY.match(path.name)
+        if match is None or int(match.group(1)) == os.getpid() or pid_alive(int(match.group(1))):
+            continue
+        try:
+            if now - path.stat().st_mtime < min_age_s:
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The ``ENOSPC`` / ``EDQUOT`` OSError behind ``exc`` (itself, or what it wraps: a worker's error re-raised in
+    the parent, a Ray task error), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def disk_full_message(exc: OSError, fix: str) -> str:
+    """One line: the path that could not be written, the cause, and ``fix``."""
+    cause = exc.strerror or os.strerror(exc.errno)
+    return f"cannot write {exc.filename or 'a file'}: {cause} ({errno.errorcode.get(exc.errno, exc.errno)}); {fix}"

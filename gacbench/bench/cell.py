@@ -10,18 +10,28 @@ cell unfinished, so the next run recomputes it and the summary never reads it as
 
 The directory encodes the task, method, staleness and seed; the objective, its parameters and the
 step count are checked against the stored ``config.json`` instead (:func:`identity_diff`): a done
-cell is reused only for the same settings.
+cell is reused only for the same settings. ``config.json`` also records the environment the cell ran in
+(``provenance``: :func:`gacbench.provenance.provenance`).
+
+A cell is claimed before it runs (:func:`claim`): an exclusive ``flock`` on the cell directory's ``.claim``
+file, held for the whole run, with the holder's pid and host written in it. Another process (another runner on
+the same output directory) finds the claim taken and leaves the cell to its holder; the kernel releases the
+lock when the holder ends, also when it is killed, so a claim never outlives its process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
+import socket
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +41,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
 from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, StalenessSimulator
-from gacbench.jsonio import json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
+from gacbench.jsonio import DISK_FULL, json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
+from gacbench.provenance import environment_key, provenance
 from gacbench.trainer import build_trainer
 
 #: The keys compared between a stored done cell and the cell asked for: those its results depend on
@@ -42,6 +53,10 @@ from gacbench.trainer import build_trainer
 IDENTITY_KEYS = ("objective", "params", "steps", "method", "assumptions")
 #: identity keys a cell may leave unset (unset and absent from a stored config compare equal)
 OPTIONAL_IDENTITY_KEYS = ("assumptions",)
+#: the identity keys every cell of one task in one output directory shares (all but the method)
+TASK_IDENTITY_KEYS = tuple(k for k in IDENTITY_KEYS if k != "method")
+#: the lock file a cell is claimed with, in its directory
+CLAIM_FILE = ".claim"
 
 
 class StepTimer(pl.Callback):
@@ -117,6 +132,11 @@ class DivergenceStop(pl.Callback):
             trainer.should_stop = True
 
 
+def engine_key(cell: dict) -> tuple[str, str]:
+    """Cells with the same key share an objective and its parameters, hence an engine configuration."""
+    return cell["objective"], json.dumps(cell.get("params", {}), sort_keys=True, default=str)
+
+
 def cell_dir(root: Path, cell: dict) -> Path:
     method = "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in cell["method"])
     return root / "cells" / cell["task"] / method / f"s{cell['staleness']}" / f"seed{cell['seed']}"
@@ -148,7 +168,8 @@ def _short(exc: BaseException) -> str:
 def metrics_problem(path: Path, steps_run: Any) -> str | None:
     """Why ``path`` (a finished cell's metrics.csv) is incomplete, or None: it must exist, end with a
     newline, have a header with a ``step`` column, rows with as many fields as the header, numbers
-    only, and a row for the last step the run took (``steps_run - 1``: every step is logged)."""
+    only, and a row for the last step the run took (``steps_run - 1``: every step is logged; the rows
+    logged after training, at step ``steps_run``, do not count for it)."""
     import csv
 
     if not path.is_file():
@@ -167,6 +188,7 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
         return f"{path} has no 'step' column in its header"
     at = header.index("step")
     last = -1
+    steps: set[int] = set()
     for i, row in enumerate(body, start=2):
         if len(row) != len(header):
             return f"{path} is truncated (line {i} has {len(row)} of {len(header)} fields)"
@@ -178,10 +200,13 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
         except ValueError:
             return f"{path} is corrupt (line {i} holds a value that is not a number)"
         last = max(last, step)
+        steps.add(step)
     need = int(steps_run) - 1 if isinstance(steps_run, (int, float)) and not isinstance(steps_run, bool) else 0
     if last < need:
         return (f"{path} is truncated (its last row is step {last}, the run took {int(steps_run)} steps)" if body
                 else f"{path} has a header but no rows")
+    if need >= 0 and need not in steps:  # rows logged after the last step (the final eval) do not stand in for it
+        return f"{path} has no row for step {need}, the last of the {int(steps_run)} steps the run took"
     return None
 
 
@@ -222,6 +247,25 @@ def stored_done(root: Path, cell: dict) -> dict | None:
     return status
 
 
+def stored_done_cells(root: Path, task: str) -> list[tuple[Path, dict]]:
+    """``(directory, stored cell)`` of every done cell of ``task`` stored under ``root`` (any method,
+    staleness and seed), its cell read from the status's copy, else from ``config.json``."""
+    out = []
+    for d in sorted(p for p in (Path(root) / "cells" / task).glob("*/s*/seed*") if p.is_dir()):
+        status, problem = read_status(d)
+        if status is None or status.get("status") != "done" or done_problem(d, status) is not None:
+            continue
+        stored = status.get("cell")
+        if not isinstance(stored, dict):
+            try:
+                stored = read_json(d / "config.json")
+            except (OSError, ValueError):
+                continue
+        if isinstance(stored, dict):
+            out.append((d, stored))
+    return out
+
+
 def stored_config(root: Path, cell: dict, status: dict | None = None) -> dict:
     """The cell a directory's run was computed for: the status's copy, else ``config.json``."""
     if status is not None and isinstance(status.get("cell"), dict):
@@ -252,13 +296,13 @@ def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def identity_diff(stored: dict, cell: dict) -> dict[str, tuple[Any, Any]]:
-    """``{key: (stored, new)}`` for each identity key that differs (``params.NAME`` per parameter,
-    ``params.SECTION.NAME`` inside a section); a parameter set on one side only has the value ``UNSET``
-    on the other."""
+def identity_diff(stored: dict, cell: dict, keys: tuple[str, ...] = IDENTITY_KEYS) -> dict[str, tuple[Any, Any]]:
+    """``{key: (stored, new)}`` for each of ``keys`` (identity keys) that differs (``params.NAME`` per
+    parameter, ``params.SECTION.NAME`` inside a section); a parameter set on one side only has the value
+    ``UNSET`` on the other."""
     diff: dict[str, tuple[Any, Any]] = {}
     new = _canonical(cell)
-    for key in IDENTITY_KEYS:
+    for key in keys:
         if key == "params":
             old_p, new_p = _flat(stored.get("params") or {}), _flat(new.get("params") or {})
             for name in sorted(set(old_p) | set(new_p)):
@@ -282,30 +326,117 @@ class CellMismatchError(ValueError):
     """A finished cell in the output directory was computed with other settings than the one asked for."""
 
 
-def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None) -> dict:
+def _holder() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+
+
+@contextlib.contextmanager
+def hold(path: Path, wait: bool) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block: yields True when this
+    process holds it; without ``wait``, False at once when another holds it. The file stays (removing a lock
+    file while another process opens it would let two processes hold it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def claim(d: Path) -> Iterator[dict | None]:
+    """Claim the cell directory ``d`` for the ``with`` block: yields None when this process holds the claim
+    (its pid, host and start time are then written in ``d/.claim``), else the record of the process that holds
+    it (``{"pid", "host", "since"}``, or ``{}`` while the holder has not written it yet)."""
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / CLAIM_FILE
+    with hold(path, wait=False) as held:
+        if not held:
+            try:
+                holder = json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            yield holder if isinstance(holder, dict) else {}
+            return
+        path.write_text(json.dumps(_holder()))
+        yield None
+
+
+def claim_released(d: Path) -> bool:
+    """Whether no process holds the claim on the cell directory ``d`` (tested without taking it for long)."""
+    if not (d / CLAIM_FILE).exists():
+        return True
+    with hold(d / CLAIM_FILE, wait=False) as held:
+        return held
+
+
+@contextlib.contextmanager
+def summary_lock(root: Path) -> Iterator[None]:
+    """Serialise the writing of ``root``'s summary across processes (``root/.report.lock``)."""
+    with hold(Path(root) / ".report.lock", wait=True):
+        yield
+
+
+#: the status :func:`run_cell` returns, without writing it, for a cell that another process holds
+CLAIMED = "claimed"
+
+
+def stored_environment(root: Path, cell: dict) -> str:
+    """The :func:`gacbench.provenance.environment_key` of the run stored in ``cell``'s directory
+    (``unrecorded`` when its config.json holds no provenance)."""
+    try:
+        config = read_json(cell_dir(Path(root), cell) / "config.json")
+    except (OSError, ValueError):
+        config = None
+    return environment_key(config.get("provenance") if isinstance(config, dict) else None)
+
+
+def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None,
+             rerun_other_versions: bool = False) -> dict:
     """Run one cell unless its directory already records it as done; returns its status.
 
-    A done cell computed with other settings (:func:`identity_diff`) raises CellMismatchError.
+    The cell is claimed first (:func:`claim`): a cell another process holds is left to it, and the status
+    returned is ``{"status": "claimed", "holder": {...}, "cell": cell}`` (nothing is written). A done cell is
+    returned as stored, with ``"reused": True``; with ``rerun_other_versions`` a done cell stored by another
+    environment (:func:`stored_environment` differs from this process's, with ``threads`` set) is recomputed.
+    A done cell computed with other settings (:func:`identity_diff`) raises CellMismatchError. A full disk
+    (``ENOSPC``, ``EDQUOT``) raises its OSError rather than recording the cell as failed.
     """
     out = cell_dir(Path(root), cell)
+    with claim(out) as holder:
+        if holder is not None:
+            return {"status": CLAIMED, "holder": holder, "cell": cell}
+        return _run_claimed(cell, Path(root), out, threads, rerun_other_versions)
+
+
+def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_other_versions: bool) -> dict:
     status_path = out / "status.json"
-    done = stored_done(Path(root), cell)
+    if threads:
+        torch.set_num_threads(threads)
+    done = stored_done(root, cell)
     if done is not None:
-        diff = identity_diff(stored_config(Path(root), cell, done), cell)
+        diff = identity_diff(stored_config(root, cell, done), cell)
         if diff:
             changes = "; ".join(show_change(k, a, b) for k, (a, b) in diff.items())
             raise CellMismatchError(f"{out} holds a finished run with other settings ({changes}); use another output "
                                     "directory, or delete that cell directory to recompute it")
-        return done
-    out.mkdir(parents=True, exist_ok=True)
+        if not (rerun_other_versions and stored_environment(root, cell) != environment_key(provenance())):
+            return {**done, "reused": True}
     status_path.unlink(missing_ok=True)  # a failed or incomplete earlier run: unfinished until this one ends
-    write_json(out / "config.json", cell)
-    if threads:
-        torch.set_num_threads(threads)
+    write_json(out / "config.json", {**cell, "provenance": provenance()})
     t0 = time.perf_counter()
     try:
         status = _run(cell, out)
     except Exception as exc:  # a failed cell is recorded and never stops the grid
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            raise
         status = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     status.update({"cell": cell, "seconds": time.perf_counter() - t0, "worker_pid": os.getpid(), "rss_mb": rss_mb()})
     write_json(status_path, status)

@@ -1,15 +1,24 @@
 """``gacbench bench``: a grid of (task, method, staleness, seed) cells, each a stored run.
 
-Cells run in a local process pool (default) or on Ray actors. Workers live for the whole grid
-and run cell after cell, so a worker's imports, and the rollout engine an LLM objective keeps per
-process, are paid once per worker rather than once per cell; pending cells are ordered so that
-cells sharing an objective and parameters (hence an engine configuration) run back to back. Local
-workers exit when the runner's process does.
+This module expands a suite into cells, orders them and runs the grid (:func:`run_grid`, :func:`main`);
+the executors that run the pending cells (in this process, a local process pool, or Ray actors; the
+dependency tracking of reference cells; the progress display) are in :mod:`gacbench.bench.executors`.
+Workers live for the whole grid and run cell after cell, so a worker's imports, and the rollout engine
+an LLM objective keeps per process, are paid once per worker rather than once per cell; pending cells
+are ordered so that cells sharing an objective and parameters (hence an engine configuration) run back
+to back. Local workers exit when the runner's process does.
 
 A cell whose directory records it as done (with complete files: :func:`gacbench.bench.cell.done_problem`)
 is never rerun, so an interrupted grid resumes where it stopped; a done cell computed with other
-settings (objective, parameters, steps, method) is refused up front rather than reused. A failed or
+settings (objective, parameters, steps, method), or a done cell of the same task stored with another
+objective, parameters or steps, is refused up front rather than reused or mixed in. A failed or
 incomplete cell is recomputed, and a failed cell is recorded with its error and the grid goes on.
+Each cell is claimed before it runs (:func:`gacbench.bench.cell.claim`), so several runners can share one
+output directory: a cell another runner holds is waited for at the end and reused, and the summary is
+written by one process at a time. Done cells stored by another environment
+(:func:`gacbench.provenance.environment_key`) are counted in a note and reused, or recomputed with
+``--rerun-other-versions``. SIGINT or SIGTERM stops the workers at once, writes the summary of the cells
+stored and exits 130 or 143; a full disk ends the run with one line naming the file.
 The suite, the command-line lists and the parameters are checked before anything runs; bad input
 raises :class:`gacbench.cli.UsageError` naming the option or file. Summary tables and figures are
 then built from the stored runs alone (:mod:`gacbench.bench.report`), over every cell in the output
@@ -28,39 +37,53 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
+import shlex
+import signal
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo)
 from gacbench.bench.cell import (
+    CLAIMED,
+    TASK_IDENTITY_KEYS,
     CellMismatchError,
     cell_dir,
+    engine_key,
     identity_diff,
-    run_cell,
     show_change,
     stored_config,
     stored_done,
+    stored_done_cells,
+    stored_environment,
+    summary_lock,
     write_json,
 )
-from gacbench.functional.calibration import calibration_record
+from gacbench.bench.executors import (  # noqa: F401  (reference_calibration re-exported)
+    Dependencies,
+    Display,
+    GridInterrupted,
+    reference_calibration,
+    report_failed,
+    run_local,
+    run_pool,
+    run_ray,
+    wait_for_claims,
+)
+from gacbench.jsonio import disk_full, disk_full_message, remove_stray_temporaries
 from gacbench.methods import (
     method_callbacks,
     parse_method,
     reference_cell,
-    reference_rule,
     split_top_level,
     sync_cell,
 )
 from gacbench.objectives import is_registered, objective_class, registered_objectives
+from gacbench.provenance import environment_key, provenance
 from gacbench.usage import UsageError, check_output_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -308,11 +331,6 @@ def is_done(root: Path, cell: dict) -> bool:
     return stored_done(root, cell) is not None
 
 
-def engine_key(cell: dict) -> tuple[str, str]:
-    """Cells with the same key share an objective and its parameters, hence an engine configuration."""
-    return cell["objective"], json.dumps(cell.get("params", {}), sort_keys=True, default=str)
-
-
 def order_cells(cells: list[dict]) -> list[dict]:
     """``cells`` with those of equal :func:`engine_key` back to back; groups in order of first appearance,
     the order within a group kept."""
@@ -323,47 +341,49 @@ def order_cells(cells: list[dict]) -> list[dict]:
 
 
 def check_stored(cells: list[dict], root: Path) -> None:
-    """Refuse a grid whose done cells in ``root`` were computed with other settings (see cell.identity_diff)."""
-    mismatched: list[tuple[dict, dict]] = []
+    """Refuse a grid whose done cells in ``root`` were computed with other settings (see cell.identity_diff),
+    and a grid whose task's objective, parameters or steps differ from a done cell of the same task stored in
+    ``root`` under another method, staleness or seed: one directory holds one setting per task."""
+    mismatched: list[tuple[Path, str, dict]] = []
+    grid_dirs = {cell_dir(root, c): c for c in cells}
     for c in cells:
         done = stored_done(root, c)
         if done is not None:
             diff = identity_diff(stored_config(root, c, done), c)
             if diff:
-                mismatched.append((c, diff))
+                mismatched.append((cell_dir(root, c), c["task"], diff))
+    others = 0
+    first = {}
+    for c in cells:
+        first.setdefault(c["task"], c)
+    for task, c in first.items():
+        for d, stored in stored_done_cells(root, task):
+            if d in grid_dirs:
+                continue
+            diff = identity_diff(stored, c, TASK_IDENTITY_KEYS)
+            if diff:
+                mismatched.append((d, task, diff))
+                others += 1
     if not mismatched:
         return
     changes: dict[str, int] = {}
-    for _, diff in mismatched:
+    for _, _, diff in mismatched:
         for key, (old, new) in diff.items():
             change = show_change(key, old, new)
             changes[change] = changes.get(change, 0) + 1
     lines = [f"{root} holds {len(mismatched)} finished cell(s) computed with other settings than this run asks for:"]
     lines += [f"  {change}, in {n} cell(s)" for change, n in changes.items()]
-    dirs = [str(cell_dir(root, c)) for c, _ in mismatched]
+    dirs = [str(d) for d, _, _ in mismatched]
     lines.append("  cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more" if len(dirs) > 3 else ""))
-    tasks = sorted({c["task"] for c, _ in mismatched})
+    tasks = sorted({task for _, task, _ in mismatched})
+    if others:
+        lines.append(f"{others} of them are cells of task(s) {', '.join(tasks)} outside this grid (another method, "
+                     "staleness or seed): the cells of one task in one directory share its objective, parameters and "
+                     "steps, since the summary averages them over seeds and compares them across methods.")
     lines.append("A finished cell is reused only for the same objective, parameters, steps and method. Fix: use "
                  "another --out, or delete the stored cells to recompute them with these settings ("
                  + "; ".join(f"rm -r {root / 'cells' / t}" for t in tasks) + " removes every cell of a task).")
     raise CellMismatchError("\n".join(lines))
-
-
-def reference_calibration(root: Path, cell: dict) -> dict:
-    """The calibration record of ``cell`` (a method with a reference, ``gac-calibrated``) from its reference
-    cell's stored c_t trace under ``root``: ``align/cos`` after the cell's warm-up, by the rule settings of the
-    cell's method spec (``gac-calibrated(quantile=0.95)``), plus ``warmup`` and ``reference`` (the reference
-    cell's directory, relative to ``root``). Raises ValueError when the trace cannot be calibrated from."""
-    from gacbench.bench.report import read_metrics
-
-    ref = reference_cell(cell)
-    if ref is None:
-        raise ValueError(f"method {cell['method']!r} has no reference cell")
-    d = cell_dir(Path(root), ref)
-    cos = [v for _, v in sorted(read_metrics(d / "metrics.csv").get("align/cos", []))]
-    warmup = int(cell.get("warmup", 0))
-    rec = calibration_record(cos[warmup:], 0, **reference_rule(cell["method"]))
-    return {**rec, "warmup": warmup, "reference": str(d.relative_to(Path(root)))}
 
 
 def check_references(cells: list[dict], root: Path) -> None:
@@ -376,113 +396,6 @@ def check_references(cells: list[dict], root: Path) -> None:
             raise UsageError(f"method {c['method']!r} (task {c['task']!r}, seed {c['seed']}) calibrates from the "
                              f"synchronous cell of the same task and seed, which is neither in this grid nor done in "
                              f"{root}: include sync in --methods and 0 in --staleness (or run it into --out first)")
-
-
-def _fail_without_running(root: Path, cell: dict, error: str) -> dict:
-    status = {"status": "failed", "error": error, "cell": cell}
-    out = cell_dir(root, cell)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "status.json").unlink(missing_ok=True)
-    write_json(out / "status.json", status)
-    return status
-
-
-class _Dependencies:
-    """The pending cells split into those that can run now (``ready``) and those waiting for their reference
-    cell; :meth:`finished` releases the waiting ones when their reference ends, with their calibration. A cell
-    whose reference failed, or whose reference trace cannot be calibrated from, is recorded as failed without
-    running (its statuses are collected by :meth:`take_failed`)."""
-
-    def __init__(self, pending: list[dict], root: Path) -> None:
-        self.root = root
-        self.waiting: dict[Path, list[dict]] = {}
-        self._failed: list[dict] = []
-        self.ready: list[dict] = []
-        pending_dirs = {cell_dir(root, c) for c in pending}
-        for c in pending:
-            ref = reference_cell(c)
-            if ref is None:
-                self.ready.append(c)
-            elif cell_dir(root, ref) in pending_dirs:
-                self.waiting.setdefault(cell_dir(root, ref), []).append(c)
-            else:  # done in root (check_references)
-                self.ready += self._prepare(c)
-
-    def _prepare(self, cell: dict) -> list[dict]:
-        try:
-            return [{**cell, "calibration": reference_calibration(self.root, cell)}]
-        except (OSError, ValueError) as exc:
-            self._failed.append(_fail_without_running(self.root, cell, f"calibration from the reference cell failed: "
-                                                                        f"{exc}"))
-            return []
-
-    def finished(self, cell: dict, status: dict) -> list[dict]:
-        """The cells that ``cell`` (just finished with ``status``) was the reference of, now ready."""
-        out: list[dict] = []
-        for c in self.waiting.pop(cell_dir(self.root, cell), []):
-            if status.get("status") == "done":
-                out += self._prepare(c)
-            else:
-                self._failed.append(_fail_without_running(
-                    self.root, c, f"its reference cell {cell_dir(self.root, cell)} failed ({status.get('error')}); "
-                                  "rerun the grid once it succeeds"))
-        return out
-
-    def take_failed(self) -> list[dict]:
-        failed, self._failed = self._failed, []
-        return failed
-
-
-def _die_with_parent(parent_pid: int | None) -> None:
-    """End this worker when the process that started it ends, even by SIGKILL: on Linux the kernel
-    delivers SIGKILL (PR_SET_PDEATHSIG, which fires when the parent's thread that started the worker
-    ends: the pool starts its workers from the thread that submits the cells, which outlives the
-    pool); everywhere a daemon thread waits on the parent's sentinel."""
-    import multiprocessing
-    import signal
-    import threading
-
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if parent_pid is not None and os.getppid() != parent_pid:  # the parent ended before the line above
-        os._exit(1)
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        from multiprocessing.connection import wait as wait_ready
-
-        def watch() -> None:
-            wait_ready([parent.sentinel])
-            os._exit(1)
-
-        threading.Thread(target=watch, name="gacbench-parent-watch", daemon=True).start()
-
-
-def _init_worker(threads: int, parent_pid: int | None = None) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    _die_with_parent(parent_pid)
-
-
-class _Display:
-    def __init__(self, total: int, done: int, console: Console) -> None:
-        self.progress = Progress(
-            TextColumn("[bold]cells"), BarColumn(), MofNCompleteColumn(), TextColumn("running {task.fields[running]}"),
-            TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.task = self.progress.add_task("grid", total=total, completed=done, running=0, failed=0)
-        self.failed = 0
-
-    def update(self, running: int, finished: dict | None = None) -> None:
-        if finished is not None and finished.get("status") != "done":
-            self.failed += 1
-        self.progress.update(self.task, advance=1 if finished is not None else 0, running=running, failed=self.failed)
 
 
 def _finite(x: Any) -> bool:
@@ -513,11 +426,35 @@ def timing_record(results: list[dict], wall: float, workers: int) -> dict[str, A
     }
 
 
+def worker_threads(workers: int) -> int:
+    """The torch thread count of each worker of a grid run with ``workers`` workers."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def other_environments(cells: list[dict], root: Path, threads: int) -> dict[str, list[dict]]:
+    """The done cells of ``cells`` stored in ``root`` by another environment than this run's (this process's
+    :func:`gacbench.provenance.provenance` with the workers' ``threads``), by their environment key
+    (``unrecorded`` for a cell stored without provenance)."""
+    here = environment_key({**provenance(), "threads": threads})
+    out: dict[str, list[dict]] = {}
+    for c in cells:
+        if is_done(root, c):
+            key = stored_environment(root, c)
+            if key != here:
+                out.setdefault(key, []).append(c)
+    return out
+
+
 def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, executor: str = "local",
-             console: Console | None = None) -> dict[str, Any]:
+             console: Console | None = None, rerun_other_versions: bool = False) -> dict[str, Any]:
     """Run every cell not yet done; returns timing figures (also written to ``out/timing.json`` when a
     cell ran). Raises CellMismatchError, before running anything, if a done cell in ``out`` was
-    computed with other settings than its cell in ``cells``."""
+    computed with other settings than its cell in ``cells`` (or, for another cell of the same task, with
+    another objective, parameters or steps).
+
+    Done cells stored by another environment are counted in a notice and reused, or recomputed with
+    ``rerun_other_versions``. A cell that another runner on ``out`` holds is left to it, waited for at the
+    end and then reused (counted in ``skipped_done``), or run here if its holder ended without storing it."""
     if workers < 1:
         raise UsageError(f"--workers {workers} must be >= 1")
     if executor not in ("local", "ray"):
@@ -526,151 +463,48 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     check_stored(cells, root)
     check_references(cells, root)
     console = console or Console()
-    pending = [c for c in cells if not is_done(root, c)]
+    threads = worker_threads(workers)
+    other = other_environments(cells, root, threads)
+    if other:
+        n = sum(len(v) for v in other.values())
+        kinds = ", ".join(f"{len(v)} {'unrecorded' if k == 'unrecorded' else 'from ' + k}" for k, v in other.items())
+        console.print(f"[yellow]note[/]: {n} stored done cell(s) of this grid come from another environment "
+                      f"({kinds}); " + ("they are recomputed (--rerun-other-versions)" if rerun_other_versions else
+                                        "they are reused (--rerun-other-versions recomputes them)"), highlight=False)
+    rerun = {cell_dir(root, c) for v in other.values() for c in v} if rerun_other_versions else set()
+    pending = [c for c in cells if cell_dir(root, c) in rerun or not is_done(root, c)]
     refs = {cell_dir(root, r) for r in (reference_cell(c) for c in pending) if r is not None}
     if refs:  # reference cells first within their engine group, so that their dependents are released early
         pending = sorted(pending, key=lambda c: cell_dir(root, c) not in refs)
     pending = order_cells(pending)
     done_before = len(cells) - len(pending)
-    deps = _Dependencies(pending, root)
+    deps = Dependencies(pending, root)
     used = 1 if executor == "local" and workers == 1 else min(workers, len(pending))
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    display = _Display(len(cells), done_before, console)
+    display = Display(len(cells), done_before, console)
     t0 = time.perf_counter()
     results: list[dict] = []
     with display.progress:
-        results += _report_failed(deps, display)
-        if not pending:
-            pass
-        elif executor == "ray":
-            results += _run_ray(deps, root, used, threads, display)
-        elif workers == 1:
-            queue = list(deps.ready)
-            while queue:
-                cell = queue.pop(0)
-                display.update(running=1)
-                results.append(run_cell(cell, root, threads))
-                display.update(running=0, finished=results[-1])
-                queue += deps.finished(cell, results[-1])
-                results += _report_failed(deps, display)
-        else:
-            results += _run_pool(deps, root, used, threads, display)
+        results += report_failed(deps, display)
+        while deps.ready:
+            if executor == "ray":
+                results += run_ray(deps, root, used, threads, display, rerun_other_versions)
+            elif workers == 1:
+                results += run_local(deps, root, threads, display, rerun_other_versions)
+            else:
+                results += run_pool(deps, root, used, threads, display, rerun_other_versions)
+            claimed = deps.take_claimed()
+            if claimed:  # held by another runner on this --out: wait for it, then reuse what it stored
+                results += wait_for_claims(root, claimed, deps, display)
     wall = time.perf_counter() - t0
-    failed = [r for r in results if r.get("status") != "done"]
-    timing = {"cells": len(cells), "ran": len(results), "skipped_done": done_before, "failed": len(failed),
-              "executor": executor, **timing_record(results, wall, used if results else 0)}
-    if results:
+    ran = [r for r in results if r.get("status") != CLAIMED and not r.get("reused")]
+    reused = [r for r in results if r.get("reused")]
+    failed = [r for r in ran + reused if r.get("status") != "done"]
+    skipped = done_before + len([r for r in reused if r.get("status") == "done"])
+    timing = {"cells": len(cells), "ran": len(ran), "skipped_done": skipped, "failed": len(failed),
+              "executor": executor, **timing_record(ran, wall, used if ran else 0)}
+    if ran:
         write_json(root / "timing.json", timing)
     return timing
-
-
-def _report_failed(deps: _Dependencies, display: _Display) -> list[dict]:
-    failed = deps.take_failed()
-    for status in failed:
-        display.update(running=0, finished=status)
-    return failed
-
-
-def _run_pool(deps: _Dependencies, root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
-    """``workers`` spawned processes that each run cells until the queue is empty (in ``deps.ready``'s order;
-    a cell waiting for its reference is submitted when the reference ends)."""
-    results = []
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads, os.getpid())) as pool:
-        futures = {pool.submit(run_cell, c, str(root), threads): c for c in deps.ready}
-        display.update(running=min(workers, len(futures)))
-        while futures:
-            finished, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for f in finished:
-                cell = futures.pop(f)
-                try:
-                    results.append(f.result())
-                except BrokenProcessPool as exc:
-                    raise RuntimeError(
-                        f"a worker process died while running cells ({exc}); most often the system ran out of memory "
-                        "and killed it. The cells finished so far are stored: rerun the same command to resume, with "
-                        "fewer --workers if memory is short") from exc
-                display.update(running=min(workers, len(futures)), finished=results[-1])
-                for c in deps.finished(cell, results[-1]):
-                    futures[pool.submit(run_cell, c, str(root), threads)] = c
-                results += _report_failed(deps, display)
-    return results
-
-
-class _CellWorker:
-    """A Ray actor that runs cells one after another in one process."""
-
-    def __init__(self, threads: int) -> None:
-        _init_worker(threads)
-
-    def run(self, cell: dict, root: str, threads: int) -> dict:
-        return run_cell(cell, root, threads)
-
-
-def _run_ray(deps: _Dependencies, root: Path, workers: int, threads: int, display: _Display) -> list[dict]:
-    """``workers`` Ray actors, each handed its next cell when it finishes one: a cell with the same
-    engine key as its last one if any is left, else the next in ``deps.ready``'s order (a cell waiting for
-    its reference joins the queue when the reference ends). A cell whose actor dies is recorded as failed
-    and the actor replaced."""
-    pending = deps.ready + [c for waiting in deps.waiting.values() for c in waiting]
-    try:
-        import ray
-    except ImportError:
-        raise UsageError("--executor ray needs Ray: pip install -e '.[ray]'") from None
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                 **({} if address else {"num_cpus": workers}))
-    options: dict[str, Any] = {"num_cpus": 1}
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if gpus and any(objective_class(o).accelerator != "cpu" for o in {c["objective"] for c in pending}):
-        options["num_gpus"] = min(1.0, gpus / workers)
-    actor_cls = ray.remote(**options)(_CellWorker)
-    root_s = str(root.resolve())
-    queue = list(deps.ready)
-    actors = [actor_cls.remote(threads) for _ in range(workers)]
-    last: dict[int, tuple[str, str]] = {}
-    inflight: dict[Any, tuple[int, dict]] = {}
-
-    def dispatch(i: int) -> None:
-        j = next((k for k, c in enumerate(queue) if engine_key(c) == last.get(i)), 0)
-        cell = queue.pop(j)
-        last[i] = engine_key(cell)
-        inflight[actors[i].run.remote(cell, root_s, threads)] = (i, cell)
-
-    results = []
-    idle = set(range(workers))
-    try:
-        for i in range(workers):
-            if queue:
-                dispatch(i)
-                idle.discard(i)
-        display.update(running=len(inflight))
-        while inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            i, cell = inflight.pop(ready[0])
-            try:
-                results.append(ray.get(ready[0]))
-            except ray.exceptions.RayActorError as exc:
-                status = {"status": "failed", "error": f"the Ray actor running this cell died: {exc}", "cell": cell}
-                out = cell_dir(root, cell)
-                out.mkdir(parents=True, exist_ok=True)
-                write_json(out / "status.json", status)
-                results.append(status)
-                actors[i] = actor_cls.remote(threads)
-                last.pop(i, None)
-            queue += deps.finished(cell, results[-1])
-            idle.add(i)
-            for j in sorted(idle):
-                if queue:
-                    dispatch(j)
-                    idle.discard(j)
-            display.update(running=len(inflight), finished=results[-1])
-            results += _report_failed(deps, display)
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-    return results
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
@@ -872,8 +706,6 @@ def _is_number(text: str) -> bool:
 
 
 def main(args) -> int:
-    from gacbench.bench.report import build_report
-
     console = Console()
     suite = load_suite(args.suite)
     methods = parse_list("--methods", args.methods, lambda t: split_top_level(t, ","))
@@ -897,16 +729,30 @@ def main(args) -> int:
         c["params"] = merge_params(c["params"], overrides)
     check_params(cells, overrides)
     out = check_output_dir("--out", args.out)
+    remove_stray_temporaries(out)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
                   f"(workers={args.workers}, executor={args.executor})")
     if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, sync_cell(c)) for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
                       "recovered shares cannot be computed")
+    restore = _stop_on_signals()
     try:
-        timing = run_grid(cells, out, args.workers, args.executor, console)
+        timing = run_grid(cells, out, args.workers, args.executor, console,
+                          rerun_other_versions=getattr(args, "rerun_other_versions", False))
     except CellMismatchError as exc:
         raise SystemExit(f"gacbench bench: {exc}") from None
-    report = build_report(out, cells=cells)  # every cell stored in --out, not only this grid's
+    except GridInterrupted as stop:
+        done = sum(is_done(out, c) for c in cells)
+        print(f"gacbench bench: stopped by {signal.Signals(stop.signum).name}: {done} of {len(cells)} cells done and "
+              f"stored, the cells in flight will be recomputed; resume with: {resume_command(args)}", flush=True)
+        _write_summary(out, cells)
+        return 128 + stop.signum
+    except Exception as exc:
+        _raise_if_disk_full(exc)
+        raise
+    finally:
+        restore()
+    report = _write_summary(out, cells)
     for line in report["incomplete"]:
         console.print(f"[yellow]incomplete cell[/]: {line}", highlight=False)
     console.print(
@@ -919,6 +765,81 @@ def main(args) -> int:
     console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures "
                   f"({len(report['summary']['cells'])} stored cells)")
     return 1 if timing["failed"] else 0
+
+
+DISK_FULL_FIX = "free space (or raise the quota) and rerun the same command: the finished cells are kept"
+
+
+def _raise_if_disk_full(exc: BaseException) -> None:
+    """A full disk or quota behind ``exc`` becomes a UsageError naming the path that could not be written."""
+    full = disk_full(exc)
+    if full is not None:
+        raise UsageError(disk_full_message(full, DISK_FULL_FIX)) from None
+
+
+def _write_summary(out: Path, cells: list[dict] | None) -> dict[str, Any]:
+    """:func:`gacbench.bench.report.build_report` of ``out``, one process at a time per directory; a full disk is
+    a UsageError."""
+    from gacbench.bench.report import build_report
+
+    try:
+        with summary_lock(out):
+            return build_report(out, cells=cells)  # every cell stored in --out, not only this grid's
+    except OSError as exc:
+        _raise_if_disk_full(exc)
+        raise
+
+
+def report_command(args) -> int:
+    """``gacbench report DIR``: :func:`gacbench.bench.report.main` with the stray temporaries of dead processes
+    removed first, one summary writer at a time per directory, and a full disk as a UsageError."""
+    from gacbench.bench.report import main as report_main
+
+    root = Path(args.dir)
+    if not (root / "cells").is_dir():
+        return report_main(args)  # refused there, naming the folder
+    remove_stray_temporaries(root)
+    try:
+        with summary_lock(root):
+            return report_main(args)
+    except OSError as exc:
+        _raise_if_disk_full(exc)
+        raise
+
+
+def resume_command(args) -> str:
+    """The ``gacbench bench`` command line that reruns this grid into the same --out."""
+    parts = ["gacbench", "bench", "--suite", args.suite, "--out", str(args.out)]
+    for option in ("methods", "staleness", "seeds", "tasks"):
+        if getattr(args, option, None) is not None:
+            parts += [f"--{option}", getattr(args, option)]
+    for item in getattr(args, "param", None) or []:
+        parts += ["--param", item]
+    parts += ["--workers", str(args.workers), "--executor", args.executor]
+    if getattr(args, "rerun_other_versions", False):
+        parts.append("--rerun-other-versions")
+    return shlex.join(parts)
+
+
+def _stop_on_signals():
+    """Make SIGINT and SIGTERM raise :class:`GridInterrupted` in this (main) thread, once: a second signal while
+    the grid stops and its summary is written is ignored. Returns the function that puts the handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    signums = (signal.SIGINT, signal.SIGTERM)
+
+    def stop(signum, frame):
+        for s in signums:
+            signal.signal(s, signal.SIG_IGN)
+        raise GridInterrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in signums}
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    return restore
 
 
 def timing_lines(timing: dict[str, Any]) -> list[str]:

@@ -1,0 +1,367 @@
+"""The executors of a benchmark grid: how the pending cells of :func:`gacbench.bench.runner.run_grid` are run.
+
+- :func:`run_local`: cell after cell in the runner's own process (``--workers 1``);
+- :func:`run_pool`: a pool of spawned worker processes, kept for the whole grid, each running cell after
+  cell (``--executor local``); a worker ignores SIGINT (the runner stops it) and ends when the runner ends,
+  even by SIGKILL (:func:`die_with_parent`);
+- :func:`run_ray`: Ray actors that do the same (``--executor ray``).
+
+Each takes the cells that can run from :class:`Dependencies` (a cell whose reference cell, e.g. the sync cell
+of ``gac-calibrated``, is pending waits for it and is handed its calibration when it ends) and reports each
+finished cell on the :class:`Display`. A cell that another runner has claimed comes back as ``claimed``: it is
+kept in :class:`Dependencies` until :func:`wait_for_claims` sees its claim released. When the grid is stopped
+(:class:`GridInterrupted`, a full disk, any error), the pool's processes are killed at once and the Ray actors
+ended: the cells in flight stay unfinished and the next run recomputes them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from gacbench.bench.cell import (
+    CLAIMED,
+    cell_dir,
+    claim_released,
+    engine_key,
+    run_cell,
+    stored_state,
+    write_json,
+)
+from gacbench.functional.calibration import calibration_record
+from gacbench.methods import reference_cell, reference_rule
+from gacbench.objectives import objective_class
+from gacbench.usage import UsageError
+
+
+class GridInterrupted(BaseException):
+    """SIGINT or SIGTERM reached the runner (a BaseException, so that no cell records it as its own failure)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def reference_calibration(root: Path, cell: dict) -> dict:
+    """The calibration record of ``cell`` (a method with a reference, ``gac-calibrated``) from its reference
+    cell's stored c_t trace under ``root``: ``align/cos`` after the cell's warm-up, by the rule settings of the
+    cell's method spec (``gac-calibrated(quantile=0.95)``), plus ``warmup`` and ``reference`` (the reference
+    cell's directory, relative to ``root``). Raises ValueError when the trace cannot be calibrated from."""
+    from gacbench.bench.report import read_metrics
+
+    ref = reference_cell(cell)
+    if ref is None:
+        raise ValueError(f"method {cell['method']!r} has no reference cell")
+    d = cell_dir(Path(root), ref)
+    cos = [v for _, v in sorted(read_metrics(d / "metrics.csv").get("align/cos", []))]
+    warmup = int(cell.get("warmup", 0))
+    rec = calibration_record(cos[warmup:], 0, **reference_rule(cell["method"]))
+    return {**rec, "warmup": warmup, "reference": str(d.relative_to(Path(root)))}
+
+
+def _fail_without_running(root: Path, cell: dict, error: str) -> dict:
+    status = {"status": "failed", "error": error, "cell": cell}
+    out = cell_dir(root, cell)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "status.json").unlink(missing_ok=True)
+    write_json(out / "status.json", status)
+    return status
+
+
+class Dependencies:
+    """The pending cells split into those that can run now (``ready``) and those waiting for their reference
+    cell; :meth:`finished` releases the waiting ones when their reference ends, with their calibration. A cell
+    whose reference failed, or whose reference trace cannot be calibrated from, is recorded as failed without
+    running (its statuses are collected by :meth:`take_failed`). A cell that came back ``claimed`` (another
+    runner holds it) is kept for :meth:`take_claimed`, and its dependents keep waiting."""
+
+    def __init__(self, pending: list[dict], root: Path) -> None:
+        self.root = root
+        self.waiting: dict[Path, list[dict]] = {}
+        self._failed: list[dict] = []
+        self._claimed: list[dict] = []
+        self.ready: list[dict] = []
+        pending_dirs = {cell_dir(root, c) for c in pending}
+        for c in pending:
+            ref = reference_cell(c)
+            if ref is None:
+                self.ready.append(c)
+            elif cell_dir(root, ref) in pending_dirs:
+                self.waiting.setdefault(cell_dir(root, ref), []).append(c)
+            else:  # done in root (check_references)
+                self.ready += self._prepare(c)
+
+    def _prepare(self, cell: dict) -> list[dict]:
+        try:
+            return [{**cell, "calibration": reference_calibration(self.root, cell)}]
+        except (OSError, ValueError) as exc:
+            self._failed.append(_fail_without_running(self.root, cell, f"calibration from the reference cell failed: "
+                                                                        f"{exc}"))
+            return []
+
+    def take_ready(self) -> list[dict]:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def finished(self, cell: dict, status: dict) -> list[dict]:
+        """The cells that ``cell`` (just finished with ``status``) was the reference of, now ready."""
+        if status.get("status") == CLAIMED:
+            self._claimed.append(cell)
+            return []
+        out: list[dict] = []
+        for c in self.waiting.pop(cell_dir(self.root, cell), []):
+            if status.get("status") == "done":
+                out += self._prepare(c)
+            else:
+                self._failed.append(_fail_without_running(
+                    self.root, c, f"its reference cell {cell_dir(self.root, cell)} failed ({status.get('error')}); "
+                                  "rerun the grid once it succeeds"))
+        return out
+
+    def take_failed(self) -> list[dict]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def take_claimed(self) -> list[dict]:
+        claimed, self._claimed = self._claimed, []
+        return claimed
+
+
+def wait_for_claims(root: Path, claimed: list[dict], deps: Dependencies, display: Display,
+                    poll_s: float = 0.2) -> list[dict]:
+    """Wait until the other runners holding ``claimed`` cells release them; then a cell whose holder stored a
+    status (done or failed) is taken as it is (returned with ``"reused": True``, its dependents released into
+    ``deps.ready``), and a cell without one (its holder was killed) goes back into ``deps.ready`` to be run."""
+    left = list(claimed)
+    results: list[dict] = []
+    while left:
+        released = [c for c in left if claim_released(cell_dir(root, c))]
+        if not released:
+            time.sleep(poll_s)
+            continue
+        for c in released:
+            left.remove(c)
+            status, problem = stored_state(root, c)
+            if status is not None and problem is None and status.get("status") in ("done", "failed"):
+                results.append({**status, "reused": True})
+                display.update(running=0, finished=results[-1])
+                deps.ready += deps.finished(c, status)
+            else:
+                deps.ready.append(c)
+    return results + report_failed(deps, display)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """End this worker when the process that started it ends, even by SIGKILL: on Linux the kernel
+    delivers SIGKILL (PR_SET_PDEATHSIG, which fires when the parent's thread that started the worker
+    ends: the pool starts its workers from the thread that submits the cells, which outlives the
+    pool); everywhere a daemon thread waits on the parent's sentinel."""
+    import multiprocessing
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent ended before the line above
+        os._exit(1)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        from multiprocessing.connection import wait as wait_ready
+
+        def watch() -> None:
+            wait_ready([parent.sentinel])
+            os._exit(1)
+
+        threading.Thread(target=watch, name="gacbench-parent-watch", daemon=True).start()
+
+
+def init_worker(threads: int, parent_pid: int | None = None) -> None:
+    """Set up a pool worker: its torch thread count; SIGINT ignored (a Ctrl-C reaches the whole process group,
+    and the runner stops its workers itself); it ends with the runner."""
+    import torch
+
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+
+
+class Display:
+    def __init__(self, total: int, done: int, console: Console) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]cells"), BarColumn(), MofNCompleteColumn(), TextColumn("running {task.fields[running]}"),
+            TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=console, transient=False,
+        )
+        self.task = self.progress.add_task("grid", total=total, completed=done, running=0, failed=0)
+        self.failed = 0
+
+    def update(self, running: int, finished: dict | None = None) -> None:
+        if finished is not None and finished.get("status") == CLAIMED:
+            finished = None  # another runner's cell: counted when it ends
+        if finished is not None and finished.get("status") != "done":
+            self.failed += 1
+        self.progress.update(self.task, advance=1 if finished is not None else 0, running=running, failed=self.failed)
+
+
+def report_failed(deps: Dependencies, display: Display) -> list[dict]:
+    failed = deps.take_failed()
+    for status in failed:
+        display.update(running=0, finished=status)
+    return failed
+
+
+def run_local(deps: Dependencies, root: Path, threads: int, display: Display, rerun_other_versions: bool) -> list[dict]:
+    """The ready cells one after another in this process."""
+    results: list[dict] = []
+    queue = deps.take_ready()
+    while queue:
+        cell = queue.pop(0)
+        display.update(running=1)
+        results.append(run_cell(cell, root, threads, rerun_other_versions))
+        display.update(running=0, finished=results[-1])
+        queue += deps.finished(cell, results[-1])
+        results += report_failed(deps, display)
+    return results
+
+
+def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display: Display,
+             rerun_other_versions: bool) -> list[dict]:
+    """``workers`` spawned processes that each run cells until the queue is empty (in ``deps.ready``'s order;
+    a cell waiting for its reference is submitted when the reference ends). On any exception or interruption
+    the worker processes are killed before it propagates."""
+    results = []
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+                               initializer=init_worker, initargs=(threads, os.getpid()))
+    try:
+        args = (str(root), threads, rerun_other_versions)
+        futures = {pool.submit(run_cell, c, *args): c for c in deps.take_ready()}
+        display.update(running=min(workers, len(futures)))
+        while futures:
+            finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for f in finished:
+                cell = futures.pop(f)
+                try:
+                    results.append(f.result())
+                except BrokenProcessPool as exc:
+                    raise RuntimeError(
+                        f"a worker process died while running cells ({exc}); most often the system ran out of memory "
+                        "and killed it. The cells finished so far are stored: rerun the same command to resume, with "
+                        "fewer --workers if memory is short") from exc
+                display.update(running=min(workers, len(futures)), finished=results[-1])
+                for c in deps.finished(cell, results[-1]):
+                    futures[pool.submit(run_cell, c, *args)] = c
+                results += report_failed(deps, display)
+    except BaseException:
+        _kill_pool(pool)
+        raise
+    pool.shutdown(wait=True)
+    return results
+
+
+def _kill_pool(pool: ProcessPoolExecutor) -> None:
+    """Kill the pool's worker processes at once (their cells in flight stay unfinished) and wait until they are gone."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for p in processes:
+        try:
+            p.kill()
+        except (OSError, ValueError):
+            pass
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        try:
+            p.join(timeout=10)
+        except (OSError, ValueError, AssertionError):
+            pass
+
+
+class CellWorker:
+    """A Ray actor that runs cells one after another in one process."""
+
+    def __init__(self, threads: int) -> None:
+        init_worker(threads)
+
+    def run(self, cell: dict, root: str, threads: int, rerun_other_versions: bool = False) -> dict:
+        return run_cell(cell, root, threads, rerun_other_versions)
+
+
+def run_ray(deps: Dependencies, root: Path, workers: int, threads: int, display: Display,
+            rerun_other_versions: bool) -> list[dict]:
+    """``workers`` Ray actors, each handed its next cell when it finishes one: a cell with the same
+    engine key as its last one if any is left, else the next in ``deps.ready``'s order (a cell waiting for
+    its reference joins the queue when the reference ends). A cell whose actor dies is recorded as failed
+    and the actor replaced. The actors are ended when it returns or raises."""
+    queue = deps.take_ready()
+    pending = queue + [c for waiting in deps.waiting.values() for c in waiting]
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--executor ray needs Ray: pip install -e '.[ray]'") from None
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 **({} if address else {"num_cpus": workers}))
+    options: dict[str, Any] = {"num_cpus": 1}
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and any(objective_class(o).accelerator != "cpu" for o in {c["objective"] for c in pending}):
+        options["num_gpus"] = min(1.0, gpus / workers)
+    actor_cls = ray.remote(**options)(CellWorker)
+    root_s = str(root.resolve())
+    actors = [actor_cls.remote(threads) for _ in range(workers)]
+    last: dict[int, tuple[str, str]] = {}
+    inflight: dict[Any, tuple[int, dict]] = {}
+
+    def dispatch(i: int) -> None:
+        j = next((k for k, c in enumerate(queue) if engine_key(c) == last.get(i)), 0)
+        cell = queue.pop(j)
+        last[i] = engine_key(cell)
+        inflight[actors[i].run.remote(cell, root_s, threads, rerun_other_versions)] = (i, cell)
+
+    results = []
+    idle = set(range(workers))
+    try:
+        for i in range(workers):
+            if queue:
+                dispatch(i)
+                idle.discard(i)
+        display.update(running=len(inflight))
+        while inflight:
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)  # a timeout lets a signal through
+            if not ready:
+                continue
+            i, cell = inflight.pop(ready[0])
+            try:
+                results.append(ray.get(ready[0]))
+            except ray.exceptions.RayActorError as exc:
+                status = {"status": "failed", "error": f"the Ray actor running this cell died: {exc}", "cell": cell}
+                out = cell_dir(root, cell)
+                out.mkdir(parents=True, exist_ok=True)
+                write_json(out / "status.json", status)
+                results.append(status)
+                actors[i] = actor_cls.remote(threads)
+                last.pop(i, None)
+            queue += deps.finished(cell, results[-1])
+            idle.add(i)
+            for j in sorted(idle):
+                if queue:
+                    dispatch(j)
+                    idle.discard(j)
+            display.update(running=len(inflight), finished=results[-1])
+            results += report_failed(deps, display)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    return results

@@ -1,0 +1,390 @@
+"""The cell store and the grid runner under stress: concurrent runners, provenance, signals, a full disk,
+settings mixed in one directory, and the done check."""
+
+import errno
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gacbench.bench import cell as cell_mod
+from gacbench.bench.cell import (
+    CLAIM_FILE,
+    CellMismatchError,
+    cell_dir,
+    claim,
+    metrics_problem,
+    run_cell,
+    stored_done,
+)
+from gacbench.bench.runner import expand_cells, load_suite, run_grid
+from gacbench.cli import main
+from gacbench.jsonio import remove_stray_temporaries, write_json
+from gacbench.provenance import environment_key, provenance
+
+REPO = Path(__file__).resolve().parents[1]
+CELL = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 6, "method": "sync", "staleness": 0,
+        "seed": 0}
+
+
+def tiny_suite(tmp_path: Path, name: str = "tiny.yaml", **over) -> Path:
+    suite = {
+        "name": "tiny", "steps": 30, "warmup": 5,
+        "tasks": {"quadratic": {"objective": "quadratic",
+                                "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}}},
+        "methods": ["sync", "stale"], "staleness": [0, 4], "seeds": [0],
+    }
+    suite.update(over)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+def bench(suite: Path, out: Path, *extra: str) -> int:
+    return main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", *extra])
+
+
+def squash(text: str) -> str:
+    return " ".join(text.split())
+
+
+def steps_of(metrics: Path) -> list[int]:
+    rows = metrics.read_text().splitlines()
+    at = rows[0].split(",").index("step")
+    return [int(float(r.split(",")[at])) for r in rows[1:] if r]
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "400", **extra}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+# -- claims: a cell runs in one process at a time --------------------------------------------------------
+def test_a_cell_another_process_holds_is_left_to_it_and_run_once_released(tmp_path):
+    d = cell_dir(tmp_path, CELL)
+    with claim(d) as holder:
+        assert holder is None  # this block holds it: another open of the lock file is another holder
+        got = run_cell(CELL, tmp_path)
+        assert got["status"] == "claimed" and got["holder"]["pid"] == os.getpid()
+        assert not (d / "status.json").exists() and not (d / "config.json").exists()
+    assert run_cell(CELL, tmp_path)["status"] == "done"
+    again = run_cell(CELL, tmp_path)
+    assert again["status"] == "done" and again["reused"] is True
+
+
+def test_a_claim_left_by_a_killed_process_is_taken_over(tmp_path):
+    d = cell_dir(tmp_path, CELL)
+    d.mkdir(parents=True)
+    (d / CLAIM_FILE).write_text(json.dumps({"pid": dead_pid(), "host": "here", "since": 0}))
+    status = run_cell(CELL, tmp_path)
+    assert status["status"] == "done" and status["worker_pid"] == os.getpid()
+    assert json.loads((d / CLAIM_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_the_grid_waits_for_a_cell_another_runner_holds_and_reuses_what_it_stored(tmp_path):
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))
+    elsewhere = tmp_path / "elsewhere"
+    stored = run_cell(cells[0], elsewhere)  # what the other runner will store
+    out = tmp_path / "out"
+    held, release = threading.Event(), threading.Event()
+
+    def other_runner() -> None:
+        d = cell_dir(out, cells[0])
+        with claim(d):
+            held.set()
+            release.wait(60)
+            for name in ("config.json", "metrics.csv", "status.json"):
+                (d / name).write_bytes((cell_dir(elsewhere, cells[0]) / name).read_bytes())
+
+    t = threading.Thread(target=other_runner)
+    t.start()
+    assert held.wait(30)
+    threading.Timer(1.0, release.set).start()
+    t0 = time.perf_counter()
+    timing = run_grid(cells, out)
+    t.join()
+    assert time.perf_counter() - t0 >= 1.0  # it waited for the holder
+    assert (timing["ran"], timing["skipped_done"], timing["failed"]) == (len(cells) - 1, 1, 0)
+    assert json.loads((cell_dir(out, cells[0]) / "status.json").read_text())["final"] == stored["final"]
+
+
+def test_a_held_cell_whose_holder_ends_without_storing_it_is_run_by_the_waiting_runner(tmp_path):
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))
+    out = tmp_path / "out"
+    held = threading.Event()
+
+    def killed_runner() -> None:
+        with claim(cell_dir(out, cells[0])):
+            held.set()
+            time.sleep(1.0)
+
+    t = threading.Thread(target=killed_runner)
+    t.start()
+    assert held.wait(30)
+    timing = run_grid(cells, out)
+    t.join()
+    assert (timing["ran"], timing["skipped_done"], timing["failed"]) == (len(cells), 0, 0)
+    assert stored_done(out, cells[0]) is not None
+
+
+@pytest.mark.slow
+def test_three_concurrent_runners_on_one_out_run_every_cell_exactly_once(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", "synthetic-smoke", "--out", str(out),
+           "--tasks", "quadratic", "--methods", "sync,stale,gac", "--staleness", "0,16", "--seeds", "0,1",
+           "--workers", "1"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+             for _ in range(3)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outputs):
+        assert p.returncode == 0, stderr[-3000:]
+    ran = {p.pid: int(re.search(r"ran (\d+) cells", squash(o)).group(1)) for p, (o, _) in zip(procs, outputs)}
+    statuses = sorted(out.glob("cells/**/status.json"))
+    assert len(statuses) == 6 and sum(ran.values()) == 6  # each cell run by exactly one runner
+    by_pid: dict[int, int] = {}
+    for path in statuses:
+        status = json.loads(path.read_text())
+        assert status["status"] == "done"
+        by_pid[status["worker_pid"]] = by_pid.get(status["worker_pid"], 0) + 1
+        rows = (path.parent / "metrics.csv").read_text().splitlines()
+        assert len(rows) == len(set(rows))  # a second run interleaved would repeat the seeded run's rows
+        assert set(steps_of(path.parent / "metrics.csv")) == set(range(301))  # 300 steps, then the final eval
+    assert by_pid == {pid: n for pid, n in ran.items() if n}
+    summary = json.loads((out / "summary.json").read_text())
+    keys = [(c["task"], c["method"], c["staleness"], c["seed"]) for c in summary["cells"]]
+    assert len(keys) == len(set(keys)) == 6 and all(c["status"] == "done" for c in summary["cells"])
+    assert not list(out.rglob("*.tmp"))
+
+
+# -- provenance -----------------------------------------------------------------------------------------
+def test_a_cell_records_its_provenance_with_the_thread_count_it_ran_with(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        run_cell(CELL, tmp_path, threads=1)
+        config = json.loads((cell_dir(tmp_path, CELL) / "config.json").read_text())
+        assert config["provenance"] == provenance() and config["provenance"]["threads"] == 1
+        assert {k: config[k] for k in CELL} == CELL
+        assert "provenance" not in cell_mod.IDENTITY_KEYS
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cells_from_another_environment_are_counted_kept_and_recomputed_on_request(tmp_path, capsys):
+    suite, out = tiny_suite(tmp_path, seeds=[0, 1]), tmp_path / "out"
+    before = torch.get_num_threads()
+    try:
+        assert bench(suite, out) == 0
+        cells = expand_cells(load_suite(str(suite)))
+        other, unrecorded = cell_dir(out, cells[0]), cell_dir(out, cells[1])
+        config = json.loads((other / "config.json").read_text())
+        config["provenance"]["packages"]["torch"] = "0.0.1"
+        (other / "config.json").write_text(json.dumps(config))
+        config = json.loads((unrecorded / "config.json").read_text())
+        del config["provenance"]
+        (unrecorded / "config.json").write_text(json.dumps(config))
+        mtimes = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+        capsys.readouterr()
+        assert bench(suite, out) == 0
+        said = squash(capsys.readouterr().out)
+        assert "2 stored done cell(s) of this grid come from another environment (1 from src" in said
+        assert "torch 0.0.1" in said and "1 unrecorded" in said and "--rerun-other-versions recomputes them" in said
+        assert "ran 0 cells (4 already done" in said
+        assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+        assert bench(suite, out, "--rerun-other-versions") == 0
+        assert "ran 2 cells (2 already done" in squash(capsys.readouterr().out)
+        here = environment_key({**provenance(), "threads": max(1, (os.cpu_count() or 1))})
+        for d in (other, unrecorded):
+            assert environment_key(json.loads((d / "config.json").read_text())["provenance"]) == here
+            assert (d / "status.json").stat().st_mtime_ns != mtimes[d / "status.json"]
+        for p, t in mtimes.items():
+            if p.parent not in (other, unrecorded):
+                assert p.stat().st_mtime_ns == t
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- SIGINT / SIGTERM -----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("signum,workers", [(signal.SIGINT, "2"), (signal.SIGTERM, "1")])
+def test_a_signal_stops_the_grid_promptly_writes_the_summary_and_the_rerun_resumes(tmp_path, signum, workers):
+    suite = tiny_suite(tmp_path, steps=300, seeds=[0, 1, 2])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out),
+           "--workers", workers]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    deadline = time.time() + 180
+    while time.time() < deadline and not list(out.glob("cells/**/status.json")):
+        time.sleep(0.1)
+    assert list(out.glob("cells/**/status.json")), "no cell finished"
+    while time.time() < deadline and len(list(out.glob("cells/**/config.json"))) <= \
+            len(list(out.glob("cells/**/status.json"))):
+        time.sleep(0.05)  # a cell in flight
+    workers_before = _children(proc.pid)
+    t0 = time.time()
+    proc.send_signal(signum)
+    stdout, _ = proc.communicate(timeout=60)
+    took = time.time() - t0
+    assert proc.returncode == 128 + signum, stdout[-3000:]
+    assert took < 15, f"stopping took {took:.1f} s"
+    total = len(expand_cells(load_suite(str(suite))))
+    done = len(list(out.glob("cells/**/status.json")))
+    assert done < total
+    said = squash(stdout)
+    assert f"stopped by {signal.Signals(signum).name}: {done} of {total} cells done" in said
+    assert f"resume with: gacbench bench --suite {suite} --out {out}" in said and "Traceback" not in stdout
+    assert len(json.loads((out / "summary.json").read_text())["cells"]) >= done
+    time.sleep(0.5)
+    assert not [p for p in workers_before if _alive(p)]
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"ran {total - done} cells ({done} already done" in squash(rerun.stdout)
+    assert kept == {p: p.stat().st_mtime_ns for p in kept}
+
+
+# -- a full disk ----------------------------------------------------------------------------------------
+def _fill_disk_on(monkeypatch, name: str) -> None:
+    """Writes of ``name``'s temporary file put part of the text down, then fail as on a full disk."""
+    real = pathlib.Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if self.name.startswith(f".{name}.") and self.name.endswith(".tmp"):
+            real(self, data[: len(data) // 2], *args, **kwargs)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+
+
+def test_write_json_on_a_full_disk_removes_its_temporary_and_names_the_file(tmp_path, monkeypatch):
+    _fill_disk_on(monkeypatch, "x.json")
+    with pytest.raises(OSError) as exc:
+        write_json(tmp_path / "x.json", {"a": 1})
+    assert exc.value.errno == errno.ENOSPC and exc.value.filename == str(tmp_path / "x.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_ends_bench_and_report_with_one_line_and_no_temporaries(tmp_path, monkeypatch, capsys):
+    suite, out = tiny_suite(tmp_path), tmp_path / "out"
+    with monkeypatch.context() as m:
+        _fill_disk_on(m, "status.json")
+        assert bench(suite, out) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    first = cell_dir(out, expand_cells(load_suite(str(suite)))[0])
+    assert err == [f"gacbench bench: error: cannot write {first / 'status.json'}: No space left on device (ENOSPC); "
+                   "free space (or raise the quota) and rerun the same command: the finished cells are kept"]
+    assert not list(out.rglob("*.tmp")) and not (first / "status.json").exists()
+    assert bench(suite, out) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _fill_disk_on(m, "summary.json")
+        assert main(["report", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"gacbench report: error: cannot write {out / 'summary.json'}: No "
+                                               "space left on device (ENOSPC)")
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_a_full_disk_inside_a_run_is_raised_not_recorded_as_the_cells_failure(tmp_path, monkeypatch):
+    def full(cell, out):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(out / "metrics.csv"))
+
+    monkeypatch.setattr(cell_mod, "_run", full)
+    with pytest.raises(OSError) as exc:
+        run_cell(CELL, tmp_path)
+    assert exc.value.errno == errno.EDQUOT and not (cell_dir(tmp_path, CELL) / "status.json").exists()
+    monkeypatch.setattr(cell_mod, "_run", lambda cell, out: 1 / 0)
+    assert run_cell(CELL, tmp_path)["error"] == "ZeroDivisionError: division by zero"  # other errors: recorded
+
+
+def test_stray_temporaries_of_dead_processes_are_removed_by_the_next_report(tmp_path, capsys):
+    out = tmp_path / "out"
+    run_cell(CELL, out)
+    d = cell_dir(out, CELL)
+    old = time.time() - 3600
+    dead, young, live = (d / f".status.json.{dead_pid()}.tmp", d / f".config.json.{dead_pid()}.tmp",
+                         d / f".status.json.{os.getppid()}.tmp")
+    for path in (dead, young, live):
+        path.write_text("{")
+    os.utime(dead, (old, old))
+    os.utime(live, (old, old))
+    assert main(["report", str(out)]) == 0
+    assert not dead.exists() and young.exists() and live.exists()
+    assert remove_stray_temporaries(out, min_age_s=0) == [young]
+
+
+# -- one setting per task in one directory --------------------------------------------------------------
+def test_another_suites_settings_for_a_stored_task_are_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "out"
+    assert bench(tiny_suite(tmp_path), out) == 0
+    stored = sorted(out.glob("cells/**/status.json"))
+    (tmp_path / "b").mkdir()
+    other = tiny_suite(tmp_path / "b", steps=40, seeds=[1],
+                       tasks={"quadratic": {"objective": "quadratic",
+                                            "params": {"optimizer": "sgd", "lr": 0.05, "sigma2": 10.0,
+                                                       "kappa": 10.0}}})
+    with pytest.raises(SystemExit) as exc:
+        bench(other, out)
+    message = str(exc.value.code)
+    assert "params.lr: 0.1 (stored) -> 0.05 (now), in 2 cell(s)" in message
+    assert "steps: 30 (stored) -> 40 (now), in 2 cell(s)" in message
+    assert "cells of task(s) quadratic outside this grid" in message and "use another --out" in message
+    assert sorted(out.glob("cells/**/status.json")) == stored and not list(out.glob("cells/**/seed1"))
+    with pytest.raises(CellMismatchError, match="outside this grid"):  # the same refusal from the Python API
+        run_grid(expand_cells(load_suite(str(other))), out)
+    assert bench(tiny_suite(tmp_path / "b", seeds=[1]), out) == 0  # the same settings, other seeds: added
+
+
+# -- the done check -------------------------------------------------------------------------------------
+def test_a_metrics_csv_without_exactly_its_last_steps_row_is_not_done(tmp_path):
+    status = run_cell(CELL, tmp_path)
+    d = cell_dir(tmp_path, CELL)
+    path = d / "metrics.csv"
+    assert stored_done(tmp_path, CELL) is not None and metrics_problem(path, status["steps_run"]) is None
+    lines = path.read_text().splitlines(keepends=True)
+    at = lines[0].rstrip("\n").split(",").index("step")
+    last = status["steps_run"] - 1
+    kept = [line for line in lines[1:] if int(float(line.split(",")[at])) != last]
+    assert len(kept) == len(lines) - 2  # exactly one row dropped; rows after training (step 6) remain
+    path.write_text(lines[0] + "".join(kept))
+    assert metrics_problem(path, status["steps_run"]) == (f"{path} has no row for step {last}, the last of the "
+                                                          f"{status['steps_run']} steps the run took")
+    assert stored_done(tmp_path, CELL) is None
+    assert run_cell(CELL, tmp_path).get("reused") is None  # recomputed
+    assert last in steps_of(path)
