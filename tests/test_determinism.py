@@ -60,7 +60,7 @@ def test_a_grpo_cell_run_twice_in_fresh_processes_stores_the_same_metrics(tiny_l
     _run(suite, tmp_path / "second")
     first, second = _rows(tmp_path / "first"), _rows(tmp_path / "second")
     steps = {int(float(r[first[0].index("step")])) for r in first[1:]}
-    assert steps == set(range(5))  # every step is logged
+    assert set(range(5)) <= steps  # every step is logged (the final eval adds a row at step 5)
     assert first == second
     prov = _provenance(tmp_path / "first")
     assert prov is not None and prov == _provenance(tmp_path / "second")
