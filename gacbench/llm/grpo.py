@@ -80,8 +80,8 @@ class EngineConfig:
 @dataclass
 class RolloutConfig:
     """prompts per step, group (samples per prompt, >= 2), max_tokens per completion, advantage (a registered
-    estimator: grpo, dr-grpo, rloo), logprob_rows (sequences per forward pass of the behaviour and reference
-    log-probs)."""
+    estimator: grpo, grpo-population, dr-grpo, rloo), logprob_rows (sequences per forward pass of the behaviour
+    and reference log-probs)."""
 
     prompts: int = 8
     group: int = 8
