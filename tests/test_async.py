@@ -260,9 +260,47 @@ def test_async_bench_refuses_a_bound_no_step_reaches(capsys):
     assert main(["async-bench", "--steps", "4", "--max-staleness", "0", "--admission", "drop"]) == 2
 
 
+def _strict_json(path):
+    import json
+
+    return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in {path}"))
+
+
+def test_async_bench_writes_strict_json(tmp_path, monkeypatch, capsys):
+    """A run shorter than the AlignmentMonitor's warm-up has NaN c_t statistics (and a NaN lag mean when nothing
+    was consumed): the record and the printed summary hold null there, never a bare NaN."""
+    import json
+
+    from gacbench.cli import main
+    from gacbench.llm import async_bench
+
+    nan = float("nan")
+
+    def run_one(mode, args, log_dir=None, threads=None):
+        rec = {"steps_s": 0.5 if mode == "sync" else 0.4, "startup_s": 1.0, "reward": [0.25], "eval_acc": 0.5,
+               "step_s": [0.5], "cos": [nan], "alignment": {"median": nan, "max_abs": float("inf"), "n": 0}}
+        if mode == "async":
+            rec["async"] = {"lag_mean": nan, "lag_max": 0, "dropped": 0, "trainer_threads": 1}
+        return rec
+
+    monkeypatch.setattr(async_bench, "run_one", run_one)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "bench.json"
+    assert main(["async-bench", "--steps", "1", "--max-staleness", "0", "--engine", "hf", "--model", str(model),
+                 "--sync-threads", "1", "--json", str(out)]) == 0
+    rec = _strict_json(out)
+    assert rec["lag_mean"] is None and rec["lag_max"] == 0 and rec["speedup"] == pytest.approx(0.5 / 0.4)
+    assert rec["runs"]["sync"]["alignment"] == {"median": None, "max_abs": None, "n": 0}
+    assert rec["runs"]["async"]["cos"] == [None] and rec["sync_reward_final"] == 0.25
+    printed = capsys.readouterr().out
+    assert "NaN" not in printed and "Infinity" not in printed
+    assert json.loads(printed)["lag_mean"] is None
+
+
 @pytest.mark.slow
 def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_path):
-    import json
 
     from gacbench.cli import main
 
@@ -270,7 +308,8 @@ def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_pa
     assert main(["async-bench", "--steps", "4", "--max-staleness", "2", "--engine", "hf", "--model", tiny_llm_dir,
                  "--prompts", "2", "--group", "2", "--max-tokens", "4", "--eval-size", "4", "--sync-threads", "1",
                  "--json", str(out)]) == 0
-    rec = json.loads(out.read_text())
+    rec = _strict_json(out)  # 4 steps, below the monitor's warm-up of 5: its statistics are null, not NaN
+    assert rec["runs"]["async"]["alignment"]["median"] is None
     assert rec["speedup"] == pytest.approx(rec["sync_s"] / rec["async_s"])
     assert rec["sync_s"] > 0 and rec["async_s"] > 0 and rec["max_staleness"] == 2
     assert 0 <= rec["lag_mean"] <= rec["lag_max"] <= 2 and rec["dropped"] == 0
