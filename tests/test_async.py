@@ -150,6 +150,55 @@ def test_a_crashed_async_run_resumes_without_losing_a_step_and_counts_the_regene
         assert all(row["step"] - 2 <= v <= row["step"] for v in row["versions"])
 
 
+class BehaviourIsEngine(pl.Callback):
+    """Records, per step, whether the batch's behaviour log-probs are the engine's own (async mode)."""
+
+    def __init__(self) -> None:
+        self.same = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        original = pl_module.policy_loss
+
+        def spy(data):
+            self.same.append(torch.equal(data["logp_behav"], data["engine_logp"]))
+            return original(data)
+
+        pl_module.policy_loss = spy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        del pl_module.policy_loss
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
+def test_a_resumed_async_run_keeps_the_counters_of_the_run_before_its_checkpoint(tiny_llm_dir, tmp_path):
+    first = module(tiny_llm_dir, steps=4, max_staleness=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    make_trainer([ckpt], max_steps=4, enable_checkpointing=True).fit(first)
+    path = next(tmp_path.glob("*step=2.ckpt"))
+    state = torch.load(path, weights_only=False)
+    earlier = {"dropped": 5, "restart_regenerated": 3, "restarts": 2, "resume_regenerated": 1}
+    state["rollout_source"]["counters"].update(earlier)  # as if the run before the checkpoint had drops and restarts
+    torch.save(state, path)
+    unconsumed = state["rollout_source"]["unconsumed"]
+
+    resumed = module(tiny_llm_dir, steps=4, max_staleness=1)
+    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=2, save_top_k=-1)
+    behaviour = BehaviourIsEngine()
+    trainer = make_trainer([again, behaviour], max_steps=4, enable_checkpointing=True)
+    trainer.fit(resumed, ckpt_path=path)
+    assert trainer.global_step == 4 and behaviour.same == [True, True]  # async: pi_behav is the engine's
+    summary = resumed.source_summary  # this session: admission wait, no drops, no restarts
+    assert summary["dropped"] == 5 and summary["worker_restarts"] == 2
+    assert summary["regenerated"] == 5 + 3 + 1 + unconsumed and summary["resume_regenerated"] == unconsumed
+    log = trainer.logger
+    assert log.values("async/dropped_total") == [5.0, 5.0] and log.values("async/worker_restarts") == [2.0, 2.0]
+    assert log.values("async/regenerated_total") == [9.0 + unconsumed] * 2
+    saved = torch.load(next((tmp_path / "resumed").glob("*step=4.ckpt")), weights_only=False)["rollout_source"]
+    assert {k: saved["counters"][k] for k in earlier} == {**earlier, "resume_regenerated": 1 + unconsumed}
+    assert saved["counters"]["consumed"] == state["rollout_source"]["counters"]["consumed"] + 2
+
+
 class KillWorkerAt(pl.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
