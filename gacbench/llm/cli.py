@@ -1,7 +1,7 @@
 """``gacbench grpo``: one GRPO run from a config file, with LightningCLI conventions.
 
     gacbench grpo --config tasks/llm/tiny.yaml [--config overlay.yaml] [--model.staleness=16]
-                  [--method gac] [--trainer.max_steps=200] [--ckpt_path last]
+                  [--method gac] [--trainer.max_steps=200] [--ckpt_path last] [--overwrite]
 
 The config has LightningCLI's three sections: ``trainer`` (any ``lightning.Trainer`` argument, with
 callbacks and loggers as ``class_path``/``init_args``), ``model`` (``GRPOModule``'s arguments:
@@ -12,9 +12,16 @@ stabilizer name, or a ``+`` combination such as ``gac+m2po``; its callbacks are 
 next to an ``AlignmentMonitor`` so that c_t is logged in every run) and ``ckpt_path`` (resume; ``last``
 takes the checkpoint of the run's checkpoint directory with the highest step recorded inside it).
 ``trainer.max_steps`` is linked to ``model.steps``. A logger whose ``version`` is null gets
-``METHOD-sSTALENESS-seedSEED`` (runs of one config with other methods, staleness or seeds do not overwrite
-each other; set the version yourself when you vary anything else), and ``--ckpt_path last`` resumes into
-that directory.
+``METHOD-sSTALENESS-seedSEED`` (``rollout.mode: sync``), ``METHOD-async-kK-seedSEED`` (``async``, K the
+bound, ``-drop`` after it under ``admission: drop``) or ``METHOD-uniform-kLO-K-seedSEED`` (``uniform``), where
+the plain methods sync and stale leave their name out in the two last (``async-k3-seed0``): runs of one config
+with other methods, rollout modes, bounds or seeds do not overwrite each other (set the version yourself when
+you vary anything else), and ``--ckpt_path last`` resumes into that directory.
+
+A fresh run (no ``--ckpt_path``) whose directory already holds a run (its ``summary.json``, ``metrics.csv``,
+``config.yaml``, ``hparams.yaml`` or checkpoints) is refused before anything runs, naming the directory and the
+fixes: another version or save directory, ``--ckpt_path last``, or ``--overwrite``, which deletes those files
+(and the ``*.ckpt`` of a checkpoint directory inside the run's) and starts afresh.
 
 A resume keeps what the earlier sessions wrote. Lightning's CSVLogger deletes ``metrics.csv`` when fit
 starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed session ends,
@@ -22,8 +29,17 @@ whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows 
 step followed by the new rows, and the copy removed. If the process is killed, the copy stays and the
 next resume merges it. A resumed session saves its config as ``config.resume-N.yaml`` beside the first
 session's ``config.yaml``. The summary's c_t statistics cover the resumed segment only. At the end the
-run writes ``summary.json`` (initial and final ``eval/acc``, c_t statistics, time shares; non-finite
-numbers as null) into the logger's directory and prints it.
+run writes ``summary.json`` (``method``, ``status`` ``finished``, ``steps`` and ``max_steps``, initial and final
+``eval/acc``, c_t statistics, time shares; non-finite numbers as null) into the logger's directory and prints
+it. The summary of an async or uniform run records under ``rollout`` its mode, bound, admission, realised lags
+(``lag_mean``, ``lag_min``, ``lag_max`` and ``lag_hist``, samples per lag 0..K, of this session) and the
+counters of the whole run (``dropped``, ``regenerated``, ``worker_restarts``); a plain method (sync, stale)
+there is recorded as the mode (``"method": "async"``).
+
+SIGTERM (a scheduler's pre-emption, ``kill``) stops the fit at the end of the step in progress (Lightning's
+signal handling); the run then writes ``summary.json`` with ``"status": "interrupted"``, the steps done and no
+final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM). It resumes with ``--ckpt_path
+last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal).
 
 A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
 from ``gacbench``), naming the option and the fix.
