@@ -281,6 +281,37 @@ def _refused_line(capsys) -> str:
     return errors[0]
 
 
+def test_an_earlier_run_in_the_directory_is_refused_or_deleted_with_overwrite(tmp_path):
+    from types import SimpleNamespace
+
+    from gacbench.cli import UsageError
+    from gacbench.llm.cli import guard_earlier_run
+
+    run_dir, elsewhere = tmp_path / "tiny" / "sync-s0-seed0", tmp_path / "shared-ckpts"
+    logger = SimpleNamespace(log_dir=str(run_dir))
+    trainer = SimpleNamespace(log_dir=str(run_dir), loggers=[logger], checkpoint_callback=SimpleNamespace(dirpath=None))
+    guard_earlier_run(trainer, overwrite=False)  # nothing there yet: a fresh run starts
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").write_bytes(b"x")
+    with pytest.raises(UsageError, match=r"sync-s0-seed0 already holds a run \(checkpoints/\); .*--overwrite"):
+        guard_earlier_run(trainer, overwrite=False)
+    for name in ("summary.json", "metrics.csv", "config.yaml", "config.resume-1.yaml", "notes.txt"):
+        (run_dir / name).write_text("{}")
+    with pytest.raises(UsageError, match=r"\(checkpoints/, config.resume-1.yaml, config.yaml, metrics.csv, "
+                                         r"summary.json\)"):
+        guard_earlier_run(trainer, overwrite=False)
+    assert len(list(run_dir.rglob("*.*"))) == 6  # refused: nothing deleted
+    guard_earlier_run(trainer, overwrite=True)
+    assert sorted(p.name for p in run_dir.rglob("*.*")) == ["notes.txt"]  # the run's files only
+    elsewhere.mkdir()
+    (elsewhere / "other-run.ckpt").write_bytes(b"x")  # a checkpoint directory outside the run's: never deleted
+    trainer.checkpoint_callback.dirpath = str(elsewhere)
+    (run_dir / "metrics.csv").write_text("step\n")
+    guard_earlier_run(trainer, overwrite=True)
+    assert (elsewhere / "other-run.ckpt").exists() and not (run_dir / "metrics.csv").exists()
+
+
+@pytest.mark.slow
 @RESUME_WARNINGS
 def test_a_finished_run_is_never_replaced_without_overwrite(tiny_llm_dir, tmp_path, capsys):
     args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
