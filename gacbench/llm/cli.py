@@ -164,7 +164,7 @@ def run_method(method: str, mode: str) -> str:
     return mode if mode != "sync" and method in PLAIN_METHODS else method
 
 
-RUN_FILES = ("summary.json", "metrics.csv", "metrics.earlier.csv", "config.yaml", "hparams.yaml")
+RUN_FILES = ("summary.json", "metrics.csv", EARLIER, "config.yaml", "hparams.yaml")
 
 
 def _ckpt_dir(trainer) -> Path | None:
@@ -377,7 +377,7 @@ def run(argv: list[str]) -> int:
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
     ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path)
-    if ckpt is None:
+    if ckpt is None and trainer.global_rank == 0:  # DDP: the other ranks start once rank 0 is in fit
         guard_earlier_run(trainer, cli.config.overwrite)
     log_dir = trainer.logger.log_dir if trainer.logger is not None else None
     keeper = MetricsKeeper(log_dir) if ckpt and log_dir else None
