@@ -150,6 +150,55 @@ def test_a_crashed_async_run_resumes_without_losing_a_step_and_counts_the_regene
         assert all(row["step"] - 2 <= v <= row["step"] for v in row["versions"])
 
 
+class BehaviourIsEngine(pl.Callback):
+    """Records, per step, whether the batch's behaviour log-probs are the engine's own (async mode)."""
+
+    def __init__(self) -> None:
+        self.same = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        original = pl_module.policy_loss
+
+        def spy(data):
+            self.same.append(torch.equal(data["logp_behav"], data["engine_logp"]))
+            return original(data)
+
+        pl_module.policy_loss = spy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        del pl_module.policy_loss
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")
+def test_a_resumed_async_run_keeps_the_counters_of_the_run_before_its_checkpoint(tiny_llm_dir, tmp_path):
+    first = module(tiny_llm_dir, steps=4, max_staleness=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    make_trainer([ckpt], max_steps=4, enable_checkpointing=True).fit(first)
+    path = next(tmp_path.glob("*step=2.ckpt"))
+    state = torch.load(path, weights_only=False)
+    earlier = {"dropped": 5, "restart_regenerated": 3, "restarts": 2, "resume_regenerated": 1}
+    state["rollout_source"]["counters"].update(earlier)  # as if the run before the checkpoint had drops and restarts
+    torch.save(state, path)
+    unconsumed = state["rollout_source"]["unconsumed"]
+
+    resumed = module(tiny_llm_dir, steps=4, max_staleness=1)
+    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=2, save_top_k=-1)
+    behaviour = BehaviourIsEngine()
+    trainer = make_trainer([again, behaviour], max_steps=4, enable_checkpointing=True)
+    trainer.fit(resumed, ckpt_path=path)
+    assert trainer.global_step == 4 and behaviour.same == [True, True]  # async: pi_behav is the engine's
+    summary = resumed.source_summary  # this session: admission wait, no drops, no restarts
+    assert summary["dropped"] == 5 and summary["worker_restarts"] == 2
+    assert summary["regenerated"] == 5 + 3 + 1 + unconsumed and summary["resume_regenerated"] == unconsumed
+    log = trainer.logger
+    assert log.values("async/dropped_total") == [5.0, 5.0] and log.values("async/worker_restarts") == [2.0, 2.0]
+    assert log.values("async/regenerated_total") == [9.0 + unconsumed] * 2
+    saved = torch.load(next((tmp_path / "resumed").glob("*step=4.ckpt")), weights_only=False)["rollout_source"]
+    assert {k: saved["counters"][k] for k in earlier} == {**earlier, "resume_regenerated": 1 + unconsumed}
+    assert saved["counters"]["consumed"] == state["rollout_source"]["counters"]["consumed"] + 2
+
+
 class KillWorkerAt(pl.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -260,9 +309,47 @@ def test_async_bench_refuses_a_bound_no_step_reaches(capsys):
     assert main(["async-bench", "--steps", "4", "--max-staleness", "0", "--admission", "drop"]) == 2
 
 
+def _strict_json(path):
+    import json
+
+    return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in {path}"))
+
+
+def test_async_bench_writes_strict_json(tmp_path, monkeypatch, capsys):
+    """A run shorter than the AlignmentMonitor's warm-up has NaN c_t statistics (and a NaN lag mean when nothing
+    was consumed): the record and the printed summary hold null there, never a bare NaN."""
+    import json
+
+    from gacbench.cli import main
+    from gacbench.llm import async_bench
+
+    nan = float("nan")
+
+    def run_one(mode, args, log_dir=None, threads=None):
+        rec = {"steps_s": 0.5 if mode == "sync" else 0.4, "startup_s": 1.0, "reward": [0.25], "eval_acc": 0.5,
+               "step_s": [0.5], "cos": [nan], "alignment": {"median": nan, "max_abs": float("inf"), "n": 0}}
+        if mode == "async":
+            rec["async"] = {"lag_mean": nan, "lag_max": 0, "dropped": 0, "trainer_threads": 1}
+        return rec
+
+    monkeypatch.setattr(async_bench, "run_one", run_one)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "bench.json"
+    assert main(["async-bench", "--steps", "1", "--max-staleness", "0", "--engine", "hf", "--model", str(model),
+                 "--sync-threads", "1", "--json", str(out)]) == 0
+    rec = _strict_json(out)
+    assert rec["lag_mean"] is None and rec["lag_max"] == 0 and rec["speedup"] == pytest.approx(0.5 / 0.4)
+    assert rec["runs"]["sync"]["alignment"] == {"median": None, "max_abs": None, "n": 0}
+    assert rec["runs"]["async"]["cos"] == [None] and rec["sync_reward_final"] == 0.25
+    printed = capsys.readouterr().out
+    assert "NaN" not in printed and "Infinity" not in printed
+    assert json.loads(printed)["lag_mean"] is None
+
+
 @pytest.mark.slow
 def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_path):
-    import json
 
     from gacbench.cli import main
 
@@ -270,7 +357,8 @@ def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_pa
     assert main(["async-bench", "--steps", "4", "--max-staleness", "2", "--engine", "hf", "--model", tiny_llm_dir,
                  "--prompts", "2", "--group", "2", "--max-tokens", "4", "--eval-size", "4", "--sync-threads", "1",
                  "--json", str(out)]) == 0
-    rec = json.loads(out.read_text())
+    rec = _strict_json(out)  # 4 steps, below the monitor's warm-up of 5: its statistics are null, not NaN
+    assert rec["runs"]["async"]["alignment"]["median"] is None
     assert rec["speedup"] == pytest.approx(rec["sync_s"] / rec["async_s"])
     assert rec["sync_s"] > 0 and rec["async_s"] > 0 and rec["max_staleness"] == 2
     assert 0 <= rec["lag_mean"] <= rec["lag_max"] <= 2 and rec["dropped"] == 0

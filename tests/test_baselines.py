@@ -187,6 +187,19 @@ def test_dual_clip_caps_negative_advantages_at_c():
     assert plain.item() == pytest.approx((5.0 + 2.0 - 1.2) / 3)
 
 
+def test_dual_clip_uses_its_own_c():
+    b = ratio_batch([[2.5, 1.5, 1.5]], [[-1.0, -1.0, 1.0]])
+    loss, m = DualClipPPO(clip_c=2.0).policy_loss(b)
+    # token 0: max(2.5, 1.2) = 2.5 capped at c = 2 (at c = 3 it would stay 2.5 with gradient 2.5 / 3); token 1: 1.5,
+    # under the cap; token 2: A > 0, min(1.5, 1.2) -> -1.2
+    assert loss.item() == pytest.approx((2.0 + 1.5 - 1.2) / 3)
+    loss.backward()
+    assert b.logp.grad.reshape(-1).tolist() == pytest.approx([0.0, 1.5 / 3, 0.0])
+    assert float(m["pg/clipfrac_dual"]) == pytest.approx(1 / 3)
+    at_3, _ = DualClipPPO().policy_loss(ratio_batch([[2.5, 1.5, 1.5]], [[-1.0, -1.0, 1.0]]))
+    assert at_3.item() == pytest.approx((2.5 + 1.5 - 1.2) / 3)
+
+
 # -- GSPO ---------------------------------------------------------------------------------------------------------
 def test_gspo_sequence_ratio_and_its_tiny_clip_range():
     b = pb([[0.1, -0.1], [0.3, 0.1]], [[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]])
@@ -196,6 +209,18 @@ def test_gspo_sequence_ratio_and_its_tiny_clip_range():
     loss.backward()
     assert b.logp.grad.reshape(-1).tolist() == pytest.approx([-0.25, -0.25, 0.0, 0.0])
     assert m["gspo/clip_low"] == 3e-4 and m["gspo/clip_high"] == 4e-4
+
+
+def test_gspo_sequence_log_ratio_is_the_token_mean_not_the_sum():
+    # log r = 3e-4 on both tokens: the mean, 3e-4, gives s = e^3e-4 = 1.0003, inside [1 - 3e-4, 1 + 4e-4], so the
+    # token gets the gradient; the sum, 6e-4, would give 1.0006 > 1 + 4e-4: clipped (A > 0), loss -1.0004, no gradient
+    b = pb([[3e-4, 3e-4]], [[0.0, 0.0]], [[1.0, 1.0]])
+    loss, m = GSPO().policy_loss(b)
+    s = math.exp(3e-4)
+    assert loss.item() == pytest.approx(-s, rel=1e-12)
+    loss.backward()
+    assert b.logp.grad.reshape(-1).tolist() == pytest.approx([-s / 2, -s / 2], rel=1e-12)  # -(1/|y|) s A per token
+    assert float(m["pg/clipfrac"]) == 0.0 and float(m["gspo/seq_ratio_mean"]) == pytest.approx(s, rel=1e-12)
 
 
 # -- CISPO --------------------------------------------------------------------------------------------------------
@@ -254,6 +279,52 @@ def test_icepop_drops_tokens_outside_the_band_and_weights_the_rest_by_k():
     assert float(m["icepop/masked_frac"]) == pytest.approx(0.5)
     b2 = engine_batch([[0.51, 4.9]], [[1.0, 1.0]])  # just inside the band: kept and weighted
     assert IcePop().policy_loss(b2)[0].item() == pytest.approx(-(0.51 + 4.9) / 2)
+
+
+def stale_engine_batch(r, k, adv):
+    """r = pi_theta / pi_behav (the staleness) and k = pi_behav / pi_engine per token."""
+    behav = [[-1.0] * len(row) for row in r]
+    logp = [[-1.0 + math.log(x) for x in row] for row in r]
+    engine = [[-1.0 - math.log(x) for x in row] for row in k]
+    return pb(logp, behav, adv, logp_engine=engine)
+
+
+@pytest.mark.parametrize("cls", [TISEngine, MIS, IcePop])
+def test_engine_corrections_apply_no_dual_clip_unless_asked(cls):
+    # r = 4 on an A < 0 token (stale by more than verl's c = 3), r = 2 on another, k = 1: every weight is 1
+    r, k, adv = [[4.0, 2.0]], [[1.0, 1.0]], [[-1.0, -1.0]]
+    b = stale_engine_batch(r, k, adv)
+    loss, m = cls().policy_loss(b)  # default: no cap, the r = 4 token keeps its gradient -A r
+    assert loss.item() == pytest.approx((4.0 + 2.0) / 2) and "pg/clipfrac_dual" not in m
+    loss.backward()
+    assert b.logp.grad.reshape(-1).tolist() == pytest.approx([4.0 / 2, 2.0 / 2])
+    b = stale_engine_batch(r, k, adv)
+    loss, m = cls(dual_clip=3.0).policy_loss(b)  # verl's cap: -c A = 3, no gradient past r = 3
+    assert loss.item() == pytest.approx((3.0 + 2.0) / 2) and float(m["pg/clipfrac_dual"]) == pytest.approx(0.5)
+    loss.backward()
+    assert b.logp.grad.reshape(-1).tolist() == pytest.approx([0.0, 2.0 / 2])
+    with pytest.raises(ValueError, match="dual_clip=1.0 must be > 1"):
+        cls(dual_clip=1.0)
+
+
+@pytest.mark.parametrize("name", ["tis-engine", "mis", "mis(level='token')", "icepop"])
+def test_engine_corrections_are_the_default_surrogate_when_behaviour_is_the_engine(name):
+    """rollout.mode async / uniform: the behaviour log-probs are the engine's (logp_behav = logp_engine), so k = 1 on
+    every token and each correction gives the default surrogate's loss and gradient."""
+    from gacbench.methods import method_callbacks
+
+    gen = torch.Generator().manual_seed(0)
+    engine = -torch.rand(3, 4, generator=gen, dtype=D) * 2
+    logp = engine + torch.randn(3, 4, generator=gen, dtype=D) * 0.5  # staleness: r far from 1 on some tokens
+    adv = torch.randn(3, 1, generator=gen, dtype=D).expand(3, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    grads = []
+    for stab in (method_callbacks(name)[0], None):
+        x = logp.clone().requires_grad_(True)
+        loss, _ = policy_loss(stab, PolicyBatch(x, engine, adv, mask, logp_engine=engine))
+        loss.backward()
+        grads.append((loss.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_engine_corrections_refuse_a_batch_without_engine_log_probs():
@@ -402,6 +473,30 @@ def test_vcpo_scales_the_learning_rate_for_one_step_only():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
     opt.step()
     assert p.item() == pytest.approx(-0.05) and opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_vcpo_advantages_use_the_module_estimator_with_the_unbiased_group_std():
+    """GRPO's default estimator divides by the unbiased group std, and VCPO takes the module's advantages as they
+    are: at G = 8 its advantages are sqrt(7/8) = 0.935 times the authors' (population std), unless the run sets
+    rollout.advantage: grpo-population."""
+    from gacbench.llm.grpo import RolloutConfig
+    from gacbench.rollout.advantages import advantage_fn
+
+    rewards = torch.tensor([[1.0] + [0.0] * 7], dtype=D)  # mean 1/8; sum of squared deviations 7/8
+    unbiased, population = math.sqrt(7 / 8 / 7), math.sqrt(7 / 8 / 8)
+
+    def vcpo_grad(estimator: str) -> list[float]:
+        adv = advantage_fn(estimator)(rewards).reshape(8, 1)
+        b = pb([[-1.0]] * 8, [[-1.0]] * 8, adv.tolist())  # w = r = 1: the loss is -mean_i A_i
+        VCPO(baseline=False).policy_loss(b)[0].backward()
+        return b.logp.grad.reshape(-1).tolist()
+
+    grad = vcpo_grad(RolloutConfig().advantage)
+    assert grad[0] == pytest.approx(-(7 / 8) / (unbiased + 1e-6) / 8, rel=1e-12)
+    assert grad[1] == pytest.approx((1 / 8) / (unbiased + 1e-6) / 8, rel=1e-12)
+    authors = vcpo_grad("grpo-population")
+    assert authors[0] == pytest.approx(-(7 / 8) / (population + 1e-6) / 8, rel=1e-12)
+    assert grad[0] / authors[0] == pytest.approx(math.sqrt(7 / 8), rel=1e-5)  # 0.935
 
 
 def test_opob_advantages_hand_example():

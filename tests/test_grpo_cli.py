@@ -257,3 +257,148 @@ def test_grpo_on_a_local_math_dataset_with_a_real_tokenizer(tmp_path):
         GRPOModule(model={"path": model_dir}, task=task, rollout={"max_tokens": 250})
     with pytest.raises(ValueError, match="task 'math' needs task.path"):
         GRPOModule(model={"path": model_dir}, task={"name": "math"})
+
+
+def test_run_directory_names_carry_the_rollout_mode_and_bound():
+    from gacbench.llm.cli import run_method, run_version
+
+    assert run_version("sync", 0, 0) == "sync-s0-seed0"  # the synchronous and stale names stay as they were
+    assert run_version("gac+m2po", 2, 1, {"mode": "sync"}) == "gac+m2po-s2-seed1"
+    assert run_version("sync", 0, 0, {"mode": "async", "max_staleness": 3}) == "async-k3-seed0"
+    assert run_version("stale", 3, 0, {"mode": "async"}) == "async-k3-seed0"  # the bound from the staleness
+    drop = {"mode": "async", "max_staleness": 4, "admission": "drop"}
+    assert run_version("gac", 0, 2, drop) == "gac-async-k4-drop-seed2"
+    assert run_version("sync", 0, 0, {"mode": "uniform", "max_staleness": 3, "min_staleness": 1}) == \
+        "uniform-k1-3-seed0"
+    assert run_method("sync", "async") == "async" and run_method("gac", "async") == "gac"
+    assert run_method("sync", "sync") == "sync" and run_method("stale", "uniform") == "uniform"
+
+
+def _refused_line(capsys) -> str:
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("gacbench grpo: error: ") and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_an_earlier_run_in_the_directory_is_refused_or_deleted_with_overwrite(tmp_path):
+    from types import SimpleNamespace
+
+    from gacbench.cli import UsageError
+    from gacbench.llm.cli import guard_earlier_run
+
+    run_dir, elsewhere = tmp_path / "tiny" / "sync-s0-seed0", tmp_path / "shared-ckpts"
+    logger = SimpleNamespace(log_dir=str(run_dir))
+    trainer = SimpleNamespace(log_dir=str(run_dir), loggers=[logger], checkpoint_callback=SimpleNamespace(dirpath=None))
+    guard_earlier_run(trainer, overwrite=False)  # nothing there yet: a fresh run starts
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").write_bytes(b"x")
+    with pytest.raises(UsageError, match=r"sync-s0-seed0 already holds a run \(checkpoints/\); .*--overwrite"):
+        guard_earlier_run(trainer, overwrite=False)
+    for name in ("summary.json", "metrics.csv", "config.yaml", "config.resume-1.yaml", "notes.txt"):
+        (run_dir / name).write_text("{}")
+    with pytest.raises(UsageError, match=r"\(checkpoints/, config.resume-1.yaml, config.yaml, metrics.csv, "
+                                         r"summary.json\)"):
+        guard_earlier_run(trainer, overwrite=False)
+    assert len(list(run_dir.rglob("*.*"))) == 6  # refused: nothing deleted
+    guard_earlier_run(trainer, overwrite=True)
+    assert sorted(p.name for p in run_dir.rglob("*.*")) == ["notes.txt"]  # the run's files only
+    elsewhere.mkdir()
+    (elsewhere / "other-run.ckpt").write_bytes(b"x")  # a checkpoint directory outside the run's: never deleted
+    trainer.checkpoint_callback.dirpath = str(elsewhere)
+    (run_dir / "metrics.csv").write_text("step\n")
+    guard_earlier_run(trainer, overwrite=True)
+    assert (elsewhere / "other-run.ckpt").exists() and not (run_dir / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+@RESUME_WARNINGS
+def test_a_finished_run_is_never_replaced_without_overwrite(tiny_llm_dir, tmp_path, capsys):
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
+    files = {name: (run_dir / name).read_bytes() for name in ("metrics.csv", "summary.json", "config.yaml")}
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    capsys.readouterr()
+    assert main(["grpo", *args, "--trainer.max_steps", "3"]) == 2
+    line = _refused_line(capsys)
+    assert f"{run_dir} already holds a run (checkpoints/, config.yaml, hparams.yaml, metrics.csv, summary.json)" in line
+    assert "--trainer.logger.init_args.version" in line and "--ckpt_path last" in line and "--overwrite" in line
+    assert {name: (run_dir / name).read_bytes() for name in files} == files  # nothing touched
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) == ckpts
+    assert main(["grpo", *args, "--trainer.max_steps", "3", "--trainer.logger.init_args.version", "other"]) == 0
+    assert _strict_json(tmp_path / "tiny" / "other" / "summary.json")["steps"] == 3
+    assert main(["grpo", *args, "--trainer.max_steps", "3", "--overwrite"]) == 0  # replaced: files and checkpoints
+    summary = _strict_json(run_dir / "summary.json")
+    assert summary["steps"] == 3 and summary["status"] == "finished" and summary["resumed_from"] is None
+    assert _logged_steps(run_dir) == [0, 1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=2.ckpt"]
+    assert main(["grpo", *args, "--trainer.max_steps", "4", "--ckpt_path", "last"]) == 0  # a resume needs no flag
+    assert _logged_steps(run_dir) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_an_async_run_has_its_own_directory_and_its_summary_says_async(tiny_llm_dir, tmp_path):
+    pytest.importorskip("ray")
+    import csv
+
+    base = _small(tiny_llm_dir, tmp_path)
+    assert main(["grpo", *base, "--trainer.max_steps", "4"]) == 0
+    sync_dir = tmp_path / "tiny" / "sync-s0-seed0"
+    files = {name: (sync_dir / name).read_bytes() for name in ("metrics.csv", "summary.json", "config.yaml")}
+    sync = _strict_json(sync_dir / "summary.json")
+    assert sync["method"] == "sync" and sync["staleness"] == 0 and "rollout" not in sync
+    assert main(["grpo", *base, "--trainer.max_steps", "4", "--model.rollout.mode", "async",
+                 "--model.rollout.max_staleness", "3"]) == 0
+    assert {name: (sync_dir / name).read_bytes() for name in files} == files  # the synchronous run is untouched
+    run_dir = tmp_path / "tiny" / "async-k3-seed0"
+    summary = _strict_json(run_dir / "summary.json")
+    assert summary["method"] == "async" and summary["staleness"] == 3 and summary["status"] == "finished"
+    rollout = summary["rollout"]
+    assert rollout["mode"] == "async" and rollout["max_staleness"] == 3 and rollout["admission"] == "wait"
+    rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("stale/lag")]
+    lags, lag_max = [float(r["stale/lag"]) for r in rows], [float(r["stale/lag_max"]) for r in rows]
+    hist = rollout["lag_hist"]  # samples per lag 0..3: 4 steps x 4 prompts x 4 samples
+    assert len(hist) == 4 and sum(hist) == 4 * 16
+    for k, n in enumerate(hist):
+        assert n == sum(float(r[f"stale/lag_hist/{k}"]) for r in rows)
+    assert rollout["lag_mean"] == pytest.approx(sum(k * n for k, n in enumerate(hist)) / 64)
+    assert rollout["lag_mean"] == pytest.approx(sum(lags) / len(lags))  # every step has 16 samples
+    assert rollout["lag_max"] == max(lag_max) <= 3 and rollout["dropped"] == 0
+
+
+@pytest.mark.slow
+@RESUME_WARNINGS
+def test_sigterm_ends_a_run_as_interrupted_with_exit_143_and_it_resumes(tiny_llm_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args, "--trainer.max_steps", "1000"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():  # in the middle of fit
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM) after" in err and "resume with --ckpt_path last" in err
+    summary = _strict_json(run_dir / "summary.json")
+    steps = summary["steps"]
+    assert summary["status"] == "interrupted" and 2 <= steps < 1000 and summary["max_steps"] == 1000
+    assert summary["eval_acc_final"] is None and summary["eval_acc_initial"] is not None
+    assert _logged_steps(run_dir) == list(range(steps))  # the rows of every step it finished
+    last = max(int(p.stem.split("step=")[1]) for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    assert main(["grpo", *args, "--trainer.max_steps", str(steps + 1), "--ckpt_path", "last"]) == 0
+    summary = _strict_json(run_dir / "summary.json")
+    assert summary["status"] == "finished" and summary["steps"] == steps + 1
+    assert summary["resumed_from"].endswith(f"step={last}.ckpt")
+    assert _logged_steps(run_dir) == list(range(steps + 1))

@@ -62,6 +62,24 @@ def test_queue_state_round_trips_and_refuses_another_staleness():
         StaleRolloutQueue(3).load_state_dict(q.state_dict())
 
 
+def test_loading_a_state_replaces_what_the_queue_holds():
+    q = StaleRolloutQueue(2)
+    q.push("a", version=3)
+    q.push("b", version=4)
+    saved = q.state_dict()
+    busy = StaleRolloutQueue(2)
+    for v, name in ((5, "x"), (6, "y"), (6, "z")):  # batches of later versions already waiting
+        busy.push(name, version=v)
+    busy.load_state_dict(saved)
+    assert len(busy) == 2 and busy.versions == [3, 4]
+    assert busy.pop(5) == ("a", 2) and busy.pop(5) == ("b", 1)
+    busy.load_state_dict(StaleRolloutQueue(2).state_dict())  # an empty state empties the queue
+    assert len(busy) == 0
+    busy.load_state_dict(saved)
+    q.push("c", version=5)  # the loaded queue holds its own items: the saving queue's later pushes stay apart
+    assert busy.versions == [3, 4] and q.versions == [3, 4, 5]
+
+
 def test_advantage_estimators_match_hand_computations():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: all equal
@@ -72,7 +90,11 @@ def test_advantage_estimators_match_hand_computations():
     assert torch.equal(advantage_fn("dr-grpo")(r), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]))
     # RLOO: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
     assert torch.allclose(advantage_fn("rloo")(r), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0.0, 0.0, 0.0, 0.0]]))
-    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'.*dr-grpo, grpo, rloo"):
+    # population std: sqrt(1/4) = 0.5 over G = 4 (the unbiased one is sqrt(1/3))
+    population = advantage_fn("grpo-population")(r)
+    assert torch.allclose(population[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (0.5 + 1e-6))
+    assert torch.equal(population[1], torch.zeros(4))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'.*dr-grpo, grpo, grpo-population, rloo"):
         advantage_fn("gae")
     with pytest.raises(ValueError, match="group >= 2"):
         advantage_fn("grpo")(torch.ones(3, 1))

@@ -24,8 +24,9 @@ record holds c_t statistics, and both are evaluated (greedy pass@1, untimed) at 
 
 The record (``--json``) has ``sync_s``, ``async_s``, ``speedup``, ``lag_mean``, ``lag_max``, ``max_staleness``,
 ``dropped``, ``sync_reward_final`` and ``async_reward_final`` (mean training reward over the last 5 steps), and
-under ``runs`` each run's per-step series (reward, lag, c_t), settings and summary. ``--out DIR`` also keeps
-each run's ``metrics.csv``.
+under ``runs`` each run's per-step series (reward, lag, c_t), settings and summary; it is strict JSON (a
+non-finite number, such as the c_t statistics of a run shorter than the monitor's warm-up, is written as null).
+``--out DIR`` also keeps each run's ``metrics.csv``.
 """
 
 from __future__ import annotations
@@ -212,10 +213,15 @@ def main(args) -> int:
     }
     if record["lag_max"] is not None and record["lag_max"] > args.max_staleness:
         raise RuntimeError(f"async-bench: lag_max {record['lag_max']} > max_staleness {args.max_staleness}; a bug")
+    from gacbench.jsonio import json_safe, write_json
+
+    # strict JSON: tensors and numpy scalars as floats, NaN and infinities (e.g. the c_t statistics of a run shorter
+    # than the AlignmentMonitor's warm-up) as null
+    record = json_safe(json.loads(json.dumps(record, default=float)))
     brief = {k: v for k, v in record.items() if k != "runs"}
-    print(json.dumps(brief, indent=2, default=float))
+    print(json.dumps(brief, indent=2, allow_nan=False))
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2, default=float))
+        write_json(Path(args.json), record)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

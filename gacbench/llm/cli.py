@@ -1,7 +1,7 @@
 """``gacbench grpo``: one GRPO run from a config file, with LightningCLI conventions.
 
     gacbench grpo --config tasks/llm/tiny.yaml [--config overlay.yaml] [--model.staleness=16]
-                  [--method gac] [--trainer.max_steps=200] [--ckpt_path last]
+                  [--method gac] [--trainer.max_steps=200] [--ckpt_path last] [--overwrite]
 
 The config has LightningCLI's three sections: ``trainer`` (any ``lightning.Trainer`` argument, with
 callbacks and loggers as ``class_path``/``init_args``), ``model`` (``GRPOModule``'s arguments:
@@ -12,9 +12,16 @@ stabilizer name, or a ``+`` combination such as ``gac+m2po``; its callbacks are 
 next to an ``AlignmentMonitor`` so that c_t is logged in every run) and ``ckpt_path`` (resume; ``last``
 takes the checkpoint of the run's checkpoint directory with the highest step recorded inside it).
 ``trainer.max_steps`` is linked to ``model.steps``. A logger whose ``version`` is null gets
-``METHOD-sSTALENESS-seedSEED`` (runs of one config with other methods, staleness or seeds do not overwrite
-each other; set the version yourself when you vary anything else), and ``--ckpt_path last`` resumes into
-that directory.
+``METHOD-sSTALENESS-seedSEED`` (``rollout.mode: sync``), ``METHOD-async-kK-seedSEED`` (``async``, K the
+bound, ``-drop`` after it under ``admission: drop``) or ``METHOD-uniform-kLO-K-seedSEED`` (``uniform``), where
+the plain methods sync and stale leave their name out in the two last (``async-k3-seed0``): runs of one config
+with other methods, rollout modes, bounds or seeds do not overwrite each other (set the version yourself when
+you vary anything else), and ``--ckpt_path last`` resumes into that directory.
+
+A fresh run (no ``--ckpt_path``) whose directory already holds a run (its ``summary.json``, ``metrics.csv``,
+``config.yaml``, ``hparams.yaml`` or checkpoints) is refused before anything runs, naming the directory and the
+fixes: another version or save directory, ``--ckpt_path last``, or ``--overwrite``, which deletes those files
+(and the ``*.ckpt`` of a checkpoint directory inside the run's) and starts afresh.
 
 A resume keeps what the earlier sessions wrote. Lightning's CSVLogger deletes ``metrics.csv`` when fit
 starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed session ends,
@@ -22,8 +29,17 @@ whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows 
 step followed by the new rows, and the copy removed. If the process is killed, the copy stays and the
 next resume merges it. A resumed session saves its config as ``config.resume-N.yaml`` beside the first
 session's ``config.yaml``. The summary's c_t statistics cover the resumed segment only. At the end the
-run writes ``summary.json`` (initial and final ``eval/acc``, c_t statistics, time shares; non-finite
-numbers as null) into the logger's directory and prints it.
+run writes ``summary.json`` (``method``, ``status`` ``finished``, ``steps`` and ``max_steps``, initial and final
+``eval/acc``, c_t statistics, time shares; non-finite numbers as null) into the logger's directory and prints
+it. The summary of an async or uniform run records under ``rollout`` its mode, bound, admission, realised lags
+(``lag_mean``, ``lag_min``, ``lag_max`` and ``lag_hist``, samples per lag 0..K, of this session) and the
+counters of the whole run (``dropped``, ``regenerated``, ``worker_restarts``); a plain method (sync, stale)
+there is recorded as the mode (``"method": "async"``).
+
+SIGTERM (a scheduler's pre-emption, ``kill``) stops the fit at the end of the step in progress (Lightning's
+signal handling); the run then writes ``summary.json`` with ``"status": "interrupted"``, the steps done and no
+final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM). It resumes with ``--ckpt_path
+last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal).
 
 A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
 from ``gacbench``), naming the option and the fix.
@@ -35,11 +51,14 @@ import csv
 import json
 import os
 import re
+import signal
+import sys
 import time
 import warnings
 from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gacbench.llm.grpo import GRPOModule
 from gacbench.usage import UsageError
@@ -57,6 +76,9 @@ class GRPOCLI(LightningCLI):
                                  "recorded inside it")
         parser.add_argument("--alignment_warmup", type=int, default=5,
                             help="steps the AlignmentMonitor leaves out of its statistics")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace the run already in the logger's directory (its metrics, config, summary and "
+                                 "checkpoints are deleted first); without it such a run is refused")
 
         parser.link_arguments("trainer.max_steps", "model.steps")
 
@@ -81,8 +103,8 @@ class GRPOCLI(LightningCLI):
         logger = self.config.trainer.get("logger")
         init = logger.get("init_args") if hasattr(logger, "get") else None
         if init is not None and "version" in init and init.get("version") is None:  # one directory per run
-            name = "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in self.config.method)
-            init["version"] = f"{name}-s{self.config.model.staleness}-seed{self.config.model.seed}"
+            init["version"] = run_version(self.config.method, self.config.model.staleness, self.config.model.seed,
+                                          self.config.model.get("rollout"))
 
     def instantiate_classes(self) -> None:
         """Build the module and trainer; a ValueError or FileNotFoundError raised while building them from the
@@ -101,6 +123,87 @@ class GRPOCLI(LightningCLI):
         configured = list(self.config_init.trainer.get("callbacks") or [])
         extra = [AlignmentMonitor(warmup=self.config.alignment_warmup), *method_callbacks(self.config.method)]
         return super().instantiate_trainer(callbacks=[*configured, *extra], **kwargs)
+
+
+PLAIN_METHODS = ("sync", "stale")  # no callbacks: the rollout mode alone says what the run is
+
+
+def _setting(section, key: str, default=None):
+    """A field of a config section given as a namespace, a dict, a dataclass or None."""
+    if section is None:
+        return default
+    if isinstance(section, dict):
+        return section.get(key, default)
+    return getattr(section, key, default)
+
+
+def run_version(method: str, staleness: int, seed: int, rollout=None) -> str:
+    """The logger version of a run whose version is null: everything that makes it another run of the same config.
+
+    ``rollout.mode: sync``: ``METHOD-sS-seedSEED`` (S the staleness). ``async``: ``METHOD-async-kK-seedSEED``, K the
+    bound (``rollout.max_staleness``, else the staleness), with ``-drop`` after K under ``rollout.admission: drop``.
+    ``uniform``: ``METHOD-uniform-kLO-K-seedSEED`` (LO = ``rollout.min_staleness``). In the two other modes the
+    plain methods (sync, stale) leave their name out: ``async-k3-seed0``."""
+    name = "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in method)
+    mode = _setting(rollout, "mode", "sync") or "sync"
+    if mode == "sync":
+        return f"{name}-s{staleness}-seed{seed}"
+    bound = _setting(rollout, "max_staleness")
+    bound = staleness if bound is None else bound
+    if mode == "uniform":
+        part = f"uniform-k{_setting(rollout, 'min_staleness', 0)}-{bound}"
+    else:
+        drop = "-drop" if _setting(rollout, "admission", "wait") == "drop" else ""
+        part = f"{mode}-k{bound}{drop}"
+    return f"{part}-seed{seed}" if method in PLAIN_METHODS else f"{name}-{part}-seed{seed}"
+
+
+def run_method(method: str, mode: str) -> str:
+    """The method a run's summary records: the given one, except that a plain method (sync, stale) outside
+    ``rollout.mode: sync`` is recorded as its mode (``async``, ``uniform``)."""
+    return mode if mode != "sync" and method in PLAIN_METHODS else method
+
+
+RUN_FILES = ("summary.json", "metrics.csv", EARLIER, "config.yaml", "hparams.yaml")
+
+
+def _ckpt_dir(trainer) -> Path | None:
+    """The run's checkpoint directory (ModelCheckpoint's ``dirpath``, else its default under the logger's
+    directory), or None without checkpointing."""
+    callback = trainer.checkpoint_callback
+    ckpt_dir = callback.dirpath if callback else None
+    if callback and ckpt_dir is None and trainer.loggers:  # ModelCheckpoint's own default, resolved only at fit time
+        ckpt_dir = str(Path(trainer.loggers[0].log_dir) / "checkpoints")
+    return Path(ckpt_dir) if ckpt_dir else None
+
+
+def earlier_run_files(trainer) -> list[Path]:
+    """The files of a run already in the trainer's log directory: metrics, configs, summary, and the checkpoints
+    of a checkpoint directory inside it."""
+    log_dir = Path(trainer.log_dir or ".")
+    found = [log_dir / f for f in RUN_FILES if (log_dir / f).is_file()]
+    found += sorted(log_dir.glob("config.resume-*.yaml"))
+    ckpt_dir = _ckpt_dir(trainer)
+    if ckpt_dir is not None and ckpt_dir.resolve().is_relative_to(log_dir.resolve()) and ckpt_dir.is_dir():
+        found += sorted(ckpt_dir.glob("*.ckpt"))
+    return found
+
+
+def guard_earlier_run(trainer, overwrite: bool) -> None:
+    """A fresh run (no ``--ckpt_path``) never replaces the files of a run already in its directory: refused in one
+    line naming the directory and the fixes, unless ``overwrite``, which deletes them first."""
+    found = earlier_run_files(trainer)
+    if not found:
+        return
+    log_dir = Path(trainer.log_dir or ".")
+    if not overwrite:
+        names = sorted({p.name if p.parent == log_dir else str(p.relative_to(log_dir).parent) + "/" for p in found})
+        raise UsageError(f"{log_dir} already holds a run ({', '.join(names)}); this run would replace its files. Give "
+                         "it another directory (--trainer.logger.init_args.version NAME, or another "
+                         "--trainer.logger.init_args.save_dir / --trainer.default_root_dir), resume that run with "
+                         "--ckpt_path last, or replace it with --overwrite")
+    for path in found:
+        path.unlink()
 
 
 class RunConfigSaver(SaveConfigCallback):
@@ -159,11 +262,8 @@ def resolve_ckpt(trainer, ckpt_path: str | None) -> tuple[str | None, int | None
         except Exception as exc:  # any failure to read the file: the file is the problem
             raise UsageError(f"--ckpt_path {path} cannot be read as a checkpoint ({_reason(exc)}); give another "
                              "checkpoint of the run, or --ckpt_path last") from None
-    callback = trainer.checkpoint_callback
-    ckpt_dir = callback.dirpath if callback else None
-    if callback and ckpt_dir is None and trainer.loggers:  # ModelCheckpoint's own default, resolved only at fit time
-        ckpt_dir = str(Path(trainer.loggers[0].log_dir) / "checkpoints")
-    found = sorted(Path(ckpt_dir).glob("*.ckpt")) if ckpt_dir and Path(ckpt_dir).is_dir() else []
+    ckpt_dir = _ckpt_dir(trainer)
+    found = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir and ckpt_dir.is_dir() else []
     if not found:
         raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path")
     good: list[tuple[int, Path]] = []
@@ -249,6 +349,16 @@ class MetricsKeeper:
         self.earlier_path.unlink(missing_ok=True)
 
 
+ROLLOUT_RECORD = ("max_staleness", "min_staleness", "admission", "lag_mean", "lag_min", "lag_max", "lag_hist",
+                  "dropped", "regenerated", "worker_restarts", "resume_regenerated", "workers")
+
+
+def rollout_record(source_summary: dict) -> dict:
+    """What summary.json keeps of a rollout source's summary (async, uniform): the bound, the realised lags (mean,
+    min, max, the histogram of samples per lag 0..K of this session) and the counters over the whole run."""
+    return {k: source_summary[k] for k in ROLLOUT_RECORD if k in source_summary}
+
+
 def cli_trainer_defaults() -> dict:
     """The bench cells' Trainer defaults (gacbench.trainer), with the accelerator chosen from the machine (the GPU
     when one is present). Checkpointing stays Lightning's default: a config's ModelCheckpoint turns it on."""
@@ -267,6 +377,8 @@ def run(argv: list[str]) -> int:
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
     ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path)
+    if ckpt is None and trainer.global_rank == 0:  # DDP: the other ranks start once rank 0 is in fit
+        guard_earlier_run(trainer, cli.config.overwrite)
     log_dir = trainer.logger.log_dir if trainer.logger is not None else None
     keeper = MetricsKeeper(log_dir) if ckpt and log_dir else None
     device = trainer.strategy.root_device
@@ -275,16 +387,24 @@ def run(argv: list[str]) -> int:
     if keeper is not None:
         keeper.before_resume()
     t0 = time.perf_counter()
+    terminated = False
     try:
         trainer.fit(model, ckpt_path=ckpt)
+    except SIGTERMException:  # Lightning stops the fit at the end of the step in progress
+        terminated = True
     finally:  # also when the session fails: the earlier rows go back into metrics.csv
         if keeper is not None:
             keeper.after_resume(ckpt_step)
     wall = time.perf_counter() - t0
     model.policy.to(device)
-    summary = {"method": cli.config.method, "engine": model.engine_cfg.name, "staleness": model.staleness,
-               "model_path": model.model_path, "steps": trainer.global_step, "resumed_from": ckpt,
-               "eval_acc_initial": initial, "eval_acc_final": model.metric(), "wall_s": wall, **model.run_stats}
+    mode = model.rollout_cfg.mode
+    summary = {"method": run_method(cli.config.method, mode), "status": "interrupted" if terminated else "finished",
+               "engine": model.engine_cfg.name, "staleness": model.staleness, "model_path": model.model_path,
+               "steps": trainer.global_step, "max_steps": trainer.max_steps, "resumed_from": ckpt,
+               "eval_acc_initial": initial, "eval_acc_final": None if terminated else model.metric(), "wall_s": wall,
+               **model.run_stats}
+    if mode != "sync":
+        summary["rollout"] = {"mode": mode, **rollout_record(getattr(model, "source_summary", None) or {})}
     monitor = next((c for c in trainer.callbacks if type(c).__name__ == "AlignmentMonitor"), None)
     if monitor is not None and getattr(monitor, "summary", None):
         summary["alignment"] = monitor.summary
@@ -297,5 +417,9 @@ def run(argv: list[str]) -> int:
     (out / "summary.json").write_text(text)
     print(text)
     print(f"wrote {out / 'summary.json'}")
+    if terminated:
+        print(f"gacbench grpo: terminated (SIGTERM) after {trainer.global_step} of {trainer.max_steps} steps; resume "
+              "with --ckpt_path last (from the run's last checkpoint)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     return 0
 

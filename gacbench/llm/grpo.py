@@ -80,8 +80,8 @@ class EngineConfig:
 @dataclass
 class RolloutConfig:
     """prompts per step, group (samples per prompt, >= 2), max_tokens per completion, advantage (a registered
-    estimator: grpo, dr-grpo, rloo), logprob_rows (sequences per forward pass of the behaviour and reference
-    log-probs)."""
+    estimator: grpo, grpo-population, dr-grpo, rloo), logprob_rows (sequences per forward pass of the behaviour
+    and reference log-probs)."""
 
     prompts: int = 8
     group: int = 8
@@ -333,7 +333,7 @@ class GRPOModule(Objective):
         # E_engine[log p_engine - log p_trainer] over the batch's tokens, at the behaviour policy
         metrics["is/engine_mismatch_kl"] = ((data["engine_logp"] - logp_behav) * mask).sum() / mask.sum().clamp_min(1)
         if "sample_lag" in data:  # async/uniform: logp_behav is the engine's own; the gaps to the trainer's log-probs
-            from gacbench.llm.async_source import logprob_gaps
+            from gacbench.llm.source_batch import logprob_gaps
 
             del metrics["is/engine_mismatch_kl"]
             metrics.update(logprob_gaps(logp.detach(), data))

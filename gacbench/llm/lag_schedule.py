@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gacbench.llm.async_source import assemble
+from gacbench.llm.source_batch import assemble
 
 
 class UniformLagSource:

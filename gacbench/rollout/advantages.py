@@ -6,6 +6,9 @@ a rollout objective takes the name as a setting (GRPO: ``rollout.advantage``).
 
 - ``grpo``: (r - mean) / (std + eps), the std unbiased (Shao et al. 2024, DeepSeekMath, GRPO with outcome
   supervision; verl's ``compute_grpo_outcome_advantage`` has the same form).
+- ``grpo-population``: the same with the population std (divided by G, not G - 1), as the VCPO authors' code
+  normalises its baseline-corrected advantages: sqrt(G / (G - 1)) times ``grpo``'s (1.069 at G = 8) up to
+  the eps.
 - ``dr-grpo``: r - mean, no std division (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
   Perspective", the Dr. GRPO objective).
 - ``rloo``: r_i minus the mean of the other G - 1 rewards of its group, = G/(G-1) (r_i - mean)
@@ -54,6 +57,13 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: rewards (P, G) normalised within each group, (r - mean) / (std + eps), std unbiased. (P, G)."""
     _check(rewards)
     return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + eps)
+
+
+@register_advantage("grpo-population")
+def group_advantages_population(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO with the population std: (r - mean) / (std + eps), std over G (not G - 1). (P, G)."""
+    _check(rewards)
+    return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, correction=0, keepdim=True) + eps)
 
 
 @register_advantage("dr-grpo")

@@ -8,7 +8,15 @@ detached and multiplies the module's clipped surrogate against the behaviour pol
 min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) with r = pi_theta / pi_behav, so staleness is still
 handled by the module's trust region and only the engine gap is corrected. A module without a separate
 engine passes its behaviour log-probs as ``logp_engine`` (k = 1: each of these reduces to the module's
-surrogate); a batch without ``logp_engine`` is refused with a clear error.
+surrogate); a batch without ``logp_engine`` is refused with a clear error. The GRPO module's asynchronous and
+uniform-lag modes (``rollout.mode: async``, ``uniform``) take their behaviour log-probs from the engine, so there
+too k = 1 on every token and each correction is the module's surrogate.
+
+Dual clip: none by default. verl's rollout correction sits on its PPO loss, which always caps the loss of a
+negative-advantage token at -c A (c = ``clip_ratio_c`` = 3); here r = pi_theta / pi_behav also carries the
+staleness (pi_behav is the generating version), so without the cap a token with A < 0 and r > c keeps its
+gradient -A r. ``dual_clip=c`` (c > 1) applies verl's cap; the default (None) leaves it off, which is what the
+published cells ran.
 """
 
 from __future__ import annotations
@@ -35,11 +43,23 @@ def engine_log_ratio(batch: PolicyBatch, who: str) -> Tensor:
     return safe_log_ratio(batch.logp_behav, batch.engine_logp(who), batch.mask).detach()
 
 
-def tis_engine_loss(batch: PolicyBatch, cap: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+def check_dual_clip(who: str, dual_clip: float | None) -> None:
+    """A clear error for a dual clip that is neither None (off) nor a number c > 1."""
+    if dual_clip is None:
+        return
+    check_positive(who, dual_clip=dual_clip)
+    if dual_clip <= 1.0:
+        raise ValueError(f"{who}: dual_clip={dual_clip} must be > 1 (the cap -c A lies beyond the clip range), or None "
+                         "for no dual clip")
+
+
+def tis_engine_loss(batch: PolicyBatch, cap: float = 2.0,
+                    dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level truncated IS (verl rollout correction ``rollout_is="token"``, threshold C = 2):
-    -agg(min(k, C) * min(r A, clip(r) A)), shapes (B, T)."""
+    -agg(min(k, C) * min(r A, clip(r) A)), shapes (B, T); ``dual_clip`` = c caps the A < 0 tokens' surrogate at
+    -c A (see the module doc)."""
     k = torch.exp(engine_log_ratio(batch, "tis-engine"))
-    loss, metrics = clipped_surrogate(batch, weight=k.clamp(max=cap))
+    loss, metrics = clipped_surrogate(batch, weight=k.clamp(max=cap), dual_clip=dual_clip)
     metrics.update({"is/engine_weight_mean": masked_mean(k.clamp(max=cap), batch.mask),
                     "is/engine_truncated_frac": masked_mean((k > cap).float(), batch.mask)})
     return loss, metrics
@@ -65,12 +85,12 @@ def mis_weights(log_k: Tensor, mask: Tensor, threshold: float = 2.0, level: str 
     return torch.where(keep, rho, 0.0), keep
 
 
-def mis_loss(batch: PolicyBatch, threshold: float = 2.0, level: str = "sequence",
-             lower: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def mis_loss(batch: PolicyBatch, threshold: float = 2.0, level: str = "sequence", lower: float | None = None,
+             dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """-agg(rho * min(r A, clip(r) A)) over the kept tokens (rejected tokens leave the mask, as verl's rejection
-    sampling does), shapes (B, T); see :func:`mis_weights`."""
+    sampling does), shapes (B, T); see :func:`mis_weights`. ``dual_clip``: see the module doc."""
     weight, keep = mis_weights(engine_log_ratio(batch, "mis"), batch.mask, threshold, level, lower)
-    loss, metrics = clipped_surrogate(dataclasses.replace(batch, mask=keep), weight=weight)
+    loss, metrics = clipped_surrogate(dataclasses.replace(batch, mask=keep), weight=weight, dual_clip=dual_clip)
     metrics.update({"is/engine_weight_mean": masked_mean(weight, keep),
                     "mis/masked_frac": 1.0 - keep.sum() / batch.mask.sum().clamp_min(1)})
     return loss, metrics
@@ -82,12 +102,14 @@ def icepop_weights(log_k: Tensor, mask: Tensor, alpha: float = 0.5, beta: float 
     return torch.where(mask.bool() & (k >= alpha) & (k <= beta), k, 0.0)
 
 
-def icepop_loss(batch: PolicyBatch, alpha: float = 0.5, beta: float = 5.0) -> tuple[Tensor, dict[str, Tensor]]:
+def icepop_loss(batch: PolicyBatch, alpha: float = 0.5, beta: float = 5.0,
+                dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """-agg(M(k) * min(r A, clip(r) A)), shapes (B, T): tokens whose train/infer ratio leaves [alpha, beta] carry
-    no gradient; the others are weighted by k. Dropped tokens stay in the aggregation's denominator."""
+    no gradient; the others are weighted by k. Dropped tokens stay in the aggregation's denominator.
+    ``dual_clip``: see the module doc."""
     log_k = engine_log_ratio(batch, "icepop")
     weight = icepop_weights(log_k, batch.mask, alpha, beta)
-    loss, metrics = clipped_surrogate(batch, weight=weight)
+    loss, metrics = clipped_surrogate(batch, weight=weight, dual_clip=dual_clip)
     in_band = batch.mask & (weight > 0)
     metrics.update({"icepop/masked_frac": 1.0 - in_band.sum() / batch.mask.sum().clamp_min(1),
                     "is/engine_weight_mean": masked_mean(torch.exp(log_k), batch.mask)})
@@ -96,22 +118,29 @@ def icepop_loss(batch: PolicyBatch, alpha: float = 0.5, beta: float = 5.0) -> tu
 
 class TISEngine(LossStabilizer):
     """Truncated IS on the engine/trainer gap (verl's rollout correction, token level): weight min(k, C),
-    k = pi_train(theta_old) / pi_infer(theta_old), times the module's clipped surrogate."""
+    k = pi_train(theta_old) / pi_infer(theta_old), times the module's clipped surrogate. No dual clip unless
+    ``dual_clip`` = c > 1 (verl's PPO loss always caps A < 0 tokens at -3 A; here r = pi_theta / pi_behav carries
+    the staleness, so an A < 0 token with r > 3 keeps its gradient by default)."""
 
-    def __init__(self, cap: float = 2.0) -> None:
+    def __init__(self, cap: float = 2.0, dual_clip: float | None = None) -> None:
         check_positive("TISEngine", cap=cap)
+        check_dual_clip("TISEngine", dual_clip)
         self.cap = float(cap)
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
 
     def policy_loss(self, batch: PolicyBatch):
-        return tis_engine_loss(batch, self.cap)
+        return tis_engine_loss(batch, self.cap, self.dual_clip)
 
 
 class MIS(LossStabilizer):
     """Masked importance sampling on the engine/trainer gap: tokens (``level="token"``) or whole sequences
-    (``level="sequence"``, default) whose weight exceeds ``threshold`` are dropped, the others weighted."""
+    (``level="sequence"``, default) whose weight exceeds ``threshold`` are dropped, the others weighted. No dual
+    clip unless ``dual_clip`` = c > 1 (as :class:`TISEngine`)."""
 
-    def __init__(self, threshold: float = 2.0, level: str = "sequence", lower: float | None = None) -> None:
+    def __init__(self, threshold: float = 2.0, level: str = "sequence", lower: float | None = None,
+                 dual_clip: float | None = None) -> None:
         check_positive("MIS", threshold=threshold)
+        check_dual_clip("MIS", dual_clip)
         if lower is not None:
             check_positive("MIS", lower=lower)
             if lower >= threshold:
@@ -119,21 +148,25 @@ class MIS(LossStabilizer):
         if level not in ("token", "sequence"):
             raise ValueError(f"MIS: level={level!r} is not 'token' or 'sequence'")
         self.threshold, self.level, self.lower = float(threshold), level, lower
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
 
     def policy_loss(self, batch: PolicyBatch):
-        return mis_loss(batch, self.threshold, self.level, self.lower)
+        return mis_loss(batch, self.threshold, self.level, self.lower, self.dual_clip)
 
 
 class IcePop(LossStabilizer):
     """IcePop (Ring-1T): tokens whose train/infer ratio leaves [alpha, beta] (default [0.5, 5]) carry no gradient,
-    the others are weighted by the ratio, times the module's clipped surrogate."""
+    the others are weighted by the ratio, times the module's clipped surrogate. No dual clip unless ``dual_clip``
+    = c > 1 (as :class:`TISEngine`)."""
 
-    def __init__(self, alpha: float = 0.5, beta: float = 5.0) -> None:
+    def __init__(self, alpha: float = 0.5, beta: float = 5.0, dual_clip: float | None = None) -> None:
         check_positive("IcePop", alpha=alpha, beta=beta)
+        check_dual_clip("IcePop", dual_clip)
         if not alpha <= 1.0 <= beta:
             raise ValueError(f"IcePop: need alpha <= 1 <= beta (the band must contain the on-policy ratio 1), got "
                              f"alpha={alpha}, beta={beta}")
         self.alpha, self.beta = float(alpha), float(beta)
+        self.dual_clip = None if dual_clip is None else float(dual_clip)
 
     def policy_loss(self, batch: PolicyBatch):
-        return icepop_loss(batch, self.alpha, self.beta)
+        return icepop_loss(batch, self.alpha, self.beta, self.dual_clip)

@@ -114,7 +114,10 @@ def rows_needing_norms(adv_seq: Tensor, group: Tensor) -> Tensor:
 class VCPO(LossStabilizer):
     """VCPO: ESS-scaled learning rate sqrt(min(1, rho_ess / rho_base)) and the off-policy optimal baseline, with the
     sequence-level truncated IS loss of the authors' scripts (``is_cap`` = 8). ``baseline=False`` keeps the
-    module's advantages (no per-sequence backward passes); the baseline needs PolicyBatch.group."""
+    module's advantages (no per-sequence backward passes); the baseline needs PolicyBatch.group. The advantages
+    are the module's: GRPO's default estimator divides by the unbiased group std, the authors' code by the
+    population std, a factor sqrt((G - 1) / G) (0.935 at G = 8); ``rollout.advantage: grpo-population`` gives
+    theirs."""
 
     def __init__(self, rho_base: float = 1.0, is_cap: float = 8.0, baseline: bool = True) -> None:
         check_positive("VCPO", rho_base=rho_base, is_cap=is_cap)
