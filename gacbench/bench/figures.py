@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gacbench.bench.cell import cell_dir
 from gacbench.bench.records import read_metrics
 from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows
 
@@ -36,9 +35,10 @@ def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tup
 
 class Canvas:
     """What every figure of a directory shares: pyplot (Agg), the done main-grid cells and their tasks, one colour
-    per method, each cell's metrics.csv (read once), and the list of the figures written."""
+    per method, each cell's metrics.csv (read once from ``cell_dirs``: (task, method, staleness, seed) -> its
+    directory), and the list of the figures written."""
 
-    def __init__(self, root: Path, cells: list[dict], cell_specs: list[dict]) -> None:
+    def __init__(self, root: Path, cells: list[dict], cell_dirs: dict[tuple, Path]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -46,7 +46,8 @@ class Canvas:
 
         self.plt, self.root, self.cells = plt, root, cells
         self.out: list[Path] = []
-        self.specs = {(c["task"], c["method"], c["staleness"], c["seed"]): c for c in cell_specs}
+        self.dirs = cell_dirs
+        self.labelled = {c["task"] for c in cells if "group" in c}
         self.main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
         self.tasks = sorted({c["task"] for c in self.main})
         self.colors = {"sync": "black", "stale": "tab:red"}
@@ -70,8 +71,16 @@ class Canvas:
         """The logged series ``key`` of the cell ``rec``: [(step, value), ...]."""
         ident = (rec["task"], rec["method"], rec["staleness"], rec["seed"])
         if ident not in self._cache:
-            self._cache[ident] = read_metrics(cell_dir(self.root, self.specs[ident]) / "metrics.csv")
+            self._cache[ident] = read_metrics(self.dirs[ident] / "metrics.csv")
         return self._cache[ident].get(key, [])
+
+    def stem(self, task: str) -> str:
+        """The part of a per-task figure's file name that names ``task``: the task's name, or for a group labelled
+        by its settings (``quadratic (lr=0.05, steps=200)``) the label with every character outside letters,
+        digits and ``-_+.=`` replaced: ``quadratic_lr=0.05_steps=200``."""
+        if task not in self.labelled:
+            return task
+        return re.sub("_+", "_", "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in task)).strip("_")
 
 
 def curves_figures(cv: Canvas) -> None:
@@ -99,7 +108,7 @@ def curves_figures(cv: Canvas) -> None:
             if not tc[0]["higher_is_better"]:
                 ax.set_yscale("log")
         axes[0][0].set_ylabel(metric)
-        cv.save(fig, f"fig_curves_{task}.png", axes[0][-1])
+        cv.save(fig, f"fig_curves_{cv.stem(task)}.png", axes[0][-1])
 
 
 def cos_figure(cv: Canvas) -> None:
@@ -176,7 +185,7 @@ def staleness_figures(cv: Canvas) -> None:
         for ax, title in zip(axes, (f"{task}: {ylabel} across staleness", f"{task}: c_t across staleness")):
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
-        cv.save(fig, f"fig_staleness_{task}.png", axes[1])
+        cv.save(fig, f"fig_staleness_{cv.stem(task)}.png", axes[1])
 
 
 def method_figures(cv: Canvas) -> None:
@@ -212,7 +221,7 @@ def method_figures(cv: Canvas) -> None:
                 if key == "align/cos":
                     ax.axhline(0, color="gray", lw=0.5)
             axes[0][0].set_ylabel(ylabel)
-            cv.save(fig, f"{name}_{task}.png", axes[0][-1])
+            cv.save(fig, f"{name}_{cv.stem(task)}.png", axes[0][-1])
 
 
 def regime_figure(cv: Canvas, regime: list[dict]) -> None:
@@ -309,10 +318,11 @@ def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] 
     cv.save(fig, "fig_thresholds.png")
 
 
-def figures(root: Path, cells: list[dict], cell_specs: list[dict], groups: list[dict],
+def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups: list[dict],
             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None) -> list[Path]:
-    """Write every figure of ``root`` that its cells support; returns their paths."""
-    cv = Canvas(root, cells, cell_specs)
+    """Write every figure of ``root`` that its cells support (``cells`` as grouped, ``cell_dirs`` as in
+    :class:`Canvas`); returns their paths."""
+    cv = Canvas(root, cells, cell_dirs)
     curves_figures(cv)
     cos_figure(cv)
     robustness_figure(cv, groups)

@@ -54,7 +54,7 @@ from typing import Any
 
 from gacbench.bench.cell import cell_dir, json_safe, write_json
 from gacbench.bench.figures import figure_legend_entries, figures  # noqa: F401  (re-exported)
-from gacbench.bench.groups import group_records  # noqa: F401  (re-exported)
+from gacbench.bench.groups import group_records, label_by_settings
 from gacbench.bench.records import (  # noqa: F401  (re-exported)
     DEGRADE_MARGIN,
     DEGRADE_SIGMAS,
@@ -81,6 +81,8 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     share_bootstrap_ci,
 )
 from gacbench.bench.tables import markdown, table1_staleness  # noqa: F401  (re-exported)
+from gacbench.bench.versions import code_versions, mixed_version_groups, stored_provenance
+from gacbench.provenance import environment_key
 
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
 
@@ -94,17 +96,27 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     specs += [c for c in discover_cells(root) if cell_dir(root, c) not in known]
     records = sorted((r for r in (cell_record(root, c) for c in specs) if r is not None),
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
-    groups = group_records(records)
-    shares = recovered_shares(groups, cells=records)
-    reward_shares = recovered_shares(groups, "reward_last", cells=records)
-    regime = regime_points(records, specs)
+    # the cells as grouped: a task stored with several settings is one group per setting, each labelled
+    provs = {(c["task"], c["method"], c["staleness"], c["seed"]): stored_provenance(root, c) for c in specs}
+    provs = [provs[(r["task"], r["method"], r["staleness"], r["seed"])] for r in records]
+    for r, prov in zip(records, provs):
+        r["environment"] = environment_key(prov)
+    versions = code_versions(records, provs)
+    cells_g, specs_g = label_by_settings(records, specs)
+    cells_g.sort(key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
+    groups = group_records(cells_g)
+    shares = recovered_shares(groups, cells=cells_g)
+    reward_shares = recovered_shares(groups, "reward_last", cells=cells_g)
+    regime = regime_points(cells_g, specs_g)
     timing = read_timing(root)
-    summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares}
+    mixed = mixed_version_groups(cells_g)
+    summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares,
+               "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {})}
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
-        summary["ablation_recovered"] = recovered_shares(groups, cells=records, ablation=True)
-        summary["ablation_recovered_reward"] = recovered_shares(groups, "reward_last", cells=records, ablation=True)
+        summary["ablation_recovered"] = recovered_shares(groups, cells=cells_g, ablation=True)
+        summary["ablation_recovered_reward"] = recovered_shares(groups, "reward_last", cells=cells_g, ablation=True)
         ablation_rows = summary["ablation_recovered_reward" if ablation_key(abl) == "reward_last"
                                 else "ablation_recovered"]
     if regime:
@@ -112,9 +124,10 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
-    (root / "summary.md").write_text(markdown(records, groups, shares, root, reward_shares, timing, regime,
-                                                  ablation_rows))
-    figs = figures(root, records, specs, groups, regime, ablation_rows) if groups else []
+    (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
+                                                  ablation_rows, versions, mixed))
+    dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
+    figs = figures(root, cells_g, dirs, groups, regime, ablation_rows) if groups else []
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]

@@ -86,11 +86,17 @@ def _diagnostics_table(groups: list[dict]) -> list[str]:
 
 def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
              reward_shares: list[dict] | None = None, timing: dict | None = None,
-             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None) -> str:
+             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
+             versions: list[dict] | None = None, mixed: list[dict] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
-    (:func:`ablation_key`), if already computed."""
+    (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
+    groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
+    more than one version."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
+    if versions and len(versions) > 1:
+        lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
+                  + _mixed_note(mixed or []), ""]
     tasks = sorted({g["task"] for g in groups})
     main = [g for g in groups if not g["ablation"]]
     for task in tasks:
@@ -162,7 +168,30 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _table1(groups, cells)
     lines += _table3(cells)
     lines += _regime_section(regime or [])
+    lines += _versions_section(versions or [], mixed or [])
     return "\n".join(lines) + "\n"
+
+
+def _mixed_note(mixed: list[dict]) -> str:
+    """Which groups average seeds run in different code versions, in one sentence."""
+    if not mixed:
+        return "no group mixes versions among its seeds, but groups computed in different versions are compared."
+    named = ", ".join(f"{g['task']} / {g['method']} / s={g['staleness']}" for g in mixed)
+    return f"{len(mixed)} group(s) average seeds run in different versions: {named}."
+
+
+def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
+    """The distinct code versions of the cells: description, environment key, cell count."""
+    if not versions:
+        return []
+    lines = ["", "## Code versions", "",
+             "The environments the cells ran in (gacbench/provenance.py: the library's source hash, package versions, "
+             "threads and device; the commit, dirty where the checkout differed from it; unrecorded: stored without "
+             "provenance).", ""]
+    lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cells" for v in versions]
+    if len(versions) > 1:
+        lines += ["", f"This grid mixes {len(versions)} code versions: " + _mixed_note(mixed)]
+    return lines
 
 
 def _share_cell(r: dict) -> str:
