@@ -1,6 +1,11 @@
 """Groups defined by everything but the seed, and the code versions of a summary, on hand-written stored cells."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +142,66 @@ def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
     assert "mixed_version_groups" not in summary
     md = (tmp_path / "summary.md").read_text()
     assert "## Code versions" in md and "mixes" not in md
+
+
+FAKE_GACBENCH = '''#!{python}
+"""gacbench bench --out DIR stand-in: the summary of a grid of one code version, of two when FAKE_MIXED=1, without
+versions when FAKE_MIXED=none."""
+import json
+import os
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True)
+versions = [{{"key": "src 111", "description": "commit aaaaaaaaaa", "cells": 3}}]
+if os.environ["FAKE_MIXED"] == "1":
+    versions.append({{"key": "src 222", "description": "commit bbbbbbbbbb (dirty)", "cells": 1}})
+(out / "summary.json").write_text(json.dumps({{}} if os.environ["FAKE_MIXED"] == "none" else {{"versions": versions}}))
+(out / "summary.md").write_text("mixed" if len(versions) > 1 else "single")
+(out / "fig_x.png").write_bytes(b"png")
+'''
+
+
+def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None):
+    """Run a copy of paper/make.sh in ``tmp_path`` on the grid ``grid`` that FAKE_GACBENCH computes."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "paper").mkdir(parents=True)
+    shutil.copy(repo / "paper" / "make.sh", tmp_path / "paper" / "make.sh")
+    fake = tmp_path / "fake-gacbench"
+    fake.write_text(FAKE_GACBENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "GACBENCH": str(fake), "PYTHON": sys.executable,
+           "FAKE_MIXED": mixed if isinstance(mixed, str) else str(int(mixed))}
+    env.pop("GACBENCH_ALLOW_MIXED_VERSIONS", None)
+    if allow_env is not None:
+        env["GACBENCH_ALLOW_MIXED_VERSIONS"] = allow_env
+    return subprocess.run(["bash", str(tmp_path / "paper" / "make.sh"), *args, "grid"], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_make_sh_publishes_a_single_version_grid(tmp_path):
+    proc = _make_sh(tmp_path, mixed=False)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "paper" / "grid").iterdir()) == ["fig_x.png", "summary.json",
+                                                                                "summary.md"]
+
+
+def test_make_sh_refuses_a_mixed_grid_unless_allowed(tmp_path):
+    proc = _make_sh(tmp_path, mixed=True)
+    assert proc.returncode != 0
+    assert "runs/grid/summary.json mixes 2 code versions (commit aaaaaaaaaa (3 cells): src 111; commit " \
+           "bbbbbbbbbb (dirty) (1 cells): src 222); not published" in proc.stderr
+    assert "--allow-mixed-versions" in proc.stderr
+    assert not (tmp_path / "paper" / "grid").exists()  # nothing published
+    proc = _make_sh(tmp_path / "flag", "--allow-mixed-versions", mixed=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "flag" / "paper" / "grid" / "summary.md").read_text() == "mixed"
+    assert _make_sh(tmp_path / "env", mixed=True, allow_env="1").returncode == 0
+
+
+def test_make_sh_refuses_a_summary_without_versions(tmp_path):
+    proc = _make_sh(tmp_path, mixed="none")
+    assert proc.returncode != 0
+    assert "runs/grid/summary.json lists no code versions; rebuild it with gacbench report runs/grid" in proc.stderr
+    assert not (tmp_path / "paper" / "grid").exists()
