@@ -8,7 +8,8 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 
 - a cell's ``final`` is the objective's metric after the last step; ``diverged`` is non-finite
   parameters or metric, or (for loss-like metrics) a final 10x worse than the start;
-- a group (task, method, staleness) averages its seeds; ``final_mean`` counts a diverged run at
+- a group (task, settings, method, staleness: every cell that differs only in its seed,
+  :mod:`gacbench.bench.groups`) averages its seeds; ``final_mean`` counts a diverged run at
   its starting value (a run that blew up is no better than one that never moved), so that means
   and the recovered share stay finite;
 - the recovered share of the gap is (stale - m) / (stale - sync) on ``final_mean``, for every
@@ -36,6 +37,8 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   (``tables._table3``) and the regime map (:func:`~gacbench.bench.regime.regime_points`, also ``regime`` in
   summary.json);
 - the c_t statistics use the steps after the suite's warm-up;
+- ``versions``: one entry per distinct environment key of the cells' ``provenance``
+  (:mod:`gacbench.bench.versions`), and the groups that mix keys;
 - ``timing`` (from ``timing.json``, written by the last ``gacbench bench`` run that executed cells):
   the wall time, cells per minute, the step share (optimizer-step seconds of the cells run /
   (wall time x workers)) and each worker's resident memory after each of its cells.
