@@ -88,6 +88,7 @@ def label_by_settings(records: list[dict], specs: list[dict]) -> tuple[list[dict
 
 
 def capped_final(rec: dict) -> float:
+    """A done cell's final metric, or its starting value where it diverged (as counted in ``final_mean``)."""
     final = rec["final"]
     if rec["diverged"] or final is None or not math.isfinite(final):
         return rec["initial"]
@@ -95,6 +96,7 @@ def capped_final(rec: dict) -> float:
 
 
 def nanmean(xs: list[float]) -> float:
+    """The mean of the finite values of ``xs`` (NaN when there is none)."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return float(np.mean(xs)) if xs else math.nan
 

@@ -1,6 +1,6 @@
-"""The record of each stored cell of a benchmark directory: what it ran, its status, its final metric, its
-alignment statistics, update diagnostics and training-reward indicators (definitions: :mod:`gacbench.bench.report`).
-"""
+"""The record of each stored cell of a benchmark directory: its status, final metric, alignment statistics,
+update diagnostics and training-reward degradation indicator (definitions: :mod:`gacbench.bench.report`), and
+the cells stored under a directory."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The regime map: the stale - sync gap and the alignment statistics per (model, learning rate, staleness).
-"""
+"""The regime map: the stale - sync gap and the alignment statistics per (model, learning rate, staleness)."""
 
 from __future__ import annotations
 

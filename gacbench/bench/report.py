@@ -46,9 +46,11 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 This module builds the report; each job has its module: :mod:`~gacbench.bench.records` (each stored cell's
 record), :mod:`~gacbench.bench.groups` (cells averaged over seeds), :mod:`~gacbench.bench.stats` (bootstrap,
 paired tests, recovered shares), :mod:`~gacbench.bench.regime` (the regime map), :mod:`~gacbench.bench.tables`
-(summary.md) and :mod:`~gacbench.bench.figures` (one function per figure).
+(summary.md), :mod:`~gacbench.bench.figures` (one function per figure) and :mod:`~gacbench.bench.versions` (the
+code versions of the cells).
 """
 
+from __future__ import annotations
 
 import math
 import statistics
@@ -99,12 +101,12 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     specs += [c for c in discover_cells(root) if cell_dir(root, c) not in known]
     records = sorted((r for r in (cell_record(root, c) for c in specs) if r is not None),
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
-    # the cells as grouped: a task stored with several settings is one group per setting, each labelled
     provs = {(c["task"], c["method"], c["staleness"], c["seed"]): stored_provenance(root, c) for c in specs}
     provs = [provs[(r["task"], r["method"], r["staleness"], r["seed"])] for r in records]
     for r, prov in zip(records, provs):
         r["environment"] = environment_key(prov)
     versions = code_versions(records, provs)
+    # the cells as grouped: a task stored with several settings is one group per setting, each labelled
     cells_g, specs_g = label_by_settings(records, specs)
     cells_g.sort(key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     groups = group_records(cells_g)

@@ -1,6 +1,5 @@
 """Statistics over seeds: bootstrap intervals, the paired comparison to stale, and the recovered share of the
-stale-sync gap (definitions: :mod:`gacbench.bench.report`).
-"""
+stale-sync gap (definitions: :mod:`gacbench.bench.report`)."""
 
 from __future__ import annotations
 

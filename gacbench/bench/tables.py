@@ -1,5 +1,4 @@
-"""summary.md: the markdown tables of a benchmark directory's summary.
-"""
+"""summary.md: the markdown tables of a benchmark directory's summary."""
 
 from __future__ import annotations
 
