@@ -128,7 +128,7 @@ def test_versions_list_each_environment_and_the_groups_that_mix_them(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "**This grid mixes 3 code versions**" in md.split("\n## ")[0]  # said before the first table
     assert "1 group(s) average seeds run in different versions: quadratic / stale / s=2." in md
-    assert f"- commit bbbbbbbbbb (dirty): `{environment_key(old)}`, 1 cells" in md
+    assert f"- commit bbbbbbbbbb (dirty): `{environment_key(old)}`, 1 cell" in md
     assert json.loads((tmp_path / "summary.json").read_text())["versions"][0]["cells"] == 5
 
 

@@ -187,7 +187,8 @@ def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
              "The environments the cells ran in (gacbench/provenance.py: the library's source hash, package versions, "
              "threads and device; the commit, dirty where the checkout differed from it; unrecorded: stored without "
              "provenance).", ""]
-    lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cells" for v in versions]
+    lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cell{'' if v['cells'] == 1 else 's'}"
+              for v in versions]
     if len(versions) > 1:
         lines += ["", f"This grid mixes {len(versions)} code versions: " + _mixed_note(mixed)]
     return lines
