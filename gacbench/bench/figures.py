@@ -1,0 +1,333 @@
+"""The PNG figures of a benchmark directory, one function per figure (names and contents: docs/bench.md)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from gacbench.bench.records import read_metrics
+from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows
+
+
+def figure_legend_entries(fig) -> tuple[list, list[str]]:
+    """The labelled artists of every panel of ``fig``, one per label in first-seen order: the legend drawn on one
+    panel then names the methods that appear only in others (a method run at s = 16 alone)."""
+    entries: dict[str, object] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    return list(entries.values()), list(entries)
+
+
+def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Steps, mean and std over curves (cut to the shortest) of their ``window``-step moving averages."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return [], np.array([]), np.array([])
+    n = min(len(c) for c in curves)
+    w = max(1, min(window, n))
+    arr = np.array([np.convolve([v for _, v in c[:n]], np.ones(w) / w, mode="valid") for c in curves])
+    return [x for x, _ in curves[0][: arr.shape[1]]], arr.mean(0), arr.std(0)
+
+
+class Canvas:
+    """What every figure of a directory shares: pyplot (Agg), the done main-grid cells and their tasks, one colour
+    per method, each cell's metrics.csv (read once from ``cell_dirs``: (task, method, staleness, seed) -> its
+    directory), and the list of the figures written."""
+
+    def __init__(self, root: Path, cells: list[dict], cell_dirs: dict[tuple, Path]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        self.plt, self.root, self.cells = plt, root, cells
+        self.out: list[Path] = []
+        self.dirs = cell_dirs
+        self.labelled = {c["task"] for c in cells if "group" in c}
+        self.main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
+        self.tasks = sorted({c["task"] for c in self.main})
+        self.colors = {"sync": "black", "stale": "tab:red"}
+        # tab20 without its reds (stale's colour): distinct colours for up to 18 other methods
+        palette = iter([c for i, c in enumerate(plt.cm.tab20.colors) if i not in (6, 7)])
+        for m in sorted({c["method"] for c in self.main}):
+            self.colors.setdefault(m, next(palette, "tab:gray"))
+        self._cache: dict[tuple, dict] = {}
+
+    def save(self, fig, name: str, legend_ax=None) -> None:
+        """Write ``fig`` to ROOT/name (with one legend of every panel's entries on ``legend_ax``) and close it."""
+        if legend_ax is not None:
+            handles, labels = figure_legend_entries(fig)
+            legend_ax.legend(handles, labels, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(self.root / name, dpi=110)
+        self.plt.close(fig)
+        self.out.append(self.root / name)
+
+    def series(self, rec: dict, key: str) -> list[tuple[int, float]]:
+        """The logged series ``key`` of the cell ``rec``: [(step, value), ...]."""
+        ident = (rec["task"], rec["method"], rec["staleness"], rec["seed"])
+        if ident not in self._cache:
+            self._cache[ident] = read_metrics(self.dirs[ident] / "metrics.csv")
+        return self._cache[ident].get(key, [])
+
+    def stem(self, task: str) -> str:
+        """The part of a per-task figure's file name that names ``task``: the task's name, or for a group labelled
+        by its settings (``quadratic (lr=0.05, steps=200)``) the label with every character outside letters,
+        digits and ``-_+.=`` replaced: ``quadratic_lr=0.05_steps=200``."""
+        if task not in self.labelled:
+            return task
+        return re.sub("_+", "_", "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in task)).strip("_")
+
+
+def curves_figures(cv: Canvas) -> None:
+    """Figures 1 and 4: metric curves across staleness, mean over seeds (``fig_curves_TASK.png``)."""
+    plt = cv.plt
+    for task in cv.tasks:
+        tc = [c for c in cv.main if c["task"] == task]
+        metric = tc[0]["metric"]
+        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
+        fig, axes = plt.subplots(1, max(1, len(svals)), figsize=(4 * max(1, len(svals)), 3.2), squeeze=False,
+                                 sharey=True)
+        for ax, s in zip(axes[0], svals or [0]):
+            for m in dict.fromkeys(c["method"] for c in tc):
+                recs = [c for c in tc if c["method"] == m and (c["staleness"] == s or m == "sync")]
+                curves = [cv.series(r, f"eval/{metric}") for r in recs]
+                curves = [c for c in curves if c]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                steps = [curves[0][i][0] for i in range(n)]
+                mean = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0)
+                ax.plot(steps, mean, label=m, color=cv.colors[m], ls="--" if m == "sync" else "-")
+            ax.set_title(f"{task}, s={s}")
+            ax.set_xlabel("step")
+            if not tc[0]["higher_is_better"]:
+                ax.set_yscale("log")
+        axes[0][0].set_ylabel(metric)
+        cv.save(fig, f"fig_curves_{cv.stem(task)}.png", axes[0][-1])
+
+
+def cos_figure(cv: Canvas) -> None:
+    """Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, seed =
+    smallest (``fig_cos.png``)."""
+    plt = cv.plt
+    fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
+    for ax, task in zip(axes[0], cv.tasks):
+        tc = [c for c in cv.main if c["task"] == task]
+        smax, seed = max(c["staleness"] for c in tc), min(c["seed"] for c in tc)
+        for r in [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]:
+            cs = cv.series(r, "align/cos")
+            if cs:
+                w = min(10, len(cs))  # a run shorter than the window is averaged over its length
+                v = np.convolve([x for _, x in cs], np.ones(w) / w, mode="valid")
+                ax.plot([x for x, _ in cs][: len(v)], v, label=f"{r['method']} (s={r['staleness']})",
+                        color=cv.colors[r["method"]], lw=1)
+        ax.set_title(f"{task}: c_t (10-step mean)")
+        ax.set_xlabel("step")
+        ax.set_ylim(-1.05, 1.05)
+        ax.axhline(0, color="gray", lw=0.5)
+    cv.save(fig, "fig_cos.png", axes[0][-1])
+
+
+def robustness_figure(cv: Canvas, groups: list[dict]) -> None:
+    """Robustness across staleness: final metric vs s per method (``fig_robustness.png``)."""
+    plt = cv.plt
+    maing = [g for g in groups if not g["ablation"]]
+    fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
+    for ax, task in zip(axes[0], cv.tasks):
+        tg = [g for g in maing if g["task"] == task]
+        sync = next((g for g in tg if g["method"] == "sync"), None)
+        if sync:
+            ax.axhline(sync["final_mean"], color="black", ls="--", label="sync")
+        for m in dict.fromkeys(g["method"] for g in tg if g["method"] != "sync"):
+            pts = sorted((g["staleness"], g["final_mean"], g["final_std"]) for g in tg if g["method"] == m)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", label=m,
+                        color=cv.colors[m], capsize=2)
+        ax.set_title(task)
+        ax.set_xlabel("staleness s")
+        ax.set_ylabel(tg[0]["metric"] if tg else "")
+        if tg and not tg[0]["higher_is_better"]:
+            ax.set_yscale("log")
+    cv.save(fig, "fig_robustness.png", axes[0][-1])
+
+
+def staleness_figures(cv: Canvas) -> None:
+    """Figure 1 (paper): training reward (the metric where no reward is logged) and c_t across staleness, sync
+    and stale, mean over seeds of 10-step moving averages (``fig_staleness_TASK.png``)."""
+    plt = cv.plt
+    for task in cv.tasks:
+        tc = [c for c in cv.main if c["task"] == task and c["method"] in REFERENCE_METHODS]
+        svals = sorted({c["staleness"] for c in tc})
+        if len(svals) < 2:
+            continue
+        has_reward = any(cv.series(c, "reward/mean") for c in tc)
+        metric = tc[0]["metric"]
+        ykey, ylabel = ("reward/mean", "training reward") if has_reward else (f"eval/{metric}", metric)
+        cmap = plt.cm.viridis(np.linspace(0.0, 0.85, max(1, len(svals) - 1)))
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.3))
+        for i, sv in enumerate(svals):
+            recs = [c for c in tc if c["staleness"] == sv]
+            color = "black" if sv == 0 else cmap[min(i - 1, len(cmap) - 1)]
+            for ax, key in zip(axes, (ykey, "align/cos")):
+                steps, mean, _ = _smooth_mean([cv.series(r, key) for r in recs], 10 if key != ykey or has_reward else 1)
+                if steps:
+                    ax.plot(steps, mean, color=color, lw=1.2, ls="--" if sv == 0 else "-",
+                            label="sync (s=0)" if sv == 0 else f"stale s={sv}")
+        axes[0].set_ylabel(ylabel)
+        axes[1].set_ylabel("c_t (10-step mean)")
+        axes[1].axhline(0, color="gray", lw=0.5)
+        if not has_reward and not tc[0]["higher_is_better"]:
+            axes[0].set_yscale("log")
+        for ax, title in zip(axes, (f"{task}: {ylabel} across staleness", f"{task}: c_t across staleness")):
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+        cv.save(fig, f"fig_staleness_{cv.stem(task)}.png", axes[1])
+
+
+def method_figures(cv: Canvas) -> None:
+    """Figure 3 (paper): c_t per method at each staleness, mean over seeds of 10-step moving averages
+    (``fig_cos_methods_TASK.png``); Figure 4 (paper): training-reward trajectories per method at each staleness
+    (rollout objectives, ``fig_reward_TASK.png``)."""
+    plt = cv.plt
+    for task in cv.tasks:
+        tc = [c for c in cv.main if c["task"] == task]
+        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
+        if not svals:
+            continue
+        sync = [c for c in tc if c["method"] == "sync"]
+        has_reward = any(cv.series(c, "reward/mean") for c in tc)
+        for key, name, ylabel in (("align/cos", "fig_cos_methods", "c_t (10-step mean)"),
+                                  ("reward/mean", "fig_reward", "training reward (10-step mean)")):
+            if key == "reward/mean" and not has_reward:
+                continue
+            fig, axes = plt.subplots(1, len(svals), figsize=(4 * len(svals), 3.2), squeeze=False, sharey=True)
+            for ax, sv in zip(axes[0], svals):
+                steps, mean, _ = _smooth_mean([cv.series(r, key) for r in sync])
+                if steps:
+                    ax.plot(steps, mean, color="black", ls="--", lw=1, label="sync (s=0)")
+                for m in dict.fromkeys(c["method"] for c in tc if c["method"] != "sync"):
+                    recs = [r for r in tc if r["method"] == m and r["staleness"] == sv]
+                    steps, mean, std = _smooth_mean([cv.series(r, key) for r in recs])
+                    if steps:
+                        ax.plot(steps, mean, color=cv.colors[m], lw=1, label=m)
+                        if key == "reward/mean":
+                            ax.fill_between(steps, mean - std, mean + std, color=cv.colors[m], alpha=0.12, lw=0)
+                ax.set_title(f"{task}, s={sv}", fontsize=9)
+                ax.set_xlabel("step")
+                if key == "align/cos":
+                    ax.axhline(0, color="gray", lw=0.5)
+            axes[0][0].set_ylabel(ylabel)
+            cv.save(fig, f"{name}_{cv.stem(task)}.png", axes[0][-1])
+
+
+def regime_figure(cv: Canvas, regime: list[dict]) -> None:
+    """The regime map: stale - sync gap and the c_t difference against (learning rate, staleness), per model
+    (``fig_regime.png``)."""
+    plt = cv.plt
+    if not regime:
+        return
+    models = sorted({p["model"] for p in regime})
+    fig, axes = plt.subplots(len(models), 2, figsize=(9, 3.2 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        pts = [p for p in regime if p["model"] == model]
+        lrs, svals = sorted({p["lr"] for p in pts}), sorted({p["staleness"] for p in pts})
+        for ax, key, title in ((row[0], "gap", "stale − sync"), (row[1], "cos_diff", "median c_t: stale − sync")):
+            grid = np.full((len(svals), len(lrs)), np.nan)
+            for p in pts:
+                v = p["gap"] if key == "gap" else p["stale_cos_median"] - p["sync_cos_median"]
+                grid[svals.index(p["staleness"]), lrs.index(p["lr"])] = v
+                sig = key == "gap" and p["gap_ci_high"] is not None and not math.isnan(p["gap_ci_high"]) \
+                    and (p["gap_ci_high"] < 0 or p["gap_ci_low"] > 0)
+                if math.isfinite(v):
+                    note = "" if p["sync_healthy"] else " †"
+                    ax.text(lrs.index(p["lr"]), svals.index(p["staleness"]), f"{v:.2g}{'*' if sig else ''}{note}",
+                            ha="center", va="center", fontsize=7,
+                            bbox={"facecolor": "white", "alpha": 0.7, "lw": 0, "pad": 1})
+            lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
+            im = ax.imshow(grid, origin="lower", aspect="auto", cmap="RdBu" if key == "gap" else "PuOr_r",
+                           vmin=-lim, vmax=lim)
+            ax.set_xticks(range(len(lrs)), [f"{x:.0e}" for x in lrs])
+            ax.set_yticks(range(len(svals)), [str(x) for x in svals])
+            ax.set_xlabel("learning rate")
+            ax.set_ylabel("staleness s")
+            ax.set_title(f"{model}: {title}" + (" (*: 95% CI excludes 0)" if key == "gap" else "")
+                         + " (†: sync unhealthy)", fontsize=8)
+            fig.colorbar(im, ax=ax)
+    cv.save(fig, "fig_regime.png")
+
+
+def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] | None = None) -> None:
+    """Figure 5: (c_low, c_high) heatmap from the ablation cells (``fig_thresholds.png``)."""
+    plt = cv.plt
+    abl = [g for g in groups if g["ablation"]]
+    if not abl:
+        return
+    key = ablation_key(abl)
+    shares = {(r["task"], r["method"]): r["share"] for r in ablation_share_rows(groups, cv.cells, ablation_rows)}
+    by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
+    atasks = sorted({g["task"] for g in abl})
+    fig, axes = plt.subplots(1, len(atasks), figsize=(4.6 * len(atasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], atasks):
+        pts, share_at = {}, {}
+        tg = [g for g in abl if g["task"] == task]
+        s_abl = tg[0]["staleness"]
+        for g in tg:
+            m = re.search(r"c_low=([0-9.]+),c_high=([0-9.]+)", g["method"])
+            if m:
+                pts[(float(m.group(1)), float(m.group(2)))] = g[f"{key}_mean"]
+                share_at[(float(m.group(1)), float(m.group(2)))] = shares.get((task, g["method"]), math.nan)
+        lows, highs = sorted({k[0] for k in pts}), sorted({k[1] for k in pts})
+        grid = np.full((len(lows), len(highs)), np.nan)
+        for (lo, hi), v in pts.items():
+            grid[lows.index(lo), highs.index(hi)] = v
+            sh = share_at[(lo, hi)]
+            ax.text(highs.index(hi), lows.index(lo), f"{v:.3g}" + ("" if math.isnan(sh) else f"\nshare {sh:.2f}"),
+                    ha="center", va="center", fontsize=7, color="black",
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.6, "lw": 0})
+        higher = key == "reward_last" or tg[0]["higher_is_better"]
+        refs = {name: by[(task, name, st)][f"{key}_mean"] for name, st in (("sync", 0), ("stale", s_abl))
+                if f"{key}_mean" in by.get((task, name, st), {})}
+        # the colour scale spans stale and sync too, so a colour reads as a place in the gap
+        span = [v for v in grid.ravel() if math.isfinite(v)] + list(refs.values())
+        im = ax.imshow(grid, origin="lower", cmap="viridis" if higher else "viridis_r", aspect="auto",
+                       vmin=min(span), vmax=max(span))
+        ax.set_xticks(range(len(highs)), [f"{h:g}" for h in highs])
+        ax.set_yticks(range(len(lows)), [f"{lo:g}" for lo in lows])
+        ax.set_xlabel("c_high")
+        ax.set_ylabel("c_low")
+        what = "training reward (last 20%)" if key == "reward_last" else f"final {tg[0]['metric']}"
+        ref_text = ", ".join(f"{name} {v:.3g}" for name, v in refs.items())
+        ax.set_title(f"{task}, s={s_abl}: {what}, bright = better" + (f"\n({ref_text})" if refs else ""),
+                     fontsize=8)
+        fig.colorbar(im, ax=ax)
+        if (0.05, 0.3) in pts:  # the paper's default
+            ax.add_patch(plt.Rectangle((highs.index(0.3) - 0.5, lows.index(0.05) - 0.5), 1, 1, fill=False,
+                                       ec="white", lw=1.5, label="default (0.05, 0.3)"))
+        used = [c for c in cv.cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"
+                and c["staleness"] == tg[0]["staleness"]]
+        if used and len(lows) > 1 and len(highs) > 1:  # gac-calibrated's thresholds, on the grid's index axes
+            x = np.interp(np.mean([c["c_high"] for c in used]), highs, range(len(highs)))
+            y = np.interp(np.mean([c["c_low"] for c in used]), lows, range(len(lows)))
+            ax.plot([x], [y], marker="x", color="red", ms=8, ls="", label="calibrated (mean over seeds)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, loc="upper left")
+    cv.save(fig, "fig_thresholds.png")
+
+
+def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups: list[dict],
+            regime: list[dict] | None = None, ablation_rows: list[dict] | None = None) -> list[Path]:
+    """Write every figure of ``root`` that its cells support (``cells`` as grouped, ``cell_dirs`` as in
+    :class:`Canvas`); returns their paths."""
+    cv = Canvas(root, cells, cell_dirs)
+    curves_figures(cv)
+    cos_figure(cv)
+    robustness_figure(cv, groups)
+    staleness_figures(cv)
+    method_figures(cv)
+    regime_figure(cv, regime or [])
+    thresholds_figure(cv, groups, ablation_rows)
+    return cv.out

@@ -1,0 +1,96 @@
+"""The regime map: the stale - sync gap and the alignment statistics per (model, learning rate, staleness)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from gacbench.bench.groups import capped_final, nanmean, per_seed
+from gacbench.bench.stats import mean_bootstrap_ci
+
+
+def _model_label(objective: str | None, params: dict) -> str:
+    """GRPO's model (``model.size``, else ``model.path``; the default size is tiny), else the objective's name."""
+    model = params.get("model")
+    if isinstance(model, dict):
+        return str(model.get("size") or model.get("path") or "tiny")
+    if model is not None:
+        return str(model)
+    return "tiny" if objective == "grpo" else str(objective)
+
+
+def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
+    """The regime map: for every task of an objective whose tasks span two or more learning rates (``params.lr``),
+    per staleness s > 0 of ``stale``: the stale - sync gap on the training reward (last 20% of steps; the final
+    metric where no reward is logged), paired over seeds, with its 95% bootstrap interval; median c_t and
+    q0.9(|c_t|) of sync and stale; the share of seeds whose training reward degraded (fell more than
+    the degradation threshold below its own running maximum, smoothed over DEGRADE_WINDOW steps:
+    :func:`degrade_threshold`); and whether sync training
+    is healthy (no sync seed diverged or degraded, and its reward rose from the first to the last 20% of steps
+    on average)."""
+    params: dict[str, tuple] = {}
+    for c in specs:
+        params.setdefault(c["task"], (c.get("objective"), c.get("params") or {}))
+    lrs: dict[Any, set] = defaultdict(set)
+    for obj, p in params.values():
+        if isinstance(p.get("lr"), (int, float)) and not isinstance(p.get("lr"), bool):
+            lrs[obj].add(float(p["lr"]))
+    tasks = sorted(t for t, (obj, p) in params.items() if len(lrs[obj]) >= 2 and isinstance(p.get("lr"), (int, float)))
+    done = [c for c in cells if c["status"] == "done" and not c.get("ablation") and c["task"] in tasks]
+    if not done:
+        return []
+    points = []
+    for task in tasks:
+        tc = [c for c in done if c["task"] == task]
+        if not tc:
+            continue
+        key = "reward_last" if all("reward_last" in c for c in tc) else "final"
+        seeds = per_seed(tc, key)
+        sync = [c for c in tc if c["method"] == "sync" and c["staleness"] == 0]
+        higher = key == "reward_last" or bool(tc[0]["higher_is_better"])
+        if key == "reward_last":
+            rises = [c["reward_last"] - c["reward_first"] for c in sync]
+        else:
+            rises = [(1.0 if higher else -1.0) * (capped_final(c) - c["initial"]) for c in sync]
+        healthy = (bool(sync) and not any(c["diverged"] for c in sync) and not any(c.get("degraded") for c in sync)
+                   and float(np.mean(rises)) > 0)
+        sync_seeds = seeds.get((task, "sync", 0), {})
+        for s in sorted({c["staleness"] for c in tc if c["method"] == "stale"}):
+            stale = [c for c in tc if c["method"] == "stale" and c["staleness"] == s]
+            stale_seeds = seeds.get((task, "stale", s), {})
+            common = sorted(set(sync_seeds) & set(stale_seeds))
+            d = np.array([stale_seeds[k] - sync_seeds[k] for k in common])
+            low, high = mean_bootstrap_ci(d)
+            drops = [c.get("reward_drop") for c in stale if c.get("reward_drop") is not None]
+            points.append({
+                "task": task, "model": _model_label(*params[task]), "lr": float(params[task][1]["lr"]),
+                "staleness": s, "measure": key, "sync": nanmean(list(sync_seeds.values())),
+                "stale": nanmean(list(stale_seeds.values())), "gap": float(d.mean()) if d.size else math.nan,
+                "gap_ci_low": low, "gap_ci_high": high, "n": len(common),
+                "sync_cos_median": nanmean([c["cos_median"] for c in sync]),
+                "stale_cos_median": nanmean([c["cos_median"] for c in stale]),
+                "sync_cos_abs_q90": nanmean([c["cos_abs_q90"] for c in sync]),
+                "stale_cos_abs_q90": nanmean([c["cos_abs_q90"] for c in stale]),
+                "stale_degraded_frac": float(np.mean([bool(c.get("degraded")) for c in stale])) if stale else math.nan,
+                "stale_reward_drop": nanmean(drops),
+                "sync_degraded_frac": float(np.mean([bool(c.get("degraded")) for c in sync])) if sync else math.nan,
+                "sync_rise": nanmean(rises), "sync_healthy": healthy,
+            })
+            etas = [c["assume_eta_max"] for c in stale if c.get("assume_eta_max") is not None]
+            if etas:  # the step-size condition of the bounded-staleness bound at the stale run's own L and lag
+                lr = points[-1]["lr"]
+                points[-1].update({
+                    "sync_L": nanmean([c["assume_L"] for c in sync if c.get("assume_L") is not None]),
+                    "stale_L": nanmean([c["assume_L"] for c in stale if c.get("assume_L") is not None]),
+                    "stale_eta_max": float(np.median(etas)),
+                    "lr_within_eta_max": bool(lr <= float(np.median(etas))),
+                    "stale_eta_eff": nanmean([c.get("assume_eta_eff", math.nan) for c in stale]),
+                    "stale_worse": bool(points[-1]["gap_ci_high"] < 0) if points[-1]["n"] >= 2 else None,
+                })
+                eff = points[-1]["stale_eta_eff"]
+                points[-1]["eff_within_eta_max"] = None if math.isnan(eff) else bool(eff <= points[-1]["stale_eta_max"])
+    points.sort(key=lambda p: (p["model"], p["lr"], p["staleness"]))
+    return points

@@ -1,0 +1,151 @@
+"""Statistics over seeds: bootstrap intervals, the paired comparison to stale, and the recovered share of the
+stale-sync gap (definitions: :mod:`gacbench.bench.report`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gacbench.bench.groups import per_seed
+
+REFERENCE_METHODS = ("sync", "stale")
+BOOT_RESAMPLES, BOOT_SEED, CI_LEVEL = 9999, 0, 0.95
+#: The percentile of the resampled statistics: the smallest value whose empirical CDF reaches the level (no
+#: interpolation, so that an unbounded resample gives an unbounded end rather than inf - inf)
+QUANTILE_METHOD = "inverted_cdf"
+
+
+def bootstrap_indices(n: int, resamples: int = BOOT_RESAMPLES, seed: int = BOOT_SEED) -> np.ndarray:
+    """(resamples, n) seed indices drawn with replacement by ``numpy.random.default_rng(seed)``."""
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def share_bootstrap_ci(sync: np.ndarray, stale: np.ndarray, method: np.ndarray, level: float = CI_LEVEL,
+                       resamples: int = BOOT_RESAMPLES, seed: int = BOOT_SEED) -> tuple[float, float]:
+    """Paired percentile bootstrap interval of the share (mean(stale) - mean(method)) / (mean(stale) - mean(sync)):
+    the three arrays hold the same seeds in the same order, and one resample of seed indices is applied to all
+    three. A resample with a zero gap has share +-inf (the numerator's sign), or none when the numerator is 0 too.
+    NaNs with fewer than two seeds."""
+    n = len(sync)
+    if n < 2:
+        return math.nan, math.nan
+    idx = bootstrap_indices(n, resamples, seed)
+    num = stale[idx].mean(1) - method[idx].mean(1)
+    gap = stale[idx].mean(1) - sync[idx].mean(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(gap != 0, num / np.where(gap != 0, gap, 1.0), np.sign(num) * np.inf)
+    share = share[~((gap == 0) & (num == 0))]
+    if share.size == 0:
+        return math.nan, math.nan
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(share, [alpha, 1.0 - alpha], method=QUANTILE_METHOD)
+    return float(low), float(high)
+
+
+def mean_bootstrap_ci(x: np.ndarray, level: float = CI_LEVEL, resamples: int = BOOT_RESAMPLES,
+                      seed: int = BOOT_SEED) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(x) over its seeds (NaNs with fewer than two)."""
+    if len(x) < 2:
+        return math.nan, math.nan
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(x[bootstrap_indices(len(x), resamples, seed)].mean(1), [alpha, 1.0 - alpha],
+                            method=QUANTILE_METHOD)
+    return float(low), float(high)
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> dict[str, float]:
+    """mean(a - b) over paired seeds, its t-interval (mean +- t_{(1+level)/2, n-1} sd/sqrt(n)) and the two-sided
+    paired t-test's p-value (scipy.stats.ttest_rel; NaN when every difference is equal). NaNs below two seeds."""
+    import warnings
+
+    from scipy import stats
+
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    n = len(d)
+    if n == 0:
+        return {"diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
+    mean = float(d.mean())
+    if n < 2:
+        return {"diff": mean, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
+    half = float(stats.t.ppf(0.5 + level / 2.0, n - 1) * d.std(ddof=1) / math.sqrt(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = float(stats.ttest_rel(a, b).pvalue) if d.std() > 0 else math.nan
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p}
+
+
+def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: bool) -> dict:
+    """``row`` (a recovered-share row) with ``n`` (the distinct seeds sync, stale and the method share),
+    ``share_ci_low/high`` and the paired comparison to stale (``vs_stale_*``, over the seeds stale and the method
+    share: ``vs_stale_n``)."""
+    task, m, s = row["task"], row["method"], row["staleness"]
+    sync, stale, meth = seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", s), {}), seeds.get((task, m, s), {})
+    common = sorted(set(sync) & set(stale) & set(meth))
+    paired = sorted(set(stale) & set(meth))
+    row.update({"n": len(common), "share_ci_low": None, "share_ci_high": None, "vs_stale_diff": None,
+                "vs_stale_ci_low": None, "vs_stale_ci_high": None, "vs_stale_p": None, "vs_stale_n": len(paired)})
+    if paired:
+        a, b = np.array([meth[k] for k in paired]), np.array([stale[k] for k in paired])
+        d = paired_difference(a, b) if higher else paired_difference(b, a)  # > 0: the method is better
+        row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
+                    "vs_stale_p": d["p"]})
+    if not row.get("missing") and not row["no_gap"]:
+        low, high = share_bootstrap_ci(*(np.array([g[k] for k in common]) for g in (sync, stale, meth)))
+        row.update({"share_ci_low": low, "share_ci_high": high})
+    return row
+
+
+def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] | None = None,
+                     ablation: bool = False) -> list[dict]:
+    """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
+    training reward over the last 20% of steps, for rollout objectives). With ``cells`` (the cell records)
+    each row also gets its confidence intervals (module docstring); a method whose sync or stale group has no
+    cells gets a row with ``missing`` naming them and null share. ``ablation=True``: the rows of the threshold
+    ablation's groups instead, against the same sync and stale groups."""
+    mean, std = f"{key}_mean", f"{key}_std"
+    groups = [g for g in groups if mean in g]
+    by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
+    seeds = per_seed(cells, key) if cells is not None else None
+    rows = []
+    for g in groups:
+        if g["method"] in REFERENCE_METHODS or bool(g["ablation"]) != ablation or g["staleness"] == 0:
+            continue
+        sync, stale = by.get((g["task"], "sync", 0)), by.get((g["task"], "stale", g["staleness"]))
+        higher = key == "reward_last" or bool(g["higher_is_better"])
+        if not sync or not stale:
+            if cells is not None:
+                rows.append(_with_ci({
+                    "task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": math.nan,
+                    "sync": sync[mean] if sync else math.nan, "stale": stale[mean] if stale else math.nan,
+                    "value": g[mean], "no_gap": True, "gap": math.nan, "gap_se": math.nan, "gap_within_noise": None,
+                    "missing": [name for name, x in (("sync", sync), ("stale", stale)) if not x]}, seeds, key, higher))
+            continue
+        gap = stale[mean] - sync[mean]
+        sign = -1.0 if (key == "reward_last" or g["higher_is_better"]) else 1.0  # gap > 0 means stale is worse
+        share = (stale[mean] - g[mean]) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
+        # standard error of the gap from the sample (ddof=1) std of each group; unknown with a single seed
+        if min(sync["n"], stale["n"]) < 2:
+            se = math.nan
+        else:
+            se = math.sqrt(sum((x[std] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
+        row = {"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
+               "sync": sync[mean], "stale": stale[mean], "value": g[mean],
+               "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
+               "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)}
+        rows.append(_with_ci(row, seeds, key, higher) if cells is not None else row)
+    return rows
+
+
+def ablation_key(abl: list[dict]) -> str:
+    """The measure the threshold ablation is read on: the training reward where every ablation group has one
+    (rollout objectives), else the final metric."""
+    return "reward_last" if all("reward_last_mean" in g for g in abl) else "final"
+
+
+def ablation_share_rows(groups: list[dict], cells: list[dict], given: list[dict] | None) -> list[dict]:
+    """The threshold ablation's recovered shares on its measure: ``given`` (build_report computes them once for
+    summary.json), else computed here."""
+    if given is not None:
+        return given
+    return recovered_shares(groups, ablation_key([g for g in groups if g["ablation"]]), cells=cells, ablation=True)

@@ -1,0 +1,374 @@
+"""summary.md: the markdown tables of a benchmark directory's summary."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from gacbench.bench.groups import nanmean, per_seed
+from gacbench.bench.records import DEGRADE_MARGIN, DEGRADE_SIGMAS, DEGRADE_WINDOW, DIAGNOSTICS
+from gacbench.bench.stats import (
+    BOOT_RESAMPLES,
+    BOOT_SEED,
+    CI_LEVEL,
+    ablation_key,
+    ablation_share_rows,
+    mean_bootstrap_ci,
+)
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}g}"
+
+
+def fmt_ci(low: float | None, high: float | None, digits: int = 2) -> str:
+    if low is None or high is None or (isinstance(low, float) and math.isnan(low)):
+        return "—"
+    return f"[{fmt(low + 0.0, digits)}, {fmt(high + 0.0, digits)}]"  # + 0.0: no "-0"
+
+
+def _method_table(title: str, groups: list[dict], cell, heading: str = "##") -> list[str]:
+    """A markdown table, one row per method and one column per staleness, each entry ``cell(group)`` (``groups``:
+    any rows with ``method`` and ``staleness``)."""
+    svals = sorted({g["staleness"] for g in groups})
+    lines = [f"{heading} {title}", "", "| method | " + " | ".join(f"s={s}" for s in svals) + " |",
+             "|---|" + "---|" * len(svals)]
+    for m in dict.fromkeys(g["method"] for g in groups):
+        row = []
+        for s in svals:
+            g = next((x for x in groups if x["method"] == m and x["staleness"] == s), None)
+            row.append("" if g is None else cell(g))
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def _share_table(title: str, shares: list[dict]) -> list[str]:
+    lines = [f"## {title}", "",
+             "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
+             "| task | s | method | sync | stale | method | share |", "|---|---|---|---|---|---|---|"]
+    for r in shares:
+        if r.get("missing"):
+            continue
+        share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
+        if not r["no_gap"] and r["gap_within_noise"]:
+            share += " (gap < 2 s.e. of seeds: not meaningful)"
+        elif not r["no_gap"] and r["gap_within_noise"] is None:
+            share += " (one seed: noise unknown)"
+        lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {fmt(r['sync'], 4)} | "
+                     f"{fmt(r['stale'], 4)} | "
+                     f"{fmt(r['value'], 4)} | {share} |")
+    return lines + [""]
+
+
+def _diagnostics_table(groups: list[dict]) -> list[str]:
+    """Per group, the update diagnostics its cells logged (``DIAGNOSTICS``, means over seeds of each cell's mean
+    after the warm-up) and GAC's share of changed steps; nothing when no group logged any."""
+    keys = [k for k in (*DIAGNOSTICS, "gac_changed") if any(f"{k}_mean" in g for g in groups)]
+    rows = [g for g in groups if any(f"{k}_mean" in g for k in keys)]
+    if not rows:
+        return []
+    titles = [DIAGNOSTICS[k][1] if k in DIAGNOSTICS else "GAC: steps changed" for k in keys]
+    lines = ["", "## Update diagnostics, after the warm-up", "",
+             "Each cell's mean over its steps after the warm-up, then the mean over seeds; GAC: the share of its "
+             "steps it shrank, projected or skipped. — where the method does not log the value.", "",
+             "| task | method | s | " + " | ".join(titles) + " | seeds |", "|---|---|---|" + "---|" * (len(keys) + 1)]
+    for g in rows:
+        vals = [fmt(g.get(f"{k}_mean"), 3) for k in keys]
+        lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | " + " | ".join(vals) + f" | {g['n']} |")
+    return lines
+
+
+def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
+             reward_shares: list[dict] | None = None, timing: dict | None = None,
+             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
+             versions: list[dict] | None = None, mixed: list[dict] | None = None) -> str:
+    """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
+    (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
+    groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
+    more than one version."""
+    lines = [f"# Benchmark summary: `{root}`", "",
+             "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
+    if versions and len(versions) > 1:
+        lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
+                  + _mixed_note(mixed or []), ""]
+    tasks = sorted({g["task"] for g in groups})
+    main = [g for g in groups if not g["ablation"]]
+    for task in tasks:
+        tg = [g for g in main if g["task"] == task]
+        if not tg:
+            continue
+        metric, hib = tg[0]["metric"], tg[0]["higher_is_better"]
+        lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std "
+                               "over seeds "
+                               "[diverged share]", tg,
+                               lambda g: f"{fmt(g['final_mean'], 4)} ± {fmt(g['final_std'], 2)}"
+                                         + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
+    if shares:
+        lines += _share_table("Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", shares)
+    rewarded = [g for g in main if "reward_last_mean" in g]
+    for task in sorted({g["task"] for g in rewarded}):
+        lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), "
+                               "mean ± std "
+                               "over seeds", [g for g in rewarded if g["task"] == task],
+                               lambda g: f"{fmt(g['reward_last_mean'], 3)} ± {fmt(g['reward_last_std'], 2)} "
+                                         f"({fmt(g['reward_first_mean'], 3)})")
+    if reward_shares:
+        lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)",
+                              reward_shares)
+    lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
+              "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |",
+              "|---|---|---|---|---|---|---|"]
+    for g in main:
+        lines.append(f"| {g['task']} | {g['method']} | {g['staleness']} | {fmt(g['cos_median'])} | "
+                     f"{fmt(g['cos_abs_q90'])} | "
+                     f"{fmt(g['cos_abs_le_005'], 2)} | {g['n']} |")
+    lines += _diagnostics_table(main)
+    abl = [g for g in groups if g["ablation"]]
+    if abl:
+        key = ablation_key(abl)
+        rows = {(r["task"], r["method"]): r for r in ablation_share_rows(groups, cells, ablation_rows)}
+        what = "training reward" if key == "reward_last" else "final metric"
+        lines += ["", "## Threshold ablation (c_low, c_high)", "",
+                  f"Recovered share of the stale–sync gap in the {what} (95% paired bootstrap interval) and the "
+                  "paired difference to stale at the same s (t-interval, paired t-test p), as in the tables above.",
+                  "", "| task | method | s | final (mean) | training reward (last 20%) | share [95% CI] | "
+                  "method − stale [95% CI] | p | diverged | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for g in abl:
+            r = rows.get((g["task"], g["method"]), {})
+            reward = (f"{fmt(g['reward_last_mean'], 3)} ± {fmt(g['reward_last_std'], 2)}"
+                      if "reward_last_mean" in g else "—")
+            share = "—" if r.get("share") is None or math.isnan(r["share"]) else (
+                f"{r['share']:.2f} {fmt_ci(r.get('share_ci_low'), r.get('share_ci_high'))}")
+            diff = "—" if r.get("vs_stale_diff") is None else (
+                f"{r['vs_stale_diff']:+.3g} {fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)}")
+            lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
+                         f"{reward} | {share} | {diff} | {fmt(r.get('vs_stale_p'), 2)} | {g['diverged_frac']:.0%} | "
+                         f"{g['n']} |")
+    sections = (("Failed cells", "failed"), ("Incomplete cells (stored files damaged; not counted)", "incomplete"))
+    for title, kind in sections:
+        listed = [c for c in cells if c["status"] != "done" and (c["status"] == "incomplete") == (kind == "incomplete")]
+        if listed:
+            lines += ["", f"## {title}", ""] + [f"- {c['task']} / {c['method']} / s={c['staleness']} / "
+                                                f"seed {c['seed']}: {c.get('error')}" for c in listed]
+    done = [c for c in cells if c["status"] == "done" and c.get("step_ms")]
+    if done:
+        lines += ["", "## Timing", "",
+                  f"Median step {statistics.median(c['step_ms'] for c in done):.2f} ms; median share of step time "
+                  "outside the "
+                  f"objective's forward+backward {statistics.median(c['overhead_share'] for c in done):.0%} "
+                  f"({len(done)} cells, {sum(c['seconds'] for c in done):.0f} s of cell time)."
+                  + _step_share_note(timing)]
+    lines += _ci_section(shares, reward_shares or [])
+    lines += _table1(groups, cells)
+    lines += _table3(cells)
+    lines += _regime_section(regime or [])
+    lines += _versions_section(versions or [], mixed or [])
+    return "\n".join(lines) + "\n"
+
+
+def _mixed_note(mixed: list[dict]) -> str:
+    """Which groups average seeds run in different code versions, in one sentence."""
+    if not mixed:
+        return "no group mixes versions among its seeds, but groups computed in different versions are compared."
+    named = ", ".join(f"{g['task']} / {g['method']} / s={g['staleness']}" for g in mixed)
+    return f"{len(mixed)} group(s) average seeds run in different versions: {named}."
+
+
+def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
+    """The distinct code versions of the cells: description, environment key, cell count."""
+    if not versions:
+        return []
+    lines = ["", "## Code versions", "",
+             "The environments the cells ran in (gacbench/provenance.py: the library's source hash, package versions, "
+             "threads and device; the commit, dirty where the checkout differed from it; unrecorded: stored without "
+             "provenance).", ""]
+    lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cell{'' if v['cells'] == 1 else 's'}"
+              for v in versions]
+    if len(versions) > 1:
+        lines += ["", f"This grid mixes {len(versions)} code versions: " + _mixed_note(mixed)]
+    return lines
+
+
+def _share_cell(r: dict) -> str:
+    """One entry of the table of shares across s: the share, its interval and ``*`` where the paired t-test
+    against stale has p < 0.05; empty for a missing group or no gap."""
+    if r.get("missing") or r["no_gap"]:
+        return ""
+    star = " *" if r["vs_stale_p"] is not None and r["vs_stale_p"] < 0.05 else ""
+    return f"{round(r['share'], 2) + 0.0:.2f} {fmt_ci(r['share_ci_low'], r['share_ci_high'])}{star}"
+
+
+def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
+    """The appended confidence-interval tables (module docstring: paired bootstrap of the share, paired t on
+    the difference to stale)."""
+    if not any("n" in r for r in shares + reward_shares):
+        return []
+    lines = ["", f"## Confidence intervals ({CI_LEVEL:.0%}) over seeds", "",
+             "Share: paired percentile bootstrap over the seeds that sync, stale and the method share "
+             f"({BOOT_RESAMPLES} resamples, seed {BOOT_SEED}). Method − stale: mean paired difference, > 0 = the "
+             "method is better, with its t-interval and the two-sided paired t-test's p-value. — = fewer than two "
+             "seeds (or no gap to recover). In the tables across s, * marks p < 0.05 and an empty entry a "
+             "missing group or no gap."]
+    for title, rows in (("final metric", shares), ("training reward (last 20% of steps)", reward_shares)):
+        rows = [r for r in rows if "n" in r]
+        if not rows:
+            continue
+        for task in dict.fromkeys(r["task"] for r in rows):  # robustness across s (the paper's Figure 4)
+            lines += [""] + _method_table(f"{task}: recovered share across s, {title}",
+                                          [r for r in rows if r["task"] == task], _share_cell, heading="###")[:-1]
+        lines += ["", f"### {title}", "",
+                  "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("missing"):
+                share = f"n/a (no {' or '.join(r['missing'])} cells)"
+            elif r["no_gap"]:
+                share = "n/a (stale no worse than sync)"
+            else:
+                share = f"{r['share']:.2f}"
+            lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {share} | "
+                         f"{fmt_ci(r['share_ci_low'], r['share_ci_high'])} | {fmt(r['vs_stale_diff'], 3)} | "
+                         f"{fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)} | {fmt(r['vs_stale_p'], 2)} | "
+                         f"{r['n']} |")
+    return lines
+
+
+def _is_gac(method: str) -> bool:
+    return method.split("(")[0].split("+")[0].startswith("gac")
+
+
+def table1_staleness(groups: list[dict]) -> int | None:
+    """The staleness of paper Table 1: 16 when the grid has it (the paper's), else the largest s > 0."""
+    svals = sorted({g["staleness"] for g in groups if g["staleness"] > 0 and not g["ablation"]})
+    return None if not svals else (16 if 16 in svals else svals[-1])
+
+
+def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
+    """Paper Table 1: per task the final metric (and training reward) of sync and every method at one
+    staleness, with 95% bootstrap intervals over seeds, and each GAC method's margin over the strongest
+    non-GAC stale method."""
+    s_star = table1_staleness(groups)
+    if s_star is None:
+        return []
+    finals, rewards = per_seed(cells, "final"), per_seed(cells, "reward_last")
+    lines = ["", f"## Table 1: final metric under staleness s = {s_star} (synchronous reference at s = 0)", "",
+             f"Mean over seeds [{CI_LEVEL:.0%} percentile bootstrap over seeds]. Δ: a GAC method's mean minus the "
+             "strongest non-GAC stale method's (stale and the loss-side baselines), > 0 = GAC better (on the final "
+             "metric, sign-adjusted for lower-is-better metrics)."]
+    for task in sorted({g["task"] for g in groups}):
+        rows = [g for g in groups if g["task"] == task and not g["ablation"]
+                and ((g["method"] == "sync" and g["staleness"] == 0) or g["staleness"] == s_star)]
+        if not any(g["staleness"] == s_star for g in rows):
+            continue
+        hib = rows[0]["higher_is_better"]
+        sign = 1.0 if hib else -1.0
+        baselines = [g for g in rows if g["staleness"] == s_star and not _is_gac(g["method"])]
+        best = max(baselines, key=lambda g: sign * g["final_mean"]) if baselines else None
+        rewarded = all("reward_last_mean" in g for g in rows)
+        lines += ["", f"### {task}: final {rows[0]['metric']} ({'higher' if hib else 'lower'} is better)", "",
+                  "| method | s | final | 95% CI | " + ("training reward | 95% CI | " if rewarded else "")
+                  + "Δ | seeds |",
+                  "|---|---|---|---|" + ("---|---|" if rewarded else "") + "---|---|"]
+        order = lambda g: (g["staleness"] != 0, g["method"] != "stale", _is_gac(g["method"]), g["method"])  # noqa: E731
+        for g in sorted(rows, key=order):
+            key = (task, g["method"], g["staleness"])
+            f = np.array(list(finals.get(key, {}).values()))
+            cells_row = (f"| {g['method']} | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
+                         f"{fmt_ci(*mean_bootstrap_ci(f), 4)} | ")
+            if rewarded:
+                r = np.array(list(rewards.get(key, {}).values()))
+                cells_row += f"{fmt(g['reward_last_mean'], 4)} | {fmt_ci(*mean_bootstrap_ci(r), 4)} | "
+            delta = "–"
+            if best is not None and _is_gac(g["method"]) and g["staleness"] == s_star:
+                delta = f"{sign * (g['final_mean'] - best['final_mean']):+.3g} (vs {best['method']})"
+            lines.append(cells_row + f"{delta} | {g['n']} |")
+    return lines
+
+
+def _table3(cells: list[dict]) -> list[str]:
+    """Paper Table 3 (on-policy alignment statistics of the synchronous cells) and the thresholds the
+    calibration rule reads from them (gacbench.functional.calibration), beside those gac-calibrated used."""
+    from gacbench.functional.calibration import calibration_record
+
+    sync = [c for c in cells if c["status"] == "done" and c["method"] == "sync" and c["staleness"] == 0
+            and c.get("cos_abs_q90") is not None and math.isfinite(c["cos_abs_q90"])]
+    if not sync:
+        return []
+    lines = ["", "## Table 3: on-policy (s = 0) alignment statistics and the calibrated thresholds", "",
+             "Means over the synchronous cells' seeds, after the warm-up. Calibrated: c_low = q0.9(|c_t|), c_high = "
+             "max(c_low + 0.25, max |c_t|) (gacbench/functional/calibration.py), per seed, mean [min, max]; used: the "
+             "thresholds the gac-calibrated cells ran with.", "",
+             "| task | q0.9(|c_t|) | max |c_t| | Pr(|c_t| ≤ 0.05) | median c_t | calibrated c_low | "
+             "calibrated c_high | "
+             "used by gac-calibrated (c_low, c_high) | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    for task in sorted({c["task"] for c in sync}):
+        tc = [c for c in sync if c["task"] == task]
+        recs = [calibration_record({"q90_abs": c["cos_abs_q90"], "max_abs": c["cos_max_abs"]}) for c in tc]
+        lows, highs = [r["c_low"] for r in recs], [r["c_high"] for r in recs]
+        used = [c for c in cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"]
+        used_s = (f"({fmt(float(np.mean([c['c_low'] for c in used])))}, "
+                  f"{fmt(float(np.mean([c['c_high'] for c in used])))}) over {len(used)} cells" if used else "—")
+        lines.append(f"| {task} | {fmt(nanmean([c['cos_abs_q90'] for c in tc]))} | "
+                     f"{fmt(nanmean([c['cos_max_abs'] for c in tc]))} | "
+                     f"{fmt(nanmean([c['cos_abs_le_005'] for c in tc]), 2)} | "
+                     f"{fmt(nanmean([c['cos_median'] for c in tc]))} | {fmt(float(np.mean(lows)))} "
+                     f"[{fmt(min(lows))}, {fmt(max(lows))}] | {fmt(float(np.mean(highs)))} [{fmt(min(highs))}, "
+                     f"{fmt(max(highs))}] | {used_s} | {len(tc)} |")
+    return lines
+
+
+def _regime_section(points: list[dict]) -> list[str]:
+    if not points:
+        return []
+    lines = ["", "## Regime map: stale − sync per (model, learning rate, staleness)", "",
+             f"Gap: stale − sync on the training reward of the last 20% of steps (the final metric where no reward is "
+             f"logged), paired over seeds, mean [{CI_LEVEL:.0%} bootstrap]; < 0 = stale worse. c_t: median and "
+             f"q0.9(|c_t|) after the warm-up, means over seeds. Degraded: share of stale seeds whose reward "
+             f"(smoothed over {DEGRADE_WINDOW} steps) ends below its own running maximum by more than {DEGRADE_MARGIN} "
+             f"and more than {DEGRADE_SIGMAS:g} standard deviations of a {DEGRADE_WINDOW}-step mean (from its "
+             "step-to-step noise) (mean drop in brackets). Sync healthy: no sync seed diverged or degraded and its "
+             "reward rose.", "",
+             "| model | lr | s | sync | stale | gap | 95% CI | median c_t sync → stale | q0.9 |c_t| sync → stale | "
+             "stale degraded | sync healthy | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['model']} | {p['lr']:.3g} | {p['staleness']} | {fmt(p['sync'], 3)} | "
+                     f"{fmt(p['stale'], 3)} | "
+                     f"{fmt(p['gap'], 2)} | {fmt_ci(p['gap_ci_low'], p['gap_ci_high'], 2)} | "
+                     f"{fmt(p['sync_cos_median'], 2)} → {fmt(p['stale_cos_median'], 2)} | "
+                     f"{fmt(p['sync_cos_abs_q90'], 2)} → {fmt(p['stale_cos_abs_q90'], 2)} | "
+                     f"{fmt(p['stale_degraded_frac'], 2)} ({fmt(p['stale_reward_drop'], 2)}) | "
+                     f"{'yes' if p['sync_healthy'] else 'no'} | {p['n']} |")
+    checked = [p for p in points if "stale_eta_max" in p]
+    if checked:
+        lines += ["", "### The step-size condition on this workload", "",
+                  "AssumptionMonitor's estimates at the end of each run: the secant smoothness L̂ (running maximum), "
+                  "and eta_max(s), the largest step with L̂ eta + L̂² eta² s² <= 1 at the stale run's realised lag "
+                  "(theory/README.md), an SGD step size. eta_eff: the step actually taken as an SGD step size, "
+                  "||theta_t - theta_{t-1}|| / ||g||, median over the run (it is lr for SGD; for Adam it is the "
+                  "number comparable with eta_max). The bound predicts a stale failure where the step exceeds "
+                  "eta_max(s); observed: the gap's interval lies below 0.", "",
+                  "| model | lr | s | L̂ sync | L̂ stale | eta_max(s) | eta_eff | lr <= eta_max | eta_eff <= eta_max | "
+                  "stale worse (CI < 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        yes = {True: "yes", False: "no", None: "n/a"}
+        for p in checked:
+            lines.append(f"| {p['model']} | {p['lr']:.3g} | {p['staleness']} | {fmt(p['sync_L'], 3)} | "
+                         f"{fmt(p['stale_L'], 3)} | {p['stale_eta_max']:.3g} | {fmt(p['stale_eta_eff'], 3)} | "
+                         f"{yes[p['lr_within_eta_max']]} | {yes[p['eff_within_eta_max']]} | {yes[p['stale_worse']]} |")
+        for key, name in (("lr_within_eta_max", "lr"), ("eff_within_eta_max", "eta_eff")):
+            judged = [p for p in checked if p["stale_worse"] is not None and p[key] is not None]
+            agree = sum((not p[key]) == p["stale_worse"] for p in judged)
+            lines.append(f"{'' if key == 'eff_within_eta_max' else chr(10)}Predicting a stale failure where {name} > "
+                         f"eta_max(s) matches the observation at {agree} of {len(judged)} points.")
+    return lines
+
+
+def _step_share_note(timing: dict | None) -> str:
+    if not timing or timing.get("step_share") is None:
+        return ""
+    return (f" Last run: step share {timing['step_share']:.0%} ({timing['ran']} cells, {timing['workers']} worker(s), "
+            f"{timing['wall_s']:.0f} s wall).")

@@ -1,0 +1,207 @@
+"""Groups defined by everything but the seed, and the code versions of a summary, on hand-written stored cells."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gacbench.bench.cell import cell_dir
+from gacbench.bench.groups import cell_settings, settings_labels
+from gacbench.bench.report import build_report
+from gacbench.jsonio import write_json
+from gacbench.provenance import environment_key
+
+PARAMS = {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}
+
+
+def _prov(source: str, commit: str = "a" * 40, dirty: bool = False) -> dict:
+    return {"code": {"commit": commit, "dirty": dirty}, "source_sha256": source * 64,
+            "packages": {"torch": "2.13.0", "lightning": "2.5.0", "vllm": None, "transformers": "4.0"},
+            "threads": 1, "device": "cpu"}
+
+
+def _store(root, method, s, seed, final, *, params=PARAMS, steps=4, task="quadratic", prov=None, **extra):
+    """A done quadratic cell written by hand: config.json, status.json and a metrics.csv of ``steps`` rows."""
+    cell = {"task": task, "objective": "quadratic", "params": params, "steps": steps, "warmup": 0,
+            "method": method, "staleness": s, "seed": seed, **extra}
+    if prov is not None:
+        cell["provenance"] = prov
+    d = cell_dir(root, cell)
+    d.mkdir(parents=True)
+    write_json(d / "config.json", cell)
+    rows = "".join(f"{t},{final + 1.0 / (t + 1)},{0.5 - 0.1 * t}\n" for t in range(steps))
+    (d / "metrics.csv").write_text("step,eval/gap,align/cos\n" + rows)
+    write_json(d / "status.json", {"status": "done", "initial": 10.0, "final": final, "diverged": False,
+                                   "metric": "gap", "higher_is_better": False, "steps_run": steps, "cell": cell})
+    return cell
+
+
+def _two_settings(root):
+    """quadratic at lr 0.1 and 4 steps (seeds 0, 1) and at lr 0.05 and 6 steps (seeds 2, 3), in one directory."""
+    other = {**PARAMS, "lr": 0.05}
+    for seed, (sync, stale, gac) in zip((0, 1), ((1.0, 5.0, 2.0), (1.2, 5.4, 2.2))):
+        _store(root, "sync", 0, seed, sync)
+        _store(root, "stale", 2, seed, stale)
+        _store(root, "gac", 2, seed, gac)
+    for seed, (sync, stale, gac) in zip((2, 3), ((3.0, 4.0, 3.0), (3.0, 4.2, 3.8))):
+        _store(root, "sync", 0, seed, sync, params=other, steps=6)
+        _store(root, "stale", 2, seed, stale, params=other, steps=6)
+        _store(root, "gac", 2, seed, gac, params=other, steps=6)
+
+
+def test_cells_of_one_task_with_two_settings_are_two_groups(tmp_path):
+    _two_settings(tmp_path)
+    rep = build_report(tmp_path)
+    a, b = "quadratic (lr=0.1, steps=4)", "quadratic (lr=0.05, steps=6)"
+    groups = {(g["task"], g["method"]): g for g in rep["summary"]["groups"]}
+    assert sorted({t for t, _ in groups}) == sorted([a, b])
+    # means over each setting's own two seeds, by hand
+    assert groups[(a, "sync")]["final_mean"] == pytest.approx(1.1)
+    assert groups[(a, "stale")]["final_mean"] == pytest.approx(5.2)
+    assert groups[(b, "stale")]["final_mean"] == pytest.approx(4.1)
+    assert groups[(b, "gac")]["final_mean"] == pytest.approx(3.4)
+    assert all(g["n"] == 2 for g in groups.values())
+    assert groups[(b, "gac")]["settings"] == {"params.lr": 0.05, "steps": 6}
+    # each setting's share against its own sync and stale: (5.2 - 2.1) / (5.2 - 1.1) and (4.1 - 3.4) / (4.1 - 3.0)
+    shares = {r["task"]: r["share"] for r in rep["summary"]["recovered"]}
+    assert shares == pytest.approx({a: 3.1 / 4.1, b: 0.7 / 1.1})
+    # the stored cells keep their task, with the group they belong to
+    cell = next(c for c in rep["summary"]["cells"] if c["seed"] == 3 and c["method"] == "gac")
+    assert cell["task"] == "quadratic" and cell["group"] == b and cell["settings"] == {"params.lr": 0.05, "steps": 6}
+    md = (tmp_path / "summary.md").read_text()
+    assert f"## {a}: final gap" in md and f"## {b}: final gap" in md
+    names = {p.name for p in rep["figures"]}
+    assert {"fig_curves_quadratic_lr=0.1_steps=4.png", "fig_curves_quadratic_lr=0.05_steps=6.png"} <= names
+
+
+def test_a_task_with_one_setting_keeps_its_plain_name(tmp_path):
+    for seed in (0, 1):
+        _store(tmp_path, "sync", 0, seed, 1.0 + seed)
+        _store(tmp_path, "stale", 2, seed, 5.0 + seed)
+    rep = build_report(tmp_path)
+    assert {g["task"] for g in rep["summary"]["groups"]} == {"quadratic"}
+    assert all("settings" not in g for g in rep["summary"]["groups"])
+    assert all("group" not in c for c in rep["summary"]["cells"])
+    assert rep["summary"]["groups"][0]["n"] == 2
+
+
+def test_settings_are_everything_but_the_seed_and_name_only_the_keys_that_differ():
+    base = {"task": "t", "objective": "grpo", "params": {"lr": 1e-3, "engine": {"name": "hf"}}, "steps": 4,
+            "warmup": 1, "method": "gac", "staleness": 2, "seed": 0, "provenance": {"x": 1},
+            "calibration": {"c_low": 0.1}, "ablation": False}
+    assert cell_settings(base) == {"objective": "grpo", "params.lr": 1e-3, "params.engine.name": "hf", "steps": 4,
+                                   "warmup": 1}
+    assert cell_settings({"task": "t", "objective": None, "params": {}}) is None  # known only from its path
+    other = {**base, "seed": 1, "params": {"lr": 1e-3, "engine": {"name": "vllm"}}, "assumptions": 10,
+             "provenance": {"y": 2}, "calibration": {"c_low": 0.2}}
+    same_as_base = {**base, "seed": 5, "method": "sync", "staleness": 0}
+    labels = settings_labels([base, other, same_as_base])
+    assert labels[("t", "gac", 2, 0)] == ("t (assumptions=unset, engine.name=hf)",
+                                          {"assumptions": None, "params.engine.name": "hf"})
+    assert labels[("t", "gac", 2, 1)][0] == "t (assumptions=10, engine.name=vllm)"
+    assert labels[("t", "sync", 0, 5)] == labels[("t", "gac", 2, 0)]
+    assert settings_labels([base, same_as_base]) == {}  # seed, method, staleness, provenance: not settings
+
+
+def test_versions_list_each_environment_and_the_groups_that_mix_them(tmp_path):
+    new, old = _prov("1"), _prov("2", commit="b" * 40, dirty=True)
+    for seed in (0, 1):
+        _store(tmp_path, "sync", 0, seed, 1.0, prov=new)
+        _store(tmp_path, "gac", 2, seed, 2.0, prov=new)
+    _store(tmp_path, "stale", 2, 0, 5.0, prov=new)
+    _store(tmp_path, "stale", 2, 1, 5.0, prov=old)  # one seed of stale in another version
+    _store(tmp_path, "stale", 4, 0, 6.0)  # stored without provenance
+    summary = build_report(tmp_path)["summary"]
+    assert summary["versions"] == [
+        {"key": environment_key(new), "description": "commit aaaaaaaaaa", "cells": 5},
+        {"key": environment_key(old), "description": "commit bbbbbbbbbb (dirty)", "cells": 1},
+        {"key": "unrecorded", "description": "unrecorded (stored before provenance was recorded)", "cells": 1}]
+    assert summary["mixed_version_groups"] == [
+        {"task": "quadratic", "method": "stale", "staleness": 2,
+         "versions": sorted([environment_key(new), environment_key(old)])}]
+    envs = {(c["method"], c["staleness"], c["seed"]): c["environment"] for c in summary["cells"]}
+    assert envs[("stale", 2, 1)] == environment_key(old) and envs[("stale", 4, 0)] == "unrecorded"
+    md = (tmp_path / "summary.md").read_text()
+    assert "**This grid mixes 3 code versions**" in md.split("\n## ")[0]  # said before the first table
+    assert "1 group(s) average seeds run in different versions: quadratic / stale / s=2." in md
+    assert f"- commit bbbbbbbbbb (dirty): `{environment_key(old)}`, 1 cell" in md
+    assert json.loads((tmp_path / "summary.json").read_text())["versions"][0]["cells"] == 5
+
+
+def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
+    prov = _prov("3")
+    for seed in (0, 1):
+        _store(tmp_path, "sync", 0, seed, 1.0, prov=prov)
+        _store(tmp_path, "stale", 2, seed, 5.0, prov=prov)
+    summary = build_report(tmp_path)["summary"]
+    assert summary["versions"] == [{"key": environment_key(prov), "description": "commit aaaaaaaaaa", "cells": 4}]
+    assert "mixed_version_groups" not in summary
+    md = (tmp_path / "summary.md").read_text()
+    assert "## Code versions" in md and "mixes" not in md
+
+
+FAKE_GACBENCH = '''#!{python}
+"""gacbench bench --out DIR stand-in: the summary of a grid of one code version, of two when FAKE_MIXED=1, without
+versions when FAKE_MIXED=none."""
+import json
+import os
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True)
+versions = [{{"key": "src 111", "description": "commit aaaaaaaaaa", "cells": 3}}]
+if os.environ["FAKE_MIXED"] == "1":
+    versions.append({{"key": "src 222", "description": "commit bbbbbbbbbb (dirty)", "cells": 1}})
+(out / "summary.json").write_text(json.dumps({{}} if os.environ["FAKE_MIXED"] == "none" else {{"versions": versions}}))
+(out / "summary.md").write_text("mixed" if len(versions) > 1 else "single")
+(out / "fig_x.png").write_bytes(b"png")
+'''
+
+
+def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None):
+    """Run a copy of paper/make.sh in ``tmp_path`` on the grid ``grid`` that FAKE_GACBENCH computes."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "paper").mkdir(parents=True)
+    shutil.copy(repo / "paper" / "make.sh", tmp_path / "paper" / "make.sh")
+    fake = tmp_path / "fake-gacbench"
+    fake.write_text(FAKE_GACBENCH.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "GACBENCH": str(fake), "PYTHON": sys.executable,
+           "FAKE_MIXED": mixed if isinstance(mixed, str) else str(int(mixed))}
+    env.pop("GACBENCH_ALLOW_MIXED_VERSIONS", None)
+    if allow_env is not None:
+        env["GACBENCH_ALLOW_MIXED_VERSIONS"] = allow_env
+    return subprocess.run(["bash", str(tmp_path / "paper" / "make.sh"), *args, "grid"], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_make_sh_publishes_a_single_version_grid(tmp_path):
+    proc = _make_sh(tmp_path, mixed=False)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "paper" / "grid").iterdir()) == ["fig_x.png", "summary.json",
+                                                                                "summary.md"]
+
+
+def test_make_sh_refuses_a_mixed_grid_unless_allowed(tmp_path):
+    proc = _make_sh(tmp_path, mixed=True)
+    assert proc.returncode != 0
+    assert "runs/grid/summary.json mixes 2 code versions (commit aaaaaaaaaa (3 cells): src 111; commit " \
+           "bbbbbbbbbb (dirty) (1 cells): src 222); not published" in proc.stderr
+    assert "--allow-mixed-versions" in proc.stderr
+    assert not (tmp_path / "paper" / "grid").exists()  # nothing published
+    proc = _make_sh(tmp_path / "flag", "--allow-mixed-versions", mixed=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "flag" / "paper" / "grid" / "summary.md").read_text() == "mixed"
+    assert _make_sh(tmp_path / "env", mixed=True, allow_env="1").returncode == 0
+
+
+def test_make_sh_refuses_a_summary_without_versions(tmp_path):
+    proc = _make_sh(tmp_path, mixed="none")
+    assert proc.returncode != 0
+    assert "runs/grid/summary.json lists no code versions; rebuild it with gacbench report runs/grid" in proc.stderr
+    assert not (tmp_path / "paper" / "grid").exists()
