@@ -388,14 +388,23 @@ def summary_lock(root: Path) -> Iterator[None]:
 CLAIMED = "claimed"
 
 
-def stored_environment(root: Path, cell: dict) -> str:
-    """The :func:`gacbench.provenance.environment_key` of the run stored in ``cell``'s directory
-    (``unrecorded`` when its config.json holds no provenance)."""
+def stored_provenance(root: Path, cell: dict) -> dict | None:
+    """The ``provenance`` of the run stored in ``cell``'s directory (its config.json), else the cell's own, else
+    None (a cell stored without it, or whose config.json cannot be read: ``unrecorded``)."""
     try:
         config = read_json(cell_dir(Path(root), cell) / "config.json")
     except (OSError, ValueError):
         config = None
-    return environment_key(config.get("provenance") if isinstance(config, dict) else None)
+    prov = config.get("provenance") if isinstance(config, dict) else None
+    if prov is None:
+        prov = cell.get("provenance")
+    return prov if isinstance(prov, dict) else None
+
+
+def stored_environment(root: Path, cell: dict) -> str:
+    """The :func:`gacbench.provenance.environment_key` of the run stored in ``cell``'s directory
+    (``unrecorded`` when its config.json holds no provenance)."""
+    return environment_key(stored_provenance(root, cell))
 
 
 def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None,

@@ -57,7 +57,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gacbench.bench.cell import cell_dir, json_safe, write_json
+from gacbench.bench.cell import cell_dir, json_safe, stored_provenance, write_json
 from gacbench.bench.figures import figure_legend_entries, figures  # noqa: F401  (re-exported)
 from gacbench.bench.groups import group_records, label_by_settings
 from gacbench.bench.records import (  # noqa: F401  (re-exported)
@@ -86,7 +86,7 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     share_bootstrap_ci,
 )
 from gacbench.bench.tables import markdown, table1_staleness  # noqa: F401  (re-exported)
-from gacbench.bench.versions import code_versions, mixed_version_groups, stored_provenance
+from gacbench.bench.versions import code_versions, mixed_version_groups
 from gacbench.provenance import environment_key
 
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser

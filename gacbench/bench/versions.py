@@ -4,23 +4,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
-from gacbench.bench.cell import cell_dir, read_json
 from gacbench.provenance import describe, environment_key
-
-
-def stored_provenance(root: Path, cell: dict) -> dict | None:
-    """The ``provenance`` of the run stored in ``cell``'s directory (its config.json), else the cell's own, else
-    None (a cell stored without it, or whose config.json cannot be read: ``unrecorded``)."""
-    try:
-        config = read_json(cell_dir(root, cell) / "config.json")
-    except (OSError, ValueError):
-        config = None
-    prov = config.get("provenance") if isinstance(config, dict) else None
-    if prov is None:
-        prov = cell.get("provenance")
-    return prov if isinstance(prov, dict) else None
 
 
 def _code(prov: dict | None) -> str:
