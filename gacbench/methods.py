@@ -222,7 +222,7 @@ def _parse_one(spec: str) -> tuple[str, dict[str, Any]]:
     kwargs: dict[str, Any] = {}
     if args and args.strip():
         text = f"f({args})"
-        form = (f"method spec {spec!r}: settings are key=value pairs separated by commas, e.g. "
+        form = (f"method spec {spec!r}: settings are key=literal pairs separated by commas, e.g. "
                 "gac(c_low=0.02,c_high=0.2)")
         try:
             call = ast.parse(text, mode="eval").body
@@ -246,9 +246,9 @@ def _setting(spec: str, key: str, source: str, node: ast.expr) -> Any:
         if source.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
             value = math.nan
         else:
-            quoted = f" ({key}='{source}')" if source.isidentifier() else ""
-            raise ValueError(f"method spec {spec!r}: setting {key}={source} is not a literal; write a number, True, "
-                             f"False, None or quoted text{quoted}") from None
+            quoted = f", e.g. {key}='{source}'" if source.isidentifier() else ""
+            raise ValueError(f"method spec {spec!r}: setting {key}={source} is not a literal (settings are key=literal "
+                             f"pairs: a number, True, False, None or quoted text{quoted})") from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"method spec {spec!r}: setting {key}={source} must be a finite number")
     return value
