@@ -19,7 +19,7 @@ import ast
 import inspect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lightning.pytorch import Callback
@@ -41,7 +41,7 @@ class Method:
     reference: str | None = None
     #: the settings the method takes, in order, with their defaults (a spec's setting equal to its default is left
     #: out of the canonical form); None: the keyword parameters of ``build``
-    settings: dict[str, Any] | None = None
+    settings: dict[str, Any] | None = field(default=None, compare=False)
 
 
 METHODS: dict[str, Method] = {}

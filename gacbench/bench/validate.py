@@ -448,7 +448,7 @@ def check_settings(cells: list[dict], overrides: dict[str, Any] | None = None) -
             seen.add(key)
             try:
                 cls.check_settings(args)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:  # TypeError: a section of the wrong kind
                 raise UsageError(_blame(exc, c, from_cli)) from None
         if "method" in c and (c["objective"], c["method"]) not in pairs:
             pairs.add((c["objective"], c["method"]))
@@ -461,7 +461,7 @@ def check_settings(cells: list[dict], overrides: dict[str, Any] | None = None) -
                                  "use a gradient-side stabilizer (gac) here")
 
 
-def _blame(exc: ValueError, cell: dict, from_cli: set[str]) -> str:
+def _blame(exc: Exception, cell: dict, from_cli: set[str]) -> str:
     """Where the value ``exc`` refuses came from, then ``exc``: ``--param KEY``, the grid's staleness, or the task's
     parameter in the suite."""
     task = f"task {cell['task']!r}, objective {cell['objective']}"
