@@ -1,8 +1,11 @@
 """Methods by name: a method is a list of callbacks plus settings, not a code path.
 
 ``gac(c_low=0.02,c_high=0.2)`` names the method ``gac`` with keyword overrides; the runner
-records the full spec string per cell. Every registered stabilizer is a method name too, and
-``+`` joins them (``gac+m2po``). ``register_method`` adds a named method.
+records the spec string per cell in its canonical form (:func:`canonical_method`: the settings in the
+order of the method's signature, those equal to their default dropped, so ``gac()``, ``gac( c_low=0.05 )``
+and ``gac`` are one method). Every registered stabilizer is a method name too, and ``+`` joins them
+(``gac+m2po``: at most one loss-side stabilizer, and no callback type twice, checked when the callbacks are
+built). ``register_method`` adds a named method.
 
 A method may need a *reference cell*: ``gac-calibrated`` takes its thresholds from the synchronous cell
 of the same task and seed (:mod:`gacbench.functional.calibration`). The runner runs that cell first,
@@ -13,8 +16,10 @@ it in the cell's ``config.json`` under ``calibration`` and hands the cell to :fu
 from __future__ import annotations
 
 import ast
+import inspect
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lightning.pytorch import Callback
@@ -22,6 +27,7 @@ from lightning.pytorch import Callback
 from gacbench.callbacks import GAC
 from gacbench.callbacks._common import log_metrics
 from gacbench.functional.calibration import CAP, GAP, QUANTILE, calibration_record
+from gacbench.stabilizers.base import loss_stabilizers
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,9 @@ class Method:
     #: "sync": the method needs the synchronous cell of its task and seed, done, before it runs; its build
     #: then receives ``calibration=`` (computed from that cell by the bench runner)
     reference: str | None = None
+    #: the settings the method takes, in order, with their defaults (a spec's setting equal to its default is left
+    #: out of the canonical form); None: the keyword parameters of ``build``
+    settings: dict[str, Any] | None = field(default=None, compare=False)
 
 
 METHODS: dict[str, Method] = {}
@@ -40,15 +49,26 @@ REFERENCE_KINDS = ("sync",)
 
 
 def register_method(name: str, help: str, build: Callable[..., list[Callback]], stale: bool = True,
-                    reference: str | None = None) -> Method:
+                    reference: str | None = None, settings: dict[str, Any] | None = None) -> Method:
     if not re.fullmatch(r"[a-z0-9][a-z0-9_+-]*", name):
         raise ValueError(f"method name {name!r}: use lower-case letters, digits, '-', '_' or '+'")
     if name in METHODS:
         raise ValueError(f"method {name!r} is already registered")
     if reference is not None and reference not in REFERENCE_KINDS:
         raise ValueError(f"method {name!r}: reference={reference!r} is not one of {', '.join(REFERENCE_KINDS)}")
-    METHODS[name] = Method(name, help, build, stale, reference)
+    METHODS[name] = Method(name, help, build, stale, reference, settings)
     return METHODS[name]
+
+
+def _signature_defaults(fn: Callable) -> dict[str, Any]:
+    """The keyword parameters of ``fn`` that have a default, in order, with it."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p.default for p in inspect.signature(fn).parameters.values()
+            if p.kind in kinds and p.default is not inspect.Parameter.empty}
+
+
+#: GAC's settings as a method takes them: the callback's defaults, with no warm-up excluded from its summary
+GAC_SETTINGS = {**_signature_defaults(GAC.__init__), "warmup": 0}
 
 
 def _gac(**defaults: Any) -> Callable[..., list[Callback]]:
@@ -57,16 +77,20 @@ def _gac(**defaults: Any) -> Callable[..., list[Callback]]:
     return build
 
 
+def _register_gac(name: str, help: str, **defaults: Any) -> None:
+    register_method(name, help, _gac(**defaults), settings={**GAC_SETTINGS, **defaults})
+
+
 register_method("sync", "synchronous training (s = 0), no stabilizer", lambda: [], stale=False)
 register_method("stale", "staleness s, no stabilizer", lambda: [])
-register_method("gac", "GAC, docs/design.md's default rule: reference = previous raw gradient, full projection above "
-                "c_high", _gac())
-register_method("gac-skip", "GAC skipping steps with c_t >= c_high instead of projecting", _gac(high_mode="skip"))
-register_method("gac-cosine", "GAC shrinking so that cos(g~, r) = c_low exactly", _gac(shrink="cosine"))
-register_method("gac-applied", "GAC against the previous applied (projected) gradient", _gac(reference="applied"))
-register_method("gac-update", "GAC against the previous parameter step (includes the optimizer's preconditioning)",
-                _gac(reference="update"))
-register_method("gac-ema", "GAC against an EMA (decay 0.9) of raw gradients", _gac(reference="ema"))
+_register_gac("gac", "GAC, docs/design.md's default rule: reference = previous raw gradient, full projection above "
+              "c_high")
+_register_gac("gac-skip", "GAC skipping steps with c_t >= c_high instead of projecting", high_mode="skip")
+_register_gac("gac-cosine", "GAC shrinking so that cos(g~, r) = c_low exactly", shrink="cosine")
+_register_gac("gac-applied", "GAC against the previous applied (projected) gradient", reference="applied")
+_register_gac("gac-update", "GAC against the previous parameter step (includes the optimizer's preconditioning)",
+              reference="update")
+_register_gac("gac-ema", "GAC against an EMA (decay 0.9) of raw gradients", reference="ema")
 
 #: Settings of ``gac-calibrated`` that belong to the calibration rule, not to the GAC callback.
 RULE_KEYS = ("quantile", "gap", "cap")
@@ -152,7 +176,9 @@ def _gac_calibrated(calibration: dict | None = None, **kwargs: Any) -> list[Call
 
 register_method("gac-calibrated", "GAC with (c_low, c_high) anchored to the synchronous run of the same task and seed: "
                 "c_low = q0.9(|c_t|), c_high = max(c_low + 0.25, max |c_t|) after the warm-up "
-                "(gacbench/functional/calibration.py)", _gac_calibrated, reference="sync")
+                "(gacbench/functional/calibration.py)", _gac_calibrated, reference="sync",
+                settings={"quantile": QUANTILE, "gap": GAP, "cap": CAP,
+                          **{k: v for k, v in GAC_SETTINGS.items() if k not in ("c_low", "c_high")}})
 
 
 def reference_cell(cell: dict) -> dict | None:
@@ -195,13 +221,73 @@ def _parse_one(spec: str) -> tuple[str, dict[str, Any]]:
     name, args = m.group(1), m.group(2)
     kwargs: dict[str, Any] = {}
     if args and args.strip():
+        text = f"f({args})"
+        form = (f"method spec {spec!r}: settings are key=literal pairs separated by commas, e.g. "
+                "gac(c_low=0.02,c_high=0.2)")
         try:
-            call = ast.parse(f"f({args})", mode="eval").body
-            assert isinstance(call, ast.Call) and not call.args
-            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
-        except (SyntaxError, ValueError, AssertionError) as exc:
-            raise ValueError(f"method spec {spec!r}: arguments must be key=literal pairs ({exc})") from None
+            call = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            raise ValueError(form) from None
+        if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args
+                or any(kw.arg is None for kw in call.keywords)):
+            raise ValueError(form)
+        for kw in call.keywords:
+            if kw.arg in kwargs:
+                raise ValueError(f"method spec {spec!r}: setting {kw.arg} is given twice; give it once")
+            kwargs[kw.arg] = _setting(spec, kw.arg, ast.get_source_segment(text, kw.value) or "", kw.value)
     return name, kwargs
+
+
+def _setting(spec: str, key: str, source: str, node: ast.expr) -> Any:
+    """The value of setting ``key`` (a Python literal; a number must be finite)."""
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        if source.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+            value = math.nan
+        else:
+            quoted = f", e.g. {key}='{source}'" if source.isidentifier() else ""
+            raise ValueError(f"method spec {spec!r}: setting {key}={source} is not a literal (settings are key=literal "
+                             f"pairs: a number, True, False, None or quoted text{quoted})") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"method spec {spec!r}: setting {key}={source} must be a finite number")
+    return value
+
+
+def method_settings(name: str) -> dict[str, Any]:
+    """The settings of the method or stabilizer ``name``, in order, with their defaults ({} when unknown)."""
+    from gacbench.stabilizers import registry
+
+    if name in METHODS:
+        method = METHODS[name]
+        return dict(method.settings) if method.settings is not None else _signature_defaults(method.build)
+    stab = registry.available().get(name)
+    return _signature_defaults(stab["cls"].__init__) if stab else {}
+
+
+def canonical_method(spec: str) -> str:
+    """The canonical form of a method spec: per part (joined by ``+`` in the order given), the name, then the
+    settings in the order of the method's signature (:func:`method_settings`; unknown ones after, by name), each
+    written as ``key=repr(value)``, a setting equal to its default left out (an integer given for a number setting
+    counts as that number), and no parentheses without settings. ``gac()``, ``gac ( c_low=0.05 )`` and ``gac`` are
+    all ``gac``; ``m2po(variant="areal")`` is ``m2po(variant='areal')``; ``gac(c_high=0.2,c_low=0.02)`` is
+    ``gac(c_low=0.02,c_high=0.2)``. Raises ValueError for a spec that does not parse."""
+    out = []
+    for name, kwargs in _parts(spec):
+        defaults = method_settings(name)
+        order = {key: i for i, key in enumerate(defaults)}
+        items = []
+        for key in sorted(kwargs, key=lambda k: (order.get(k, len(order)), k)):
+            value = kwargs[key]
+            if key in defaults:
+                default = defaults[key]
+                if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)
+                if type(value) is type(default) and value == default:
+                    continue
+            items.append(f"{key}={value!r}")
+        out.append(f"{name}({','.join(items)})" if items else name)
+    return "+".join(out)
 
 
 def _parts(spec: str) -> list[tuple[str, dict[str, Any]]]:
@@ -211,7 +297,8 @@ def _parts(spec: str) -> list[tuple[str, dict[str, Any]]]:
 def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     """A method spec -> (Method, kwargs). A spec is a registered method (``gac``, ``gac(c_low=0.02)``),
     a registered stabilizer (``m2po``, ``bapo(rho0=0.5)``), or several joined by ``+`` (``gac+m2po``):
-    at most one loss-side stabilizer, checked when the run starts."""
+    at most one loss-side stabilizer and one callback of each type, checked when the callbacks are built
+    (:func:`method_callbacks`, which the bench runner calls for every method before anything runs)."""
     from gacbench.stabilizers import registry
 
     parts = _parts(spec)
@@ -237,9 +324,26 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
                 out += METHODS[name].build(**kwargs, **extra)
             else:
                 out += [stabs[name]["cls"](**kwargs)]
+        _check_combination(spec, out)
         return out
 
     return Method(spec, "combination", build, stale=True, reference=next(iter(refs), None)), {}
+
+
+def _check_combination(spec: str, callbacks: list[Callback]) -> None:
+    """Refuse callbacks that cannot run together: two of one type (``gac+gac``, ``gac+gac-skip``: one GAC per run)
+    or two loss-side stabilizers (``m2po+bapo``)."""
+    seen: dict[type, int] = {}
+    for cb in callbacks:
+        seen[type(cb)] = seen.get(type(cb), 0) + 1
+    twice = [t.__name__ for t, n in seen.items() if n > 1]
+    if twice:
+        raise ValueError(f"method {spec!r}: {', '.join(twice)} twice; a run takes one callback of each type (join "
+                         "different stabilizers, e.g. 'gac+m2po')")
+    try:
+        loss_stabilizers(callbacks)
+    except ValueError as exc:
+        raise ValueError(f"method {spec!r}: {exc}") from None
 
 
 def method_callbacks(spec: str, cell: dict | None = None) -> list[Callback]:

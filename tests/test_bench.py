@@ -121,7 +121,7 @@ def test_failed_cell_is_recorded_and_the_grid_goes_on(tmp_path):
     assert result["failed"] == 3 and result["ran"] == len(cells)
     status = json.loads((cell_dir(tmp_path / "out", [c for c in cells if c["task"] == "broken"][0])
                          / "status.json").read_text())
-    assert status["status"] == "failed" and "lr > 0" in status["error"]
+    assert status["status"] == "failed" and "lr=-1.0 must be a finite number > 0" in status["error"]
     build_report(tmp_path / "out", cells)
     assert "## Failed cells" in (tmp_path / "out" / "summary.md").read_text()
     again = run_grid(cells, tmp_path / "out")  # a failed cell is retried; done ones are not

@@ -37,7 +37,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -45,7 +45,7 @@ from gacbench.callbacks._common import log_metrics
 from gacbench.llm.data_parallel import data_parallel_loss, rank_share
 from gacbench.llm.model import load
 from gacbench.llm.tasks import TaskConfig, build_task, reward_fn
-from gacbench.objectives.base import Objective
+from gacbench.objectives.base import Objective, given_settings
 from gacbench.rollout.advantages import advantage_fn
 from gacbench.rollout.engines import Rollout, check_sync, discard_engine
 from gacbench.rollout.queue import StaleRolloutQueue
@@ -150,34 +150,16 @@ class GRPOModule(Objective):
                  task: TaskConfig | dict | None = None, rollout: RolloutConfig | dict | None = None,
                  loss: LossConfig | dict | None = None, staleness: int = 0, lr: float = 1e-4, steps: int = 100,
                  seed: int = 0, eval_every: int = 10, eval_size: int = 64) -> None:
+        GRPOModule.check_settings(given_settings(locals()))
         super().__init__(eval_every)
         self.model_cfg = _section(ModelConfig, model, "model")
         self.engine_cfg = _section(EngineConfig, engine, "engine")
         self.task_cfg = _section(TaskConfig, task, "task")
         self.rollout_cfg = r = _section(RolloutConfig, rollout, "rollout")
         self.loss_cfg = lc = _section(LossConfig, loss, "loss")
-        from gacbench.rollout.engines import engine_names
-
-        if self.engine_cfg.name not in engine_names():
-            raise ValueError(f"GRPOModule: engine.name={self.engine_cfg.name!r} is not a registered engine "
-                             f"({', '.join(engine_names())})")
-        if not isinstance(staleness, int) or staleness < 0:
-            raise ValueError(f"GRPOModule: staleness={staleness!r} must be an integer >= 0 (0 is synchronous GRPO)")
         from gacbench.llm.async_source import resolve_mode
 
         staleness = resolve_mode(r, staleness)  # rollout.mode async: the bound s_max
-        if r.group < 2:
-            raise ValueError(f"GRPOModule: rollout.group={r.group} must be >= 2 "
-                             "(advantages compare samples of a group)")
-        if r.prompts < 1 or r.max_tokens < 1 or r.logprob_rows < 1:
-            raise ValueError("GRPOModule: rollout.prompts, rollout.max_tokens and rollout.logprob_rows must be >= 1")
-        if lc.agg not in AGG_MODES:
-            raise ValueError(f"GRPOModule: loss.agg={lc.agg!r} is not one of {', '.join(AGG_MODES)}")
-        if lc.kl_coef < 0:
-            raise ValueError(f"GRPOModule: loss.kl_coef={lc.kl_coef} must be >= 0 (0 disables the KL term)")
-        if not (0.0 <= lc.clip_low < 1.0 and lc.clip_high >= 0.0):
-            raise ValueError(f"GRPOModule: loss.clip_low={lc.clip_low} must be in [0, 1) and loss.clip_high="
-                             f"{lc.clip_high} >= 0 (the ratio is clipped to [1 - clip_low, 1 + clip_high])")
         self.advantages = advantage_fn(r.advantage)
         self.save_hyperparameters({"model": dataclasses.asdict(self.model_cfg),
                                    "engine": dataclasses.asdict(self.engine_cfg),
@@ -226,6 +208,49 @@ class GRPOModule(Objective):
         self._times = {"time/generate_s": 0.0, "time/behav_s": 0.0}
         self._history: list[tuple[float, float, int]] = []  # per step: (step s, generation s, tokens generated)
         self._tokens = 0
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """The sections' keys and values and the module's own, without loading a model or starting an engine:
+        engine.name a registered engine, task.name a registered task, task.reward None or a registered reward,
+        model.size a known size (without model.path), staleness >= 0 and the rollout mode's settings
+        (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts, max_tokens and
+        logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
+        loss.kl_coef >= 0, loss.clip_low in [0, 1), loss.clip_high >= 0, eval_size >= 1, and the checks of every
+        objective (finite numbers, lr > 0, steps and eval_every >= 1)."""
+        super().check_settings(params)
+        from gacbench.llm.async_source import resolve_mode
+        from gacbench.llm.model import MODEL_SIZES
+        from gacbench.llm.tasks import REWARDS, task_factory
+        from gacbench.objectives.base import check_lookup, check_name, check_range
+        from gacbench.rollout.engines import engine_names
+
+        owner = cls.__name__
+        m = _section(ModelConfig, params.get("model"), "model")
+        e = _section(EngineConfig, params.get("engine"), "engine")
+        t = _section(TaskConfig, params.get("task"), "task")
+        r = _section(RolloutConfig, params.get("rollout"), "rollout")
+        lc = _section(LossConfig, params.get("loss"), "loss")
+        check_name(owner, "engine.name", e.name, engine_names(), "a registered engine")
+        check_lookup(owner, "task.name", t.name, task_factory)
+        if t.reward is not None:
+            check_name(owner, "task.reward", t.reward, REWARDS, "a registered reward")
+        if m.path is None:
+            check_name(owner, "model.size", m.size, MODEL_SIZES, "a known model size")
+        staleness = params.get("staleness", 0)
+        check_range(owner, "staleness", staleness, 0, integer=True, why="0 is synchronous GRPO")
+        resolve_mode(r, staleness)
+        check_range(owner, "rollout.group", r.group, 2, integer=True, why="advantages compare samples of a group")
+        for key in ("prompts", "max_tokens", "logprob_rows"):
+            check_range(owner, f"rollout.{key}", getattr(r, key), 1, integer=True)
+        check_lookup(owner, "rollout.advantage", r.advantage, advantage_fn)
+        check_name(owner, "loss.agg", lc.agg, AGG_MODES, "one of the aggregations")
+        check_range(owner, "loss.kl_coef", lc.kl_coef, 0, why="0 disables the KL term")
+        clipped = "the ratio is clipped to [1 - clip_low, 1 + clip_high]"
+        check_range(owner, "loss.clip_low", lc.clip_low, 0, 1, hi_open=True, why=clipped)
+        check_range(owner, "loss.clip_high", lc.clip_high, 0, why=clipped)
+        if "eval_size" in params:
+            check_range(owner, "eval_size", params["eval_size"], 1, integer=True)
 
     def setup(self, stage: str) -> None:
         self.loss_stabilizer = resolve_loss_stabilizer(self.trainer, self)

@@ -62,11 +62,16 @@ def register_reward(name: str, fn: Callable[[str, str], float]) -> None:
     REWARDS[name] = fn
 
 
-def build_task(cfg: TaskConfig, seed: int) -> Any:
-    if cfg.name not in TASKS:
-        raise ValueError(f"unknown task {cfg.name!r}; registered tasks: {', '.join(sorted(TASKS))} "
+def task_factory(name: str) -> TaskFactory:
+    """The factory registered as task ``name``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))} "
                          "(add one with gacbench.llm.tasks.register_task)")
-    return TASKS[cfg.name](cfg, seed)
+    return TASKS[name]
+
+
+def build_task(cfg: TaskConfig, seed: int) -> Any:
+    return task_factory(cfg.name)(cfg, seed)
 
 
 def reward_fn(name: str) -> Callable[[str, str], float]:

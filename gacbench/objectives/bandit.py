@@ -15,11 +15,11 @@ The metric is the exact expected reward of the current policy over all contexts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from gacbench.objectives.base import Objective, step_loader
+from gacbench.objectives.base import Objective, check_policy_settings, check_range, given_settings, step_loader
 from gacbench.rollout.advantages import advantage_fn
 from gacbench.rollout.queue import StaleRolloutQueue
 from gacbench.stabilizers.base import PolicyBatch, policy_loss, resolve_loss_stabilizer
@@ -35,11 +35,8 @@ class SoftmaxBandit(Objective):
                  scale: float = 3.0, clip_low: float = 0.2, clip_high: float = 0.2, staleness: int = 0,
                  steps: int = 300, lr: float = 0.05, optimizer: str = "adamw", seed: int = 0, eval_every: int = 10,
                  advantage: str = "grpo") -> None:
+        SoftmaxBandit.check_settings(given_settings(locals()))
         super().__init__(eval_every)
-        if staleness < 0:
-            raise ValueError(f"SoftmaxBandit: staleness={staleness} must be >= 0")
-        if group < 2:
-            raise ValueError(f"SoftmaxBandit: group={group} must be >= 2 (advantages are normalised within a group)")
         self.advantages = advantage_fn(advantage)
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
@@ -49,6 +46,16 @@ class SoftmaxBandit(Objective):
         self.prompt_ids = torch.randint(0, contexts, (steps, prompts), generator=gen)
         self.queue = StaleRolloutQueue(staleness)
         self.loss_stabilizer = None
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """dim and actions >= 1, the rollout settings (:func:`~gacbench.objectives.base.check_policy_settings`) and
+        the checks of every objective."""
+        super().check_settings(params)
+        check_policy_settings(cls.__name__, params)
+        for key in ("dim", "actions"):
+            if key in params:
+                check_range(cls.__name__, key, params[key], 1, integer=True)
 
     def log_probs(self, ctx: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.x[ctx] @ self.W, dim=-1)  # (P, A)

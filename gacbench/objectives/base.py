@@ -2,10 +2,99 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class SettingError(ValueError):
+    """A setting an objective refuses: the message names ``key`` (``lr``, ``loss.clip_low``), ``value`` and what
+    is accepted; ``key`` lets the bench runner say where the value came from (``--param KEY`` or the suite)."""
+
+    def __init__(self, message: str, key: str, value: Any) -> None:
+        super().__init__(message)
+        self.key, self.value = key, value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_range(owner: str, key: str, value: Any, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False, hi_open: bool = False, integer: bool = False, why: str = "") -> None:
+    """Raise :class:`SettingError` unless ``value`` is a finite number (an integer when ``integer``) in the range
+    [lo, hi] (an end excluded when ``lo_open`` / ``hi_open``; None: unbounded); ``why`` is added to the message."""
+    ok = _is_number(value) and math.isfinite(value) and (not integer or isinstance(value, int))
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if ok:
+        return
+    kind = "an integer" if integer else "a finite number"
+    if lo is not None and hi is not None:
+        bound = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    elif lo is not None:
+        bound = f" {'>' if lo_open else '>='} {lo:g}"
+    elif hi is not None:
+        bound = f" {'<' if hi_open else '<='} {hi:g}"
+    else:
+        bound = ""
+    raise SettingError(f"{owner}: {key}={value!r} must be {kind}{bound}{f' ({why})' if why else ''}", key, value)
+
+
+def check_name(owner: str, key: str, value: Any, names: Any, what: str) -> None:
+    """Raise :class:`SettingError` unless ``value`` is one of ``names`` (a registry's keys); ``what`` names them."""
+    if value not in names:
+        raise SettingError(f"{owner}: {key}={value!r} is not {what} ({', '.join(sorted(names))})", key, value)
+
+
+def check_lookup(owner: str, key: str, value: Any, lookup: Callable[[Any], Any]) -> None:
+    """Raise :class:`SettingError` when ``lookup(value)`` (a registry's lookup, which names what it knows) raises
+    ValueError."""
+    try:
+        lookup(value)
+    except ValueError as exc:
+        raise SettingError(f"{owner}: {key}={value!r}: {exc}", key, value) from None
+
+
+def check_finite(owner: str, params: Mapping[str, Any], prefix: str = "") -> None:
+    """Raise :class:`SettingError` for the first number in ``params`` (sections included: a dict or a dataclass,
+    its keys named ``SECTION.KEY``) that is NaN or infinite."""
+    for key, value in params.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, Mapping):
+            check_finite(owner, value, f"{prefix}{key}.")
+        elif _is_number(value) and not math.isfinite(value):
+            raise SettingError(f"{owner}: {prefix}{key}={value!r} must be a finite number", f"{prefix}{key}", value)
+
+
+def check_policy_settings(owner: str, params: Mapping[str, Any]) -> None:
+    """The settings the rollout objectives (the bandit, the sequence policy) share: ``staleness`` >= 0, ``group`` >= 2,
+    ``prompts`` and ``contexts`` >= 1, ``advantage`` a registered estimator."""
+    from gacbench.rollout.advantages import advantage_fn
+
+    if "staleness" in params:
+        check_range(owner, "staleness", params["staleness"], 0, integer=True)
+    if "group" in params:
+        check_range(owner, "group", params["group"], 2, integer=True, why="advantages are normalised within a group")
+    for key in ("prompts", "contexts"):
+        if key in params:
+            check_range(owner, key, params[key], 1, integer=True)
+    if "advantage" in params:
+        check_lookup(owner, "advantage", params["advantage"], advantage_fn)
+
+
+def given_settings(local: Mapping[str, Any]) -> dict[str, Any]:
+    """A constructor's arguments from its ``locals()`` taken on its first line (without ``self``)."""
+    return {k: v for k, v in local.items() if k not in ("self", "__class__")}
 
 
 class Objective(pl.LightningModule):
@@ -25,9 +114,26 @@ class Objective(pl.LightningModule):
 
     def __init__(self, eval_every: int = 10) -> None:
         super().__init__()
-        if eval_every < 1:
-            raise ValueError(f"{type(self).__name__}: eval_every={eval_every} must be >= 1")
+        check_range(type(self).__name__, "eval_every", eval_every, 1, integer=True)
         self.eval_every = eval_every
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """Raise ValueError (:class:`SettingError` where one key is at fault), naming the key, the value and what is
+        accepted, for any of the constructor arguments ``params`` that the constructor would refuse; keys this
+        objective does not know are left to the caller. Cheap (no data, model or engine is built): the bench runner
+        calls it for every task before running any cell, and each constructor calls its own class's, so the two
+        cannot disagree. Here: every number finite, ``lr`` > 0, ``steps`` and ``eval_every`` >= 1, ``optimizer``
+        one of :data:`OPTIMIZERS`; subclasses add their own checks after ``super().check_settings(params)``."""
+        owner = cls.__name__
+        check_finite(owner, params)
+        for key in ("steps", "eval_every"):
+            if key in params:
+                check_range(owner, key, params[key], 1, integer=True)
+        if "lr" in params:
+            check_range(owner, "lr", params["lr"], 0, lo_open=True, why="the learning rate")
+        if "optimizer" in params:
+            check_name(owner, "optimizer", params["optimizer"], OPTIMIZERS, "an optimizer of the objectives")
 
     @torch.no_grad()
     def metric(self) -> float:
@@ -78,6 +184,7 @@ class Objective(pl.LightningModule):
 
 
 def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """``name`` (one of :data:`OPTIMIZERS`) over ``params``."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw":

@@ -6,9 +6,11 @@ L = lambda_max(X^T X / n) / 4 + l2, mu = l2. The metric is the full-batch object
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 
-from gacbench.objectives.base import Objective, StepBatches
+from gacbench.objectives.base import Objective, StepBatches, check_range, given_settings
 
 
 class LogisticRegression(Objective):
@@ -18,11 +20,8 @@ class LogisticRegression(Objective):
     def __init__(self, n: int = 1024, dim: int = 20, batch_size: int = 32, l2: float = 1e-3, scale: float = 3.0,
                  steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0,
                  eval_every: int = 10) -> None:
+        LogisticRegression.check_settings(given_settings(locals()))
         super().__init__(eval_every)
-        if n < 2 or dim < 1 or batch_size < 1 or l2 < 0 or lr <= 0:
-            raise ValueError(f"LogisticRegression: bad sizes or rates n={n}, dim={dim}, batch_size={batch_size}, "
-                             f"l2={l2}, lr={lr}")
-
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
         # features with a spread of scales, so the problem is ill-conditioned
@@ -34,6 +33,14 @@ class LogisticRegression(Objective):
         self.L = float(torch.linalg.eigvalsh(self.x.T @ self.x / n).max()) / 4 + l2
         self.mu = l2
         self.batches = StepBatches(self.x, self.y, batch_size=batch_size, steps=steps, generator=gen)
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """n >= 2, dim and batch_size >= 1, l2 >= 0, and the checks of every objective."""
+        super().check_settings(params)
+        for key, lo, integer in (("n", 2, True), ("dim", 1, True), ("batch_size", 1, True), ("l2", 0, False)):
+            if key in params:
+                check_range(cls.__name__, key, params[key], lo, integer=integer)
 
     def objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.softplus(-y * (x @ self.w)).mean() + 0.5 * self.hparams.l2 * (self.w * self.w).sum()

@@ -5,10 +5,12 @@ The metric is accuracy on a held-out test set drawn from the same teacher.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import nn
 
-from gacbench.objectives.base import Objective, StepBatches
+from gacbench.objectives.base import Objective, StepBatches, check_range, given_settings
 
 
 class MLPClassifier(Objective):
@@ -18,6 +20,7 @@ class MLPClassifier(Objective):
     def __init__(self, n: int = 2048, n_test: int = 1024, dim: int = 16, hidden: int = 64, classes: int = 4,
                  batch_size: int = 64, steps: int = 300, lr: float = 0.01, optimizer: str = "adamw", seed: int = 0,
                  eval_every: int = 10) -> None:
+        MLPClassifier.check_settings(given_settings(locals()))
         super().__init__(eval_every)
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
@@ -30,6 +33,14 @@ class MLPClassifier(Objective):
                                  nn.Linear(hidden, classes))
 
         self.batches = StepBatches(self.x, self.y, batch_size=batch_size, steps=steps, generator=gen)
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """n, n_test, dim, hidden, classes and batch_size >= 1, and the checks of every objective."""
+        super().check_settings(params)
+        for key in ("n", "n_test", "dim", "hidden", "batch_size", "classes"):
+            if key in params:
+                check_range(cls.__name__, key, params[key], 1, integer=True)
 
     @torch.no_grad()
     def metric(self) -> float:

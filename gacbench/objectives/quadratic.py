@@ -9,10 +9,12 @@ gradient: loss = f(theta) + <xi, theta>.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch.utils.data import TensorDataset
 
-from gacbench.objectives.base import Objective, step_loader
+from gacbench.objectives.base import Objective, check_range, given_settings, step_loader
 
 
 class NoisyQuadratic(Objective):
@@ -26,10 +28,8 @@ class NoisyQuadratic(Objective):
     def __init__(self, dim: int = 100, L: float = 1.0, kappa: float = 100.0, sigma2: float = 1e-2,
                  steps: int = 300, lr: float = 0.5, optimizer: str = "sgd", seed: int = 0, eval_every: int = 10,
                  init_scale: float = 3.0) -> None:
+        NoisyQuadratic.check_settings(given_settings(locals()))
         super().__init__(eval_every)
-        if dim < 1 or L <= 0 or kappa < 1 or sigma2 < 0 or lr <= 0 or steps < 1:
-            raise ValueError(f"NoisyQuadratic: need dim >= 1, L > 0, kappa >= 1, sigma2 >= 0, lr > 0, steps >= 1; got "
-                             f"dim={dim}, L={L}, kappa={kappa}, sigma2={sigma2}, lr={lr}, steps={steps}")
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
         self.register_buffer("eigs", torch.logspace(torch.log10(torch.tensor(L / kappa)),
@@ -40,6 +40,16 @@ class NoisyQuadratic(Objective):
         self.theta = torch.nn.Parameter(self.theta_star + torch.randn(dim, generator=gen) * init_scale)
         self.noise = torch.randn(steps, dim, generator=gen) * (sigma2 / dim) ** 0.5
         self.L, self.mu, self.sigma2 = L, L / kappa, sigma2
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """dim >= 1, L > 0, kappa >= 1, sigma2 >= 0, and the checks of every objective."""
+        super().check_settings(params)
+        owner = cls.__name__
+        for key, lo, lo_open, integer in (("dim", 1, False, True), ("L", 0, True, False), ("kappa", 1, False, False),
+                                          ("sigma2", 0, False, False)):
+            if key in params:
+                check_range(owner, key, params[key], lo, lo_open=lo_open, integer=integer)
 
     def gap(self, theta: torch.Tensor | None = None) -> torch.Tensor:
         """f(theta) - f* (f* = 0)."""

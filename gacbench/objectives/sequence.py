@@ -35,11 +35,18 @@ Why this objective and not the bandit shows the signature (stale median c_t well
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from gacbench.objectives.base import Objective, make_optimizer, step_loader
+from gacbench.objectives.base import (
+    Objective,
+    check_policy_settings,
+    check_range,
+    given_settings,
+    make_optimizer,
+    step_loader,
+)
 from gacbench.rollout.advantages import advantage_fn
 from gacbench.rollout.queue import StaleRolloutQueue
 from gacbench.stabilizers.base import PolicyBatch, policy_loss, resolve_loss_stabilizer
@@ -60,13 +67,8 @@ class SequencePolicy(Objective):
                  group: int = 8, shared_bias: bool = True, clip_low: float = 0.2, clip_high: float = 0.2,
                  staleness: int = 0, steps: int = 300, lr: float = 0.05, optimizer: str = "adamw", seed: int = 0,
                  eval_every: int = 10, advantage: str = "grpo") -> None:
+        SequencePolicy.check_settings(given_settings(locals()))
         super().__init__(eval_every)
-        if staleness < 0:
-            raise ValueError(f"SequencePolicy: staleness={staleness} must be >= 0")
-        if group < 2:
-            raise ValueError(f"SequencePolicy: group={group} must be >= 2 (advantages are normalised within a group)")
-        if min(dim, vocab, length, contexts, prompts) < 1 or vocab < 2:
-            raise ValueError("SequencePolicy: dim, length, contexts and prompts must be >= 1 and vocab >= 2")
         self.advantages = advantage_fn(advantage)
         self.save_hyperparameters()
         gen = torch.Generator().manual_seed(seed)
@@ -78,6 +80,16 @@ class SequencePolicy(Objective):
         self.prompt_ids = torch.randint(0, contexts, (steps, prompts), generator=gen)
         self.queue = StaleRolloutQueue(staleness)
         self.loss_stabilizer = None
+
+    @classmethod
+    def check_settings(cls, params: Mapping[str, Any]) -> None:
+        """dim and length >= 1, vocab >= 2, the rollout settings
+        (:func:`~gacbench.objectives.base.check_policy_settings`) and the checks of every objective."""
+        super().check_settings(params)
+        check_policy_settings(cls.__name__, params)
+        for key, lo in (("dim", 1), ("length", 1), ("vocab", 2)):
+            if key in params:
+                check_range(cls.__name__, key, params[key], lo, integer=True)
 
     # -- the policy and the task -------------------------------------------------------------------
     def _prev(self, y: torch.Tensor) -> torch.Tensor:

@@ -219,13 +219,20 @@ class LossStabilizer(Stabilizer):
             )
 
 
-def find_loss_stabilizer(trainer: "pl.Trainer") -> LossStabilizer | None:
-    """The run's loss-side stabilizer (a callback declaring ``kind = "loss"``), or None; two of them is an error."""
-    found = [cb for cb in trainer.callbacks if getattr(cb, "kind", None) == "loss" and hasattr(cb, "policy_loss")]
+def loss_stabilizers(callbacks: list) -> list[LossStabilizer]:
+    """The loss-side stabilizers (callbacks declaring ``kind = "loss"``) among ``callbacks``; two of them is an
+    error (a method combination is checked with this before it runs, a run when it starts)."""
+    found = [cb for cb in callbacks if getattr(cb, "kind", None) == "loss" and hasattr(cb, "policy_loss")]
     if len(found) > 1:
         names = ", ".join(type(cb).__name__ for cb in found)
         raise ValueError(f"at most one loss-side stabilizer per run, got {names}; a gradient-side one (GAC) "
                          "composes with one loss-side stabilizer, e.g. method 'gac+m2po'")
+    return found
+
+
+def find_loss_stabilizer(trainer: "pl.Trainer") -> LossStabilizer | None:
+    """The run's loss-side stabilizer (a callback declaring ``kind = "loss"``), or None; two of them is an error."""
+    found = loss_stabilizers(trainer.callbacks)
     return found[0] if found else None
 
 
