@@ -341,32 +341,6 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     return timing
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def main(args) -> int:
     console = Console()
     suite = load_suite(args.suite)
