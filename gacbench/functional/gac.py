@@ -31,6 +31,7 @@ from gacbench.functional.alignment import (
 )
 from gacbench.functional.kernels import (
     adamw_group_fusable,
+    choose_kernels,
     compiled_adamw_projected,
     compiled_available,
     compiled_project,
@@ -39,7 +40,8 @@ from gacbench.functional.kernels import (
 )
 
 REFERENCES = ("grad", "applied", "update", "ema")
-KERNELS = ("eager", "compiled", "fused-adamw")
+KERNELS = ("eager", "compiled", "fused-adamw")  # the kernel paths
+KERNEL_CHOICES = ("auto",) + KERNELS  # what GAC(kernels=...) takes: "auto" picks a path when fit starts
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -162,7 +164,7 @@ class GACTransform:
         kernels: str = "eager",
     ) -> None:
         validate_thresholds(c_low, c_high)
-        check_choice("GAC", "kernels", kernels, KERNELS)
+        check_choice("GAC", "kernels", kernels, KERNEL_CHOICES)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "reference", reference, REFERENCES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
@@ -171,8 +173,17 @@ class GACTransform:
         self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
         self.reference, self.ema_decay = reference, float(ema_decay)
         self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
-        self.kernels = kernels
+        self.requested_kernels = kernels
+        self.kernels = "eager" if kernels == "auto" else kernels  # the path step() runs; see choose_kernels_for
         self.state = GACState()
+
+    def choose_kernels_for(self, n_params: int, steps: float, device_type: str) -> str:
+        """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length
+        (:func:`~gacbench.functional.kernels.choose_kernels`); until then "auto" runs the eager path. Returns the
+        path; any other ``kernels`` stays as given."""
+        if self.requested_kernels == "auto":
+            self.kernels = choose_kernels(n_params, steps, device_type)
+        return self.kernels
 
     # -- the step -------------------------------------------------------------------------
     def step(

@@ -28,6 +28,7 @@ overflow, or a real inf/NaN in g) is recomputed by the eager path, which tells t
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import warnings
 from typing import Callable
@@ -291,3 +292,22 @@ def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tenso
 def compiled_available() -> bool:
     """False once a compile has failed in this process."""
     return not _FAILED
+
+
+# kernels="auto" (the crossover, measured with `gacbench overhead`; docs/callbacks.md, "Choosing the kernels"):
+# compiling pays back within a run when parameters x optimizer steps reach this many
+AUTO_COMPILE_PARAM_STEPS = 1.0e11
+
+
+def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str:
+    """What ``GAC(kernels="auto")`` runs: ``"fused-adamw"`` where its compile pays back within the run, else
+    ``"eager"``.
+
+    ``n_params``: the elements GAC reads (the optimizer's parameters); ``steps``: the run's optimizer steps,
+    known when fit starts (``trainer.estimated_stepping_batches``; inf for a run without an end). The compile
+    costs a fixed time per process and saves a time per step that grows with the model: it pays back when
+    ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps are unknown (inf or not positive),
+    and on devices other than the CPU, where the crossover is not measured."""
+    if device_type != "cpu" or not (0 < steps < math.inf) or n_params <= 0:
+        return "eager"
+    return "fused-adamw" if n_params * steps >= AUTO_COMPILE_PARAM_STEPS else "eager"
