@@ -69,6 +69,9 @@ def test_overhead_times_the_compiled_kernels_beside_the_eager_ones():
     assert record["gac_fused_took_the_step"] is True and record["gac_fused_case"] == "shrink"
     assert record["gac_fused_over_adamw"] == pytest.approx(record["gac_fused_s"] / record["adamw_step_s"] - 1)
     assert record["gac_compiled_case"] == "shrink" and record["gac_keep_compiled_case"] == "keep"
+    # the first round's extra time, per kernel path: the warm-up rounds minus the medians of both branches
+    assert set(k for k in record if k.startswith("first_round_extra")) == {
+        "first_round_extra_eager_s", "first_round_extra_compiled_s", "first_round_extra_fused_s"}
     with pytest.raises(ValueError, match="need a float32 reference buffer"):
         run_overhead(params=200_000, repeats=1, buffer_dtype="bfloat16", kernels=("compiled",))
     low = run_overhead(params=200_000, repeats=1, buffer_dtype="bfloat16", kernels=("fused-adamw",))
@@ -248,7 +251,7 @@ def test_a_graph_without_dynamos_sources_gets_no_direct_call():
 
 
 def test_auto_compiles_only_where_parameters_times_steps_reach_the_crossover():
-    from gacbench.functional.kernels import AUTO_COMPILE_PARAM_STEPS, choose_kernels
+    from gacbench.functional.kernels import AUTO_COMPILE_PARAM_STEPS, AUTO_MIN_PARAMS, choose_kernels
 
     assert choose_kernels(5_508, 300) == "eager"  # a synthetic objective
     assert choose_kernels(1_700_000_000, 10_000) == "fused-adamw"  # a 1.7B model over a long run
@@ -257,6 +260,9 @@ def test_auto_compiles_only_where_parameters_times_steps_reach_the_crossover():
     assert choose_kernels(n, steps) == "fused-adamw" and choose_kernels(n, steps - 1) == "eager"
     assert choose_kernels(n, math.inf) == "eager"  # a run without an end: its steps are unknown
     assert choose_kernels(n, -1) == "eager" and choose_kernels(0, 10**12) == "eager"
+    # below the size where the compiled step is faster at all, no run is long enough
+    assert choose_kernels(AUTO_MIN_PARAMS - 1, 10**9) == "eager"
+    assert choose_kernels(AUTO_MIN_PARAMS, math.ceil(AUTO_COMPILE_PARAM_STEPS / AUTO_MIN_PARAMS)) == "fused-adamw"
     assert choose_kernels(1_700_000_000, 10_000, device_type="cuda") == "eager"  # not measured off the CPU
 
 

@@ -222,10 +222,11 @@ class GACTransform:
         remove. The reference treats the missing gradient as zero too (``"grad"``: zero there; ``"ema"``:
         decayed; ``"applied"``: zero, nothing was applied).
         """
-        # Inline, in this order, is what every step runs: the flags that pick a path are computed once here and
-        # handed down, and the branches that end the step early (a bad gradient, a step the fused kernel takes)
-        # return from here. The parts that run on some steps only are methods: the scalars (_local_scalars),
-        # the fused AdamW step (_take_fused_step) and the edit of g and r (_apply).
+        # What stays inline is what every step runs once, in order: picking g, r and the path flags, reducing the
+        # scalars and the decision. The flags and lists are computed once here and handed down, and the steps
+        # that end early (a bad gradient, a step the fused kernel takes) return from here; moving this part into
+        # helpers would only pass the same values back and forth or evaluate a flag twice. Each path is a method:
+        # the scalars (_local_scalars), the fused AdamW step (_take_fused_step), the edit of g and r (_apply).
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
             return None

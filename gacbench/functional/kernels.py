@@ -294,9 +294,14 @@ def compiled_available() -> bool:
     return not _FAILED
 
 
-# kernels="auto" (the crossover, measured with `gacbench overhead`; docs/callbacks.md, "Choosing the kernels"):
-# compiling pays back within a run when parameters x optimizer steps reach this many
-AUTO_COMPILE_PARAM_STEPS = 1.0e11
+# kernels="auto": measured with `gacbench overhead --kernels eager,fused-adamw` (docs/callbacks.md, "Choosing the
+# kernels"). The compile of the fused path costs a fixed time per process (59-334 s cold on the shared 2-core test
+# machine); the kept step, the branch it speeds up least, saves about 3.3-31 ms per step at 20M parameters, which
+# puts the crossover at 1.3e11 to 3.6e11 parameters x steps. Below 10M parameters the compiled kept step measured
+# no faster than the eager one (5M: 0.83x against 0.74x of AdamW), so a smaller model stays eager however long
+# the run.
+AUTO_COMPILE_PARAM_STEPS = 4.0e11
+AUTO_MIN_PARAMS = 10_000_000
 
 
 def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str:
@@ -306,8 +311,8 @@ def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str
     ``n_params``: the elements GAC reads (the optimizer's parameters); ``steps``: the run's optimizer steps,
     known when fit starts (``trainer.estimated_stepping_batches``; inf for a run without an end). The compile
     costs a fixed time per process and saves a time per step that grows with the model: it pays back when
-    ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps are unknown (inf or not positive),
-    and on devices other than the CPU, where the crossover is not measured."""
-    if device_type != "cpu" or not (0 < steps < math.inf) or n_params <= 0:
+    ``n_params >= AUTO_MIN_PARAMS`` and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps
+    are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured."""
+    if device_type != "cpu" or not (0 < steps < math.inf) or n_params < AUTO_MIN_PARAMS:
         return "eager"
     return "fused-adamw" if n_params * steps >= AUTO_COMPILE_PARAM_STEPS else "eager"
