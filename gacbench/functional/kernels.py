@@ -296,12 +296,12 @@ def compiled_available() -> bool:
 
 # kernels="auto": measured with `gacbench overhead --kernels eager,fused-adamw` (docs/callbacks.md, "Choosing the
 # kernels"). The compile of the fused path costs a fixed time per process (59-334 s cold on the shared 2-core test
-# machine); the kept step, the branch it speeds up least, saves about 3.3-31 ms per step at 20M parameters, which
-# puts the crossover at 1.3e11 to 3.6e11 parameters x steps. Below 10M parameters the compiled kept step measured
-# no faster than the eager one (5M: 0.83x against 0.74x of AdamW), so a smaller model stays eager however long
-# the run.
+# machine); at 20M parameters the kept step, the branch it speeds up least, saved 3.3-31 ms per step, which puts
+# the crossover at 1.3e11 to 3.6e11 parameters x steps (three runs). At 5M and 10M the compiled kept step was
+# slower than the eager one in three runs of four, so the rule asks for the smallest size measured faster: the
+# benchmark's 20M shape (19.99M parameters), rounded down.
 AUTO_COMPILE_PARAM_STEPS = 4.0e11
-AUTO_MIN_PARAMS = 10_000_000
+AUTO_MIN_PARAMS = 19_000_000
 
 
 def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str:
