@@ -56,7 +56,7 @@ def test_compiled_kernels_handle_overflow_and_non_finite_gradients_like_the_eage
 
 
 def test_unknown_kernels_are_refused():
-    with pytest.raises(ValueError, match="kernels='fast' is not one of 'eager', 'compiled'"):
+    with pytest.raises(ValueError, match="kernels='fast' is not one of 'auto', 'eager', 'compiled', 'fused-adamw'"):
         GACTransform(kernels="fast")
 
 
