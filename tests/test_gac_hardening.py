@@ -178,6 +178,117 @@ def test_gradient_references_do_not_depend_on_the_order(reference):
     assert torch.equal(runs[0], runs[1])
 
 
+# -- parameters without a gradient on a step (a conditional branch): the rule reads the full vectors ----
+
+
+class BranchRegressor(UserRegressor):
+    """UserRegressor with a side branch the forward pass takes on every third batch only: on the other
+    steps the side layer has no gradient (``p.grad`` is None)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.side = torch.nn.Linear(5, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x) + (self.side(x) if batch_idx % 3 == 0 else 0.0)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        groups = [{"params": [*self.net[0].parameters(), *self.side.parameters()]},
+                  {"params": self.net[2].parameters(), "lr": self.lr / 2}]
+        return torch.optim.AdamW(groups, lr=self.lr)
+
+
+class MaskedTap(pl.Callback):
+    """Per step: the gradient as a flat float64 vector (zeros where ``p.grad`` is None), which parameters had
+    one (a flat bool mask), and theta_t."""
+
+    def __init__(self):
+        self.grads, self.masks, self.theta = [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        ps = [p for g in optimizer.param_groups for p in g["params"]]
+        self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().reshape(-1)
+                                     for p in ps]))
+        self.masks.append(torch.cat([torch.full((p.numel(),), p.grad is not None) for p in ps]))
+        self.theta.append(torch.cat([p.detach().double().reshape(-1) for p in ps]))
+
+
+def branch_oracle(reference, raw, masks, theta, c_low, c_high, decay):
+    """The rule on the full vectors, by hand, in float64: (c_t, g~_t) per step. A missing gradient is zero; the
+    applied gradient is g - alpha r on the parameters with a gradient and zero (no gradient) elsewhere."""
+    r, cos, applied = None, [], []
+    for t, (g, live) in enumerate(zip(raw, masks)):
+        if reference == "update" and t > 0:
+            r = theta[t - 1] - theta[t]
+        c = float("nan") if r is None else float(g @ r / (g.norm() * r.norm()))
+        k = 0.0 if r is None or c <= c_low else (1.0 - c_low / c if c < c_high else 1.0)
+        g_tilde = torch.where(live, g - k * (g @ r) / (r @ r) * r, 0.0) if k else g
+        cos.append(c)
+        applied.append(g_tilde)
+        if reference == "grad":
+            r = g
+        elif reference == "applied":
+            r = g_tilde
+        elif reference == "ema":
+            r = g if r is None else decay * r + (1 - decay) * g
+    return cos, applied
+
+
+@pytest.mark.parametrize("reference,kernels", [("grad", "eager"), ("applied", "eager"), ("update", "eager"),
+                                               ("ema", "eager"), ("grad", "compiled"), ("grad", "fused-adamw")])
+def test_a_parameter_without_a_gradient_counts_as_zero_in_the_full_vector(reference, kernels):
+    """On the steps where the side branch is not taken, the logged cosine and the applied gradient are the
+    full-vector rule's (the side layer's part of the reference counts in ||r||); the side layer gets no
+    gradient. The live-only cosine differs on those steps, so the test tells the two apart."""
+    c_low, c_high, decay = 0.05, 0.25, 0.7
+    before, after = MaskedTap(), MaskedTap()
+    gac = GAC(c_low=c_low, c_high=c_high, reference=reference, ema_decay=decay, warmup=0, kernels=kernels)
+    trainer = make_trainer([StalenessSimulator(3), before, gac, after], max_steps=16)
+    trainer.fit(BranchRegressor(lr=0.05))
+    masks = before.masks
+    assert not all(bool(m.all()) for m in masks) and any(bool(m.all()) for m in masks)
+    cos, applied = branch_oracle(reference, before.grads, masks, after.theta, c_low, c_high, decay)
+    key = "align/cos" if reference == "grad" else "align/ref_cos"
+    assert trainer.logger.values(key) == pytest.approx(cos[1:], abs=1e-5)
+    for t, (got, want, live, seen) in enumerate(zip(after.grads, applied, masks, after.masks)):
+        assert torch.equal(seen, live), f"step {t}: a parameter without a gradient was given one"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"step {t}")
+    if reference == "grad":  # the cosine over the parameters with a gradient only is another number
+        restricted = [float((g * r)[m].sum() / ((g * g)[m].sum() * (r * r)[m].sum()).sqrt())
+                      for g, r, m in zip(before.grads[1:], before.grads, masks[1:])]
+        assert max(abs(a - b) for a, b in zip(restricted, cos[1:])) > 1e-3
+    # the rule changed gradients on steps where the side layer had none
+    assert any(c > c_low and not bool(m.all()) for c, m in zip(cos[1:], masks[1:]))
+
+
+def test_monitor_counts_a_missing_gradient_as_zero():
+    tap, mon = MaskedTap(), AlignmentMonitor(warmup=0)
+    trainer = make_trainer([StalenessSimulator(3), tap, mon], max_steps=10)
+    trainer.fit(BranchRegressor())
+    g = tap.grads
+    expected = [float(g[t] @ g[t - 1] / (g[t].norm() * g[t - 1].norm())) for t in range(1, 10)]
+    assert trainer.logger.values("align/cos") == pytest.approx(expected, abs=1e-6)
+
+
+def test_scalars_with_the_rest_of_the_reference_equal_the_full_vectors_bit_for_bit():
+    """<g, r>, ||g||^2, ||r||^2 with r's tensors of missing gradients passed as ``ref_rest`` are exactly the
+    sums over the full vectors with those gradients written out as zeros (tensors above a CPU block too)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(300, 700), (5,), (1 << 18,), (3, 4)]
+    g = [torch.randn(s, generator=gen) for s in shapes]
+    r = [torch.randn(s, generator=gen) for s in shapes]
+    full = alignment_scalars([g[0], torch.zeros(shapes[1]), g[2], torch.zeros(shapes[3])], r)
+    part = alignment_scalars([g[0], g[2]], [r[0], r[2]], ref_rest=[r[1], r[3]])
+    assert torch.equal(full, part)
+    assert float(part[2]) == pytest.approx(sum(float((x.double() ** 2).sum()) for x in r), rel=1e-5)
+    assert float(part[1]) == pytest.approx(sum(float((x.double() ** 2).sum()) for x in (g[0], g[2])), rel=1e-5)
+    bf = [x.bfloat16() for x in r]  # a lower-precision reference: upcast, the same sums
+    assert torch.equal(alignment_scalars([g[0], g[2]], [bf[0], bf[2]], ref_rest=[bf[1], bf[3]]),
+                       alignment_scalars([g[0], torch.zeros(shapes[1]), g[2], torch.zeros(shapes[3])], bf))
+
+
 # -- high_mode='skip' under DDP: on a skipped step no rank's optimizer applies the gradient ----------
 
 

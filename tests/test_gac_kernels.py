@@ -56,7 +56,7 @@ def test_compiled_kernels_handle_overflow_and_non_finite_gradients_like_the_eage
 
 
 def test_unknown_kernels_are_refused():
-    with pytest.raises(ValueError, match="kernels='fast' is not one of 'eager', 'compiled'"):
+    with pytest.raises(ValueError, match="kernels='fast' is not one of 'auto', 'eager', 'compiled', 'fused-adamw'"):
         GACTransform(kernels="fast")
 
 
@@ -69,6 +69,9 @@ def test_overhead_times_the_compiled_kernels_beside_the_eager_ones():
     assert record["gac_fused_took_the_step"] is True and record["gac_fused_case"] == "shrink"
     assert record["gac_fused_over_adamw"] == pytest.approx(record["gac_fused_s"] / record["adamw_step_s"] - 1)
     assert record["gac_compiled_case"] == "shrink" and record["gac_keep_compiled_case"] == "keep"
+    # the first round's extra time, per kernel path: the warm-up rounds minus the medians of both branches
+    assert set(k for k in record if k.startswith("first_round_extra")) == {
+        "first_round_extra_eager_s", "first_round_extra_compiled_s", "first_round_extra_fused_s"}
     with pytest.raises(ValueError, match="need a float32 reference buffer"):
         run_overhead(params=200_000, repeats=1, buffer_dtype="bfloat16", kernels=("compiled",))
     low = run_overhead(params=200_000, repeats=1, buffer_dtype="bfloat16", kernels=("fused-adamw",))
@@ -242,3 +245,78 @@ def test_a_graph_without_dynamos_sources_gets_no_direct_call():
 
     gm = torch.fx.symbolic_trace(lambda x, y: (x * y).sum())  # no grapharg metadata: other torch versions
     assert kernels._input_order(gm, ["x", "y"], None, 1) is None
+
+
+# -- kernels="auto": the choice rule, and what the callback feeds it ----------------------------------------
+
+
+def test_auto_compiles_only_where_parameters_times_steps_reach_the_crossover():
+    from gacbench.functional.kernels import AUTO_COMPILE_PARAM_STEPS, AUTO_MIN_PARAMS, choose_kernels
+
+    assert choose_kernels(5_508, 300) == "eager"  # a synthetic objective
+    assert choose_kernels(1_700_000_000, 10_000) == "fused-adamw"  # a 1.7B model over a long run
+    n = 20_000_000
+    steps = math.ceil(AUTO_COMPILE_PARAM_STEPS / n)
+    assert choose_kernels(n, steps) == "fused-adamw" and choose_kernels(n, steps - 1) == "eager"
+    assert choose_kernels(n, math.inf) == "eager"  # a run without an end: its steps are unknown
+    assert choose_kernels(n, -1) == "eager" and choose_kernels(0, 10**12) == "eager"
+    # below the size where the compiled step is faster at all, no run is long enough
+    assert choose_kernels(AUTO_MIN_PARAMS - 1, 10**9) == "eager"
+    assert choose_kernels(AUTO_MIN_PARAMS, math.ceil(AUTO_COMPILE_PARAM_STEPS / AUTO_MIN_PARAMS)) == "fused-adamw"
+    assert choose_kernels(1_700_000_000, 10_000, device_type="cuda") == "eager"  # not measured off the CPU
+
+
+def test_auto_picks_eager_for_every_model_and_run_length_the_shipped_suites_use():
+    """The shipped suites' cells stay on the eager path, so their published results do not move."""
+    transformers = pytest.importorskip("transformers")
+    from gacbench.bench.runner import load_suite, suite_path
+    from gacbench.functional.kernels import choose_kernels
+    from gacbench.llm.model import sized_config
+    from gacbench.objectives.registry import objective_class
+
+    checked = 0
+    for path in sorted(suite_path("synthetic").parent.glob("*.yaml")):
+        suite = load_suite(path.stem)
+        for task in suite["tasks"].values():
+            steps = task.get("steps") or suite["steps"]
+            if task["objective"] == "grpo":
+                with torch.device("meta"):
+                    model = transformers.Qwen3ForCausalLM(sized_config(task["params"]["model"].get("size", "tiny")))
+            else:
+                model = objective_class(task["objective"])(**task.get("params", {}))
+            n = sum(p.numel() for p in model.parameters())
+            assert choose_kernels(n, steps) == "eager", (path.stem, task, n, steps)
+            checked += 1
+    assert checked >= 20
+
+
+def test_the_callback_chooses_from_the_optimizers_parameters_and_the_runs_steps(monkeypatch):
+    from conftest import UserRegressor, make_trainer
+
+    import gacbench.functional.gac as gac_module
+    from gacbench import GAC
+
+    seen = []
+    monkeypatch.setattr(gac_module, "choose_kernels", lambda n, steps, device: seen.append((n, steps, device)) or
+                        "eager")
+    gac = GAC()
+    assert gac.transform.requested_kernels == "auto" and gac.kernels_used == "eager"
+    make_trainer([gac], max_steps=14, accumulate_grad_batches=2).fit(UserRegressor())
+    assert seen == [(5 * 8 + 8 + 8 + 1, 14.0, "cpu")]  # Linear(5, 8) and Linear(8, 1); 14 optimizer steps
+    fixed = GAC(kernels="compiled")
+    make_trainer([fixed], max_steps=1).fit(UserRegressor())  # one step: no reference yet, nothing compiles
+    assert len(seen) == 1 and fixed.kernels_used == "compiled"  # a path given by name is not re-chosen
+
+
+def test_auto_runs_the_eager_path_on_a_small_model():
+    from conftest import UserRegressor, make_trainer
+
+    from gacbench import GAC
+
+    runs = []
+    for kernels in ("auto", "eager"):
+        model, gac = UserRegressor(optimizer="adamw"), GAC(kernels=kernels)
+        make_trainer([gac], max_steps=8).fit(model)
+        runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        assert gac.kernels_used == "eager"
+    assert torch.equal(runs[0], runs[1])

@@ -66,6 +66,54 @@ def test_applied_gradient_is_the_gradient_at_theta_t_minus_s(schedule, s, accumu
         assert len(set(lags[s:])) > 1  # the schedule really varies
 
 
+class WindowRecorder(Recorder):
+    """Recorder that also keeps, for every micro-batch, the parameters its forward pass runs at."""
+
+    def __init__(self, sim):
+        super().__init__(sim)
+        self._seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._seen.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self.steps[-1]["seen"], self._seen = self._seen, []
+
+
+@pytest.mark.parametrize("schedule,trace", [("fixed", None), ("uniform", None), ("trace", [0, 2, 1, 0, 2, 2, 1])])
+def test_every_micro_batch_of_a_window_sees_the_same_stale_iterate(schedule, trace):
+    """With accumulate_grad_batches=4 one s_t is drawn per optimizer step: all four micro-batches run at
+    theta_{t-s_t}, and the accumulated gradient is the gradient there of the window's batches."""
+    s, accumulate = 2, 4
+    model = UserRegressor(n=128, batch_size=4, lr=0.05)
+    sim = StalenessSimulator(s, schedule=schedule, seed=3, trace=trace)
+    rec = WindowRecorder(sim)
+    make_trainer([sim, rec], max_steps=14, accumulate_grad_batches=accumulate).fit(model)
+    assert len(rec.steps) == 14
+    lags = [step["lag"] for step in rec.steps]
+    for t, step in enumerate(rec.steps):
+        lag = step["lag"]
+        assert 0 <= lag <= min(s, t)
+        stale = rec.steps[t - lag]["theta"]
+        assert len(step["seen"]) == len(step["batches"]) == accumulate
+        for seen in step["seen"]:
+            for n in stale:
+                assert torch.equal(seen[n], stale[n]), (t, lag, n)
+        expected = grad_at(model, stale, step["batches"], accumulate)
+        for n in expected:
+            torch.testing.assert_close(step["grad"][n], expected[n], rtol=1e-6, atol=1e-7)
+    if schedule == "fixed":
+        assert lags == [min(s, t) for t in range(14)]
+    elif schedule == "trace":
+        assert lags == [min(trace[t % len(trace)], t) for t in range(14)]
+    else:  # the seeded draws: one per optimizer step, so the same seed replays the same lags
+        rng = np.random.default_rng(3)
+        assert lags == [staleness_schedule("uniform", s, t, rng) for t in range(14)]
+        assert 0 in lags[s:] and len(set(lags[s:])) > 1
+
+
 def test_optimizer_applies_the_stale_gradient_to_the_current_parameters():
     model = UserRegressor(lr=0.05)
     sim = StalenessSimulator(2)

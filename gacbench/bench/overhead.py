@@ -78,10 +78,12 @@ def shape_for_params(n: int) -> Qwen3Shape:
 
 
 def _interleaved(cases: dict[str, tuple[Callable[[], object], Callable[[], None]]], repeats: int,
-                 sync: Callable[[], None]) -> dict[str, float]:
+                 sync: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
     """Median wall time of each case's ``fn``, the cases run in turn within every repeat (so that
-    drifts in machine load hit them alike); each ``setup`` runs untimed before its ``fn``."""
+    drifts in machine load hit them alike); each ``setup`` runs untimed before its ``fn``. Also returns
+    each case's time in the first round, a warm-up left out of the medians (it includes any compile)."""
     times: dict[str, list[float]] = {name: [] for name in cases}
+    first: dict[str, float] = {}
     for i in range(repeats + 1):  # the first round is a warm-up
         for name, (fn, setup) in cases.items():
             setup()
@@ -89,9 +91,12 @@ def _interleaved(cases: dict[str, tuple[Callable[[], object], Callable[[], None]
             t0 = time.perf_counter()
             fn()
             sync()
+            elapsed = time.perf_counter() - t0
             if i:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+                times[name].append(elapsed)
+            else:
+                first[name] = elapsed
+    return {name: statistics.median(ts) for name, ts in times.items()}, first
 
 
 def run_overhead(
@@ -180,7 +185,7 @@ def run_overhead(
     floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
     if floors:
         cases.update({"read": (read_pass, lambda: None), "write": (write_pass, lambda: None)})
-    medians = _interleaved(cases, repeats, sync)
+    medians, first = _interleaved(cases, repeats, sync)
     adamw_s = medians["adamw"]
     record = {
         "params": sum(p.numel() for p in ps),
@@ -201,6 +206,9 @@ def run_overhead(
         record[f"{name}_over_adamw"] = (medians[name] - adamw_s * out.stepped) / adamw_s
         record[f"{name}_case"] = ACTION_NAMES[out.decision.action]
         record[f"{name}_took_the_step"] = out.stepped
+    for kernel in kernels:  # what the first round cost beyond a timed one: the compile, for the compiled paths
+        names = ["gac" + KERNEL_SUFFIX[kernel], "gac_keep" + KERNEL_SUFFIX[kernel]]
+        record[f"first_round_extra{KERNEL_SUFFIX[kernel] or '_eager'}_s"] = sum(first[n] - medians[n] for n in names)
     record.update({
         "read_pass_s": medians["read"] if floors else None,
         "write_pass_s": medians["write"] if floors else None,
@@ -215,6 +223,8 @@ def run_overhead(
 def main(args) -> int:
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
     record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape, kernels=kernels)
+    extra = ", ".join(f"{k} {record['first_round_extra' + (KERNEL_SUFFIX[k] or '_eager') + '_s']:.1f} s"
+                      for k in kernels)
     lines = [f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW "
              f"{record['adamw']}, buffer {record['buffer_dtype']})",
              f"  AdamW step           {record['adamw_step_s'] * 1e3:9.2f} ms (median of {record['repeats']})"]
@@ -229,6 +239,7 @@ def main(args) -> int:
                      f"g - alpha r pass {record['write_pass_s'] * 1e3:.2f} ms: keep >= "
                      f"{record['floor_keep_over_adamw']:.3f}, shrink >= {record['floor_project_over_adamw']:.3f} "
                      "of AdamW")
+    lines.append(f"  first round beyond a timed one (the compile, for compiled paths): {extra}")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:

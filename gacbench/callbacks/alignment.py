@@ -83,8 +83,12 @@ class AlignmentMonitor(Callback):
         if all(g is None for g in grads):
             return
         prev = self._prev.get([local(p.detach()) for p in params])
-        pairs = [(g, v) for g, v in zip(grads, prev.views) if g is not None]
-        scalars = agree(trainer, alignment_scalars([g for g, _ in pairs], [v for _, v in pairs]), is_sharded(trainer))
+        # c_t of the full vectors: a parameter without a gradient has g = 0, and its part of g_{t-1} counts in
+        # ||g_{t-1}||^2 (it is stored as zeros, below, when it has no gradient either)
+        live = [(g, v) for g, v in zip(grads, prev.views) if g is not None]
+        rest = [v for g, v in zip(grads, prev.views) if g is None]
+        scalars = alignment_scalars([g for g, _ in live], [v for _, v in live], ref_rest=rest)
+        scalars = agree(trainer, scalars, is_sharded(trainer))
         g_sq = float(scalars[1])
         c = cosine_from_scalars(scalars) if self.has_prev else float("nan")
         metrics = {"grad/norm": math.sqrt(g_sq) if g_sq >= 0 else float("nan")}

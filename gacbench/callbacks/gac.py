@@ -63,7 +63,10 @@ class GAC(Callback):
             (AdamW still moves on momentum); ``"skip"`` skips the step with a warning; ``"raise"``
             stops the run. The reference is kept either way.
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
-        kernels: ``"eager"`` (default), ``"compiled"``: the alignment scalars and the projection as two
+        kernels: ``"auto"`` (default): ``"fused-adamw"`` where its compile pays back within the run (from the
+            number of parameters and the run's optimizer steps, read when fit starts; see
+            :func:`gacbench.functional.kernels.choose_kernels`), else ``"eager"``; ``kernels_used`` tells which.
+            ``"eager"``, ``"compiled"``: the alignment scalars and the projection as two
             ``torch.compile`` kernels over the whole parameter list (gacbench.functional.kernels), or
             ``"fused-adamw"``: the compiled scalars, and, when the optimizer is a plain ``torch.optim.AdamW``
             and no gradient clipping or GradScaler acts after this hook, a shrunk or projected step taken
@@ -92,7 +95,7 @@ class GAC(Callback):
         on_zero_grad: str = "pass",
         warmup: int = 50,
         tol: float = 0.05,
-        kernels: str = "eager",
+        kernels: str = "auto",
     ) -> None:
         self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype, kernels)
         check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
@@ -105,6 +108,11 @@ class GAC(Callback):
     @property
     def reference(self) -> str:
         return self.transform.reference
+
+    @property
+    def kernels_used(self) -> str:
+        """The kernel path the steps run: ``kernels`` as given, or what ``"auto"`` chose when fit started."""
+        return self.transform.kernels
 
     @property
     @override
@@ -150,6 +158,11 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        if self.transform.requested_kernels == "auto":
+            # the run's total steps, not those left: a resumed run makes the same choice as the uninterrupted one
+            n_params = sum(p.numel() for p in self._params)  # the global count (a DTensor counts every shard)
+            steps = float(trainer.estimated_stepping_batches)
+            self.transform.choose_kernels_for(n_params, steps, self._params[0].device.type if self._params else "cpu")
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:

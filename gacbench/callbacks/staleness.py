@@ -95,6 +95,7 @@ class StalenessSimulator(Callback):
         self._params: list[torch.nn.Parameter] = []
         self._swapped = False
         self._was_swapped = False
+        self._in_window = False  # s_t has been drawn for the current optimizer step
         self._newest = -1  # the step t whose iterate is the newest in the history
         self._pending: list[torch.Tensor] | None = None
 
@@ -122,8 +123,9 @@ class StalenessSimulator(Callback):
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        if self.staleness == 0 or self._swapped:
-            return  # s = 0 is the identity; later micro-batches of a window reuse the swap
+        if self.staleness == 0 or self._in_window:
+            return  # s = 0 is the identity; later micro-batches of a window reuse the first one's s_t and iterate
+        self._in_window = True
         self._record_current()
         lag = staleness_schedule(self.schedule, self.staleness, self.step, self._rng, self.trace)
         lag = min(self._broadcast(trainer, lag), len(self._history) - 1)
@@ -138,6 +140,7 @@ class StalenessSimulator(Callback):
         if self.staleness == 0:
             return
         self._restore()
+        self._in_window = False
         self.step += 1
 
     # Validation or a checkpoint can fall inside an accumulation window: both see theta_t.

@@ -83,9 +83,11 @@ def _dot64(x: Tensor, y: Tensor) -> Tensor:
     return total
 
 
-def _sums(pairs: list[tuple[Tensor, Tensor]], products: tuple[str, ...]) -> Tensor:
+def _sums(pairs: list[tuple[Tensor, Tensor]], products: tuple[str, ...], rest: Sequence[Tensor] = ()) -> Tensor:
     """For each product in ``products`` ("xy", "xx", "yy"), its sum over the (x, y) pairs: a float64 tensor
-    of shape (len(products),), computed in one pass over the pairs.
+    of shape (len(products),), computed in one pass over the pairs. ``rest``: more y tensors whose x is zero,
+    which add to the "yy" sum only (their partials join its column, so the sum is still exactly rounded and
+    equals the one over the (x, y) pairs with those x written out as zeros).
 
     Each product of a tensor (of a block, on the CPU) is reduced in float32 (float64 for float64 tensors),
     with no float64 copy of the data; the partials are added exactly (``math.fsum``, one transfer to the
@@ -94,8 +96,9 @@ def _sums(pairs: list[tuple[Tensor, Tensor]], products: tuple[str, ...]) -> Tens
     exactly when the data are finite (for float32, bfloat16 and float16 tensors of any finite value; float64
     tensors overflow above ~1e154 in norm).
     """
-    device = pairs[0][0].device if pairs else torch.device("cpu")
-    if not pairs:
+    rest = [_flat(y) for y in rest] if "yy" in products else []
+    device = pairs[0][0].device if pairs else rest[0].device if rest else torch.device("cpu")
+    if not pairs and not rest:
         return torch.zeros(len(products), dtype=torch.float64, device=device)
     block = _CPU_BLOCK_PER_THREAD * torch.get_num_threads() if device.type == "cpu" and len(products) > 1 else None
     f32 = torch.float32
@@ -116,15 +119,22 @@ def _sums(pairs: list[tuple[Tensor, Tensor]], products: tuple[str, ...]) -> Tens
                     parts.append(torch.dot(xb, xb))
                 else:
                     parts.append(torch.dot(yb, yb))
+    n_pairs = len(parts)
+    for y in rest:  # the same blocks as a pair would have: the partials of the sum are the same
+        for yb in y.split(block) if block is not None and y.numel() > block else (y,):
+            if yb.dtype is not f32:
+                yb = _wide(yb, yb, scratch)[1]
+            parts.append(torch.dot(yb, yb))
     flat = torch.stack(parts).tolist()  # one transfer; float32 partials are exact as Python floats
     m, values = len(products), []
     for j, product in enumerate(products):
-        column = flat[j::m]
+        column = flat[j:n_pairs:m] + (flat[n_pairs:] if product == "yy" else [])
         if all(math.isfinite(v) for v in column):
             values.append(math.fsum(column))  # exactly rounded: independent of how the partials are grouped
         else:
             which = {"xy": lambda x, y: (x, y), "xx": lambda x, y: (x, x), "yy": lambda x, y: (y, y)}[product]
-            values.append(math.fsum(float(_dot64(*which(x, y))) for x, y in pairs))
+            extra = [(y, y) for y in rest] if product == "yy" else []
+            values.append(math.fsum(float(_dot64(*which(x, y))) for x, y in pairs + extra))
     return torch.tensor(values, dtype=torch.float64, device=device)
 
 
@@ -145,8 +155,15 @@ def sq_norm(xs: TensorList) -> Tensor:
     return _sums([(x, x) for x, _ in _flat_pairs(xs, xs)], ("xx",))[0]
 
 
-def alignment_scalars(grads: TensorList, ref: TensorList, ref_sq: Tensor | None = None) -> Tensor:
+def alignment_scalars(
+    grads: TensorList, ref: TensorList, ref_sq: Tensor | None = None, ref_rest: TensorList = ()
+) -> Tensor:
     """The three scalars the rule needs: ``tensor([<g, r>, ||g||^2, ||r||^2])`` (float64, shape (3,)).
+
+    The vectors are the full ones: ``ref_rest`` holds the reference's tensors of the parameters that have no
+    gradient this step (a branch the forward pass did not take). Their gradient is zero, so they add nothing
+    to <g, r> and ||g||^2, and their part of r counts in ||r||^2 (``ref_sq``, when given, must be that full
+    norm). ``ref_rest`` is read only when ``ref_sq`` is None.
 
     One pass over g and r: per tensor (per block of 128K elements per thread on the CPU, so that the
     second and third products find the block in cache) the products are reduced in float32 and added exactly in
@@ -158,7 +175,7 @@ def alignment_scalars(grads: TensorList, ref: TensorList, ref_sq: Tensor | None 
     """
     pairs = _flat_pairs(grads, ref)
     if ref_sq is None:
-        return _sums(pairs, ("xy", "xx", "yy"))
+        return _sums(pairs, ("xy", "xx", "yy"), ref_rest)
     sums = _sums(pairs, ("xy", "xx"))
     return torch.cat([sums, ref_sq.to(device=sums.device, dtype=torch.float64).reshape(1)])
 

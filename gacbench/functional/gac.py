@@ -31,6 +31,7 @@ from gacbench.functional.alignment import (
 )
 from gacbench.functional.kernels import (
     adamw_group_fusable,
+    choose_kernels,
     compiled_adamw_projected,
     compiled_available,
     compiled_project,
@@ -39,7 +40,8 @@ from gacbench.functional.kernels import (
 )
 
 REFERENCES = ("grad", "applied", "update", "ema")
-KERNELS = ("eager", "compiled", "fused-adamw")
+KERNELS = ("eager", "compiled", "fused-adamw")  # the kernel paths
+KERNEL_CHOICES = ("auto",) + KERNELS  # what GAC(kernels=...) takes: "auto" picks a path when fit starts
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -162,7 +164,7 @@ class GACTransform:
         kernels: str = "eager",
     ) -> None:
         validate_thresholds(c_low, c_high)
-        check_choice("GAC", "kernels", kernels, KERNELS)
+        check_choice("GAC", "kernels", kernels, KERNEL_CHOICES)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "reference", reference, REFERENCES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
@@ -171,8 +173,17 @@ class GACTransform:
         self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
         self.reference, self.ema_decay = reference, float(ema_decay)
         self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
-        self.kernels = kernels
+        self.requested_kernels = kernels
+        self.kernels = "eager" if kernels == "auto" else kernels  # the path step() runs; see choose_kernels_for
         self.state = GACState()
+
+    def choose_kernels_for(self, n_params: int, steps: float, device_type: str) -> str:
+        """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length
+        (:func:`~gacbench.functional.kernels.choose_kernels`); until then "auto" runs the eager path. Returns the
+        path; any other ``kernels`` stays as given."""
+        if self.requested_kernels == "auto":
+            self.kernels = choose_kernels(n_params, steps, device_type)
+        return self.kernels
 
     # -- the step -------------------------------------------------------------------------
     def step(
@@ -197,7 +208,25 @@ class GACTransform:
         the next reference. An optimizer this cannot take (see
         :func:`~gacbench.functional.kernels.adamw_group_fusable`) gets the compiled projection (float32
         reference) or the eager path.
+
+        A parameter without a gradient (a branch the forward pass did not take) has g = 0 in the rule: it adds
+        nothing to <g, r> and ||g||^2 and its part of the reference counts in ||r||^2, so the cosine, the
+        decision and alpha are those of the full vectors, on every reference and kernel path. It is left
+        without a gradient. The full-vector g - alpha r would be -alpha r there: nothing of this step's
+        gradient, only a push against the reference on a parameter the step did not use, which the optimizer
+        would also take as a step for it (AdamW's moments and weight decay would move a parameter it otherwise
+        leaves alone). The applied gradient is g - alpha r on the parameters that have a gradient; it keeps
+        <g~, g> = ||g||^2 - alpha <g, r> and ||g~|| <= ||g|| as for the full vector (g is zero elsewhere), and
+        gives up only <g~, r> = 0 after a projection: alpha ||r_rest||^2 remains, the part of the aligned
+        component that lies on the parameters without a gradient, which no edit of this step's gradient can
+        remove. The reference treats the missing gradient as zero too (``"grad"``: zero there; ``"ema"``:
+        decayed; ``"applied"``: zero, nothing was applied).
         """
+        # What stays inline is what every step runs once, in order: picking g, r and the path flags, reducing the
+        # scalars and the decision. The flags and lists are computed once here and handed down, and the steps
+        # that end early (a bad gradient, a step the fused kernel takes) return from here; moving this part into
+        # helpers would only pass the same values back and forth or evaluate a flag twice. Each path is a method:
+        # the scalars (_local_scalars), the fused AdamW step (_take_fused_step), the edit of g and r (_apply).
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
             return None
@@ -206,29 +235,22 @@ class GACTransform:
         if self.reference == "update" and st.has_ref:
             torch._foreach_sub_(ref, [local(p.detach()) for p in params])  # r = theta_{t-1} - theta_t
             st.ref_sq = None
-        # Parameters without a gradient this step take no part in it: g and r are restricted to the rest.
+        # The rule reads the full vectors: a parameter without a gradient this step (a branch not taken) has
+        # g = 0, so it adds nothing to <g, r> and ||g||^2, and its part of r counts in ||r||^2 (the cached
+        # ref_sq is that full norm). g and r below are the parameters with a gradient, ``rest`` r elsewhere.
+        everyone = len(live) == len(params)
         g = [local(params[i].grad) for i in live]
-        r = [ref[i] for i in live]
-        ref_sq = st.ref_sq if len(live) == len(params) else None
-        swap = swap and self.reference == "grad" and len(live) == len(params) and self._swappable(g, r)
-        compiled = self.kernels != "eager" and swap and ref_sq is not None and compiled_available()
+        r = ref if everyone else [ref[i] for i in live]
+        rest = () if everyone else [ref[i] for i in sorted(set(range(len(params))) - set(live))]
+        swap = swap and self.reference == "grad" and everyone and self._swappable(g, r)
+        compiled = self.kernels != "eager" and swap and st.ref_sq is not None and compiled_available()
         # fused-adamw with a lower-precision reference: GAC takes every (unskipped) AdamW step and stores g,
         # rounded, as the next reference in the same pass
         lowp = (self.kernels == "fused-adamw" and self.reference == "grad" and keep_alias and optimizer is not None
-                and len(live) == len(params) and compiled_available()
+                and everyone and compiled_available()
                 and all(type(gi) is torch.Tensor and gi.dtype == torch.float32
                         and ri.dtype in (torch.bfloat16, torch.float16) for gi, ri in zip(g, r)))
-        local_scalars = None
-        if compiled:  # one compiled pass; a non-finite sum is left to the eager path, which tells overflow from inf
-            two = compiled_scalars(g, r)
-            if two is not None and bool(torch.isfinite(two).all()):
-                local_scalars = torch.cat([two, ref_sq.to(device=two.device, dtype=torch.float64).reshape(1)])
-        elif lowp:
-            three = compiled_scalars_lowp(g, r)
-            if three is not None and bool(torch.isfinite(three).all()):
-                local_scalars = three
-        if local_scalars is None:
-            local_scalars = alignment_scalars(g, r, ref_sq)
+        local_scalars = self._local_scalars(g, r, rest, compiled, lowp)
         scalars = reduce(local_scalars.clone())  # a collective may work in place
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
@@ -240,31 +262,71 @@ class GACTransform:
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
-        if (swap and alpha and compiled and keep_alias and optimizer is not None and self.kernels == "fused-adamw"
-                and adamw_group_fusable(optimizer, list(params))
-                and compiled_adamw_projected(optimizer, g, r, alpha)):
-            st.ref, st.ref_sq, st.has_ref = list(g), local_scalars[1], True  # the raw gradient, as with swap
-            self.skip(params)  # the step is taken: the optimizer's own step must not move anything
+        if (self.kernels == "fused-adamw" and optimizer is not None and keep_alias and (compiled or lowp)
+                and self._take_fused_step(params, optimizer, g, r, alpha, skipped, compiled, local_scalars)):
             return GACStep(decision, g_sq, stepped=True)
-        if (lowp and not skipped and adamw_group_fusable(optimizer, list(params))
-                and compiled_adamw_projected(optimizer, g, r, alpha, write_ref=True)):
-            st.ref_sq, st.has_ref = None, True  # r now holds g, rounded: its norm is taken with the next products
-            self.skip(params)
-            return GACStep(decision, g_sq, stepped=True)
-        if swap:
-            self._step_swapping(params, g, r, alpha, skipped, keep_alias, compiled)
-            st.ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
-        else:
-            if alpha:
-                project_(g, r, decision.coef, g_dot_r, r_sq)
-            self._update_reference(params, live, g, r, alpha, skipped)
-            copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
-            if copied and not alpha and len(live) == len(params) and g[0].dtype == r[0].dtype:
-                st.ref_sq = local_scalars[1]  # r is an exact copy of g: its norm is known
+        self._apply(params, live, g, r, decision, g_dot_r, r_sq, alpha, swap, keep_alias, compiled, local_scalars)
         if skipped:
             self.skip(params)
         st.has_ref = True
         return GACStep(decision, g_sq)
+
+    def _local_scalars(self, g: list[Tensor], r: list[Tensor], rest: Sequence[Tensor], compiled: bool,
+                       lowp: bool) -> Tensor:
+        """This rank's ``tensor([<g, r>, ||g||^2, ||r||^2])``: one compiled pass where ``compiled`` (the cached
+        ||r||^2 appended) or ``lowp`` (all three), else the eager one; a compiled sum that is not finite is
+        left to the eager path, which tells a float32 overflow from a real inf/NaN."""
+        ref_sq = self.state.ref_sq
+        if compiled:
+            two = compiled_scalars(g, r)
+            if two is not None and bool(torch.isfinite(two).all()):
+                return torch.cat([two, ref_sq.to(device=two.device, dtype=torch.float64).reshape(1)])
+        elif lowp:
+            three = compiled_scalars_lowp(g, r)
+            if three is not None and bool(torch.isfinite(three).all()):
+                return three
+        return alignment_scalars(g, r, ref_sq, rest)
+
+    def _take_fused_step(self, params, optimizer, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool,
+                         compiled: bool, local_scalars: Tensor) -> bool:
+        """``kernels="fused-adamw"``: take the optimizer's AdamW step here, on g - alpha r, when the optimizer
+        allows it (:func:`~gacbench.functional.kernels.adamw_group_fusable`): a changed step with a float32
+        reference (``compiled``), every unskipped step with a lower-precision one (then the same pass stores g,
+        rounded, as the next reference). Every ``p.grad`` is then None, so the optimizer's own step does
+        nothing. False, with nothing changed, where the step is left to the optimizer."""
+        st = self.state
+        if compiled:
+            if not (alpha and adamw_group_fusable(optimizer, list(params))
+                    and compiled_adamw_projected(optimizer, g, r, alpha)):
+                return False
+            st.ref, st.ref_sq = list(g), local_scalars[1]  # the raw gradient is the reference, as with swap
+        else:
+            if skipped or not (adamw_group_fusable(optimizer, list(params))
+                               and compiled_adamw_projected(optimizer, g, r, alpha, write_ref=True)):
+                return False
+            st.ref_sq = None  # r now holds g, rounded: its norm is taken with the next products
+        st.has_ref = True
+        self.skip(params)  # the step is taken: the optimizer's own step must not move anything
+        return True
+
+    def _apply(self, params, live: list[int], g: list[Tensor], r: list[Tensor], decision: GACDecision,
+               g_dot_r: float, r_sq: float, alpha: float, swap: bool, keep_alias: bool, compiled: bool,
+               local_scalars: Tensor) -> None:
+        """Turn ``p.grad`` into g - alpha r and move the reference to this step, by swapping storage (``swap``)
+        or in place. A parameter without a gradient keeps none: see :meth:`step`."""
+        st = self.state
+        if swap:
+            self._step_swapping(params, g, r, alpha, decision.action == SKIP, keep_alias, compiled)
+            st.ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
+            return
+        if alpha:
+            project_(g, r, decision.coef, g_dot_r, r_sq)
+        skipped = decision.action == SKIP
+        self._update_reference(params, live, g, r, alpha, skipped)
+        copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
+        if copied and not alpha and g[0].dtype == r[0].dtype:
+            # r is an exact copy of g (zero where a parameter has no gradient): its norm is ||g||^2
+            st.ref_sq = local_scalars[1]
 
     def _step_swapping(
         self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool,

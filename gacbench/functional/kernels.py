@@ -28,6 +28,7 @@ overflow, or a real inf/NaN in g) is recomputed by the eager path, which tells t
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import warnings
 from typing import Callable
@@ -291,3 +292,27 @@ def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tenso
 def compiled_available() -> bool:
     """False once a compile has failed in this process."""
     return not _FAILED
+
+
+# kernels="auto": measured with `gacbench overhead --kernels eager,fused-adamw` (docs/callbacks.md, "Choosing the
+# kernels"). The compile of the fused path costs a fixed time per process (59-334 s cold on the shared 2-core test
+# machine); at 20M parameters the kept step, the branch it speeds up least, saved 3.3-31 ms per step, which puts
+# the crossover at 1.3e11 to 3.6e11 parameters x steps (three runs). At 5M and 10M the compiled kept step was
+# slower than the eager one in three runs of four, so the rule asks for the smallest size measured faster: the
+# benchmark's 20M shape (19.99M parameters), rounded down.
+AUTO_COMPILE_PARAM_STEPS = 4.0e11
+AUTO_MIN_PARAMS = 19_000_000
+
+
+def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str:
+    """What ``GAC(kernels="auto")`` runs: ``"fused-adamw"`` where its compile pays back within the run, else
+    ``"eager"``.
+
+    ``n_params``: the elements GAC reads (the optimizer's parameters); ``steps``: the run's optimizer steps,
+    known when fit starts (``trainer.estimated_stepping_batches``; inf for a run without an end). The compile
+    costs a fixed time per process and saves a time per step that grows with the model: it pays back when
+    ``n_params >= AUTO_MIN_PARAMS`` and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps
+    are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured."""
+    if device_type != "cpu" or not (0 < steps < math.inf) or n_params < AUTO_MIN_PARAMS:
+        return "eager"
+    return "fused-adamw" if n_params * steps >= AUTO_COMPILE_PARAM_STEPS else "eager"

@@ -1,13 +1,21 @@
 """Stabilizers by name: the built-ins plus every class that an installed package declares in the
-entry-point group ``gacbench.stabilizers`` (``name = "package.module:Class"`` in its pyproject)."""
+entry-point group ``gacbench.stabilizers`` (``name = "package.module:Class"`` in its pyproject).
+
+A plug-in whose entry point cannot be loaded (its module raises on import, or lacks the class) is left
+out with one warning naming it, its module and the error; the built-ins and the other plug-ins stay
+available."""
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+import warnings
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 ENTRY_POINT_GROUP = "gacbench.stabilizers"
 KINDS = ("gradient", "loss")
+
+# entry point (name, value) -> the error it raised on load; each is warned about once per process
+_BROKEN: dict[tuple[str, str], str] = {}
 
 
 def _builtins() -> dict[str, type]:
@@ -32,7 +40,9 @@ def available() -> dict[str, dict[str, Any]]:
         if ep.name in found:
             raise ValueError(f"stabilizer {ep.name!r} is declared twice: by {found[ep.name]['source']} and by "
                              f"{ep.value} (entry point group {ENTRY_POINT_GROUP}); rename one of them")
-        found[ep.name] = {"cls": ep.load(), "source": ep.value}
+        cls = _load(ep)
+        if cls is not None:
+            found[ep.name] = {"cls": cls, "source": ep.value}
     for name, info in found.items():
         kind = getattr(info["cls"], "kind", None)
         if kind not in KINDS:
@@ -42,3 +52,26 @@ def available() -> dict[str, dict[str, Any]]:
         doc = " ".join((info["cls"].__doc__ or "").split())
         info["help"] = doc.split(". ")[0].rstrip(".") + "." if doc else ""
     return found
+
+
+def _load(ep: EntryPoint) -> type | None:
+    """The class an entry point names, or None (warned once) when loading it raises."""
+    try:
+        return ep.load()
+    except Exception as exc:  # noqa: BLE001  (whatever a third-party module raises on import)
+        key = (ep.name, ep.value)
+        if key not in _BROKEN:
+            _BROKEN[key] = f"{type(exc).__name__}: {exc}"
+            dist = getattr(getattr(ep, "dist", None), "name", None)
+            package = f" of the package {dist!r}" if dist else ""
+            warnings.warn(
+                f"stabilizer plug-in {ep.name!r}{package} (entry point group {ENTRY_POINT_GROUP}: module "
+                f"{ep.module!r}, {ep.value}) failed to load and is left out: {_BROKEN[key]}. The built-in "
+                "stabilizers and the other plug-ins are available; fix or uninstall that package to use it.",
+                RuntimeWarning, stacklevel=3)
+        return None
+
+
+def broken() -> dict[str, str]:
+    """The plug-ins left out so far in this process: entry point name -> the error its load raised."""
+    return {name: error for (name, _), error in _BROKEN.items()}

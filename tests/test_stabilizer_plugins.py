@@ -1,0 +1,75 @@
+"""A stabilizer plug-in that cannot be loaded is left out with one warning naming it; the built-ins, the other
+plug-ins, `gacbench stabilizers` and the loss-side methods keep working."""
+
+import subprocess
+import sys
+import warnings
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from gacbench.methods import method_callbacks
+from gacbench.stabilizers import registry
+from gacbench.stabilizers.registry import ENTRY_POINT_GROUP, available
+
+BUILTINS = {"gac", "m2po", "bapo", "tis", "decoupled-ppo", "dual-clip", "gspo", "cispo", "tis-engine", "mis",
+            "icepop", "vcpo"}
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """Three fake entry points: a module that raises on import, a missing class, and a working plug-in."""
+    (tmp_path / "raising_plugin.py").write_text("raise RuntimeError('this plug-in needs a GPU driver')\n")
+    (tmp_path / "good_plugin.py").write_text(
+        "from gacbench.stabilizers.ppo import GSPO\n\nclass Good(GSPO):\n    \"\"\"A working plug-in.\"\"\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [EntryPoint("raises", "raising_plugin:Stab", ENTRY_POINT_GROUP),
+           EntryPoint("no-class", "good_plugin:Missing", ENTRY_POINT_GROUP),
+           EntryPoint("good", "good_plugin:Good", ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep for ep in eps if ep.group == group])
+    monkeypatch.setattr(registry, "_BROKEN", {})
+
+
+def test_a_plugin_that_fails_to_load_is_left_out_with_one_warning_naming_it(plugins):
+    with pytest.warns(RuntimeWarning) as caught:
+        found = available()
+    assert BUILTINS | {"good"} == set(found) and found["good"]["kind"] == "loss"
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2  # one per broken plug-in
+    raises = next(m for m in messages if "'raises'" in m)
+    assert "'raising_plugin'" in raises and "RuntimeError: this plug-in needs a GPU driver" in raises
+    missing = next(m for m in messages if "'no-class'" in m)
+    assert "'good_plugin'" in missing and "AttributeError" in missing and "Missing" in missing
+    assert set(registry.broken()) == {"raises", "no-class"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same broken plug-ins are not warned about again
+        assert set(available()) == set(found)
+
+
+def test_loss_side_methods_work_beside_a_broken_plugin(plugins):
+    with pytest.warns(RuntimeWarning, match="raises"):
+        callbacks = method_callbacks("gac+m2po")
+    assert [type(cb).__name__ for cb in callbacks] == ["GAC", "M2PO"]
+    assert type(method_callbacks("good")[0]).__name__ == "Good"
+    with pytest.raises(ValueError, match="unknown method 'raises'"):
+        method_callbacks("raises")
+
+
+def test_the_stabilizers_command_lists_the_rest_and_names_the_broken_plugin(tmp_path):
+    site = tmp_path / "site"
+    (site / "brokenplugin").mkdir(parents=True)
+    (site / "brokenplugin" / "__init__.py").write_text("import a_module_that_is_not_installed\n")
+    dist = site / "brokenplugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenplugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nbroken = brokenplugin:Stab\n")
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-m", "gacbench.cli", "stabilizers"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert {line.split()[0] for line in run.stdout.splitlines()} == BUILTINS
+    assert "Traceback" not in run.stderr
+    warned = [line for line in run.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 1
+    assert all(s in warned[0] for s in ("'broken'", "'brokenplugin'", "ModuleNotFoundError",
+                                        "a_module_that_is_not_installed"))
