@@ -1,0 +1,56 @@
+"""Off-policy diagnostics of a rollout batch at the update, as pure functions of log importance ratios.
+
+With w = pi_theta / pi_behav (the current policy over the policy that generated the tokens):
+
+- ``ess_fraction(log_w)`` = (sum w)^2 / (N sum w^2), the effective sample size over N: 1 when every weight is
+  equal (on-policy), 1/N when one weight carries everything;
+- ``chi2(log_w)`` = mean(w^2) - 1, the chi-square divergence chi^2(pi_theta || pi_behav) estimated on the
+  samples (0 on-policy; it is the variance of w when mean(w) = 1).
+
+``importance_diagnostics(log_ratio, mask)`` takes both at two levels: over response tokens (w_t = exp of each
+token's log-ratio) and over sequences, where a sequence's importance weight is the product of its token
+ratios, w_seq = exp(sum_t log-ratio_t) (not the length-normalised geometric mean).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def ess_fraction(log_w: Tensor) -> Tensor:
+    """(sum w)^2 / (N sum w^2) for weights w = exp(log_w) of shape (N,), as a 0-d float64 tensor; NaN for N = 0.
+
+    Computed from log_w - max(log_w) (the fraction does not change when every weight is scaled), so that
+    large log-weights do not overflow."""
+    log_w = log_w.detach().double().reshape(-1)
+    if log_w.numel() == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64)
+    w = torch.exp(log_w - log_w.max())
+    return w.sum() ** 2 / (log_w.numel() * (w * w).sum())
+
+
+def chi2(log_w: Tensor) -> Tensor:
+    """mean(w^2) - 1 for weights w = exp(log_w) of shape (N,), as a 0-d float64 tensor (inf when w^2 overflows
+    float64, i.e. a log-weight above 354); NaN for N = 0."""
+    log_w = log_w.detach().double().reshape(-1)
+    if log_w.numel() == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64)
+    return torch.exp(2.0 * log_w).mean() - 1.0
+
+
+def importance_diagnostics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """``is/ess_frac``, ``is/chi2`` over the response tokens, and ``is/ess_frac_seq``, ``is/chi2_seq`` over the
+    sequences that have at least one response token.
+
+    log_ratio: (B, T) log pi_theta - log pi_behav per token; mask: (B, T), 1 on response tokens. Padding
+    positions are ignored whatever they hold."""
+    if log_ratio.shape != mask.shape:
+        raise ValueError(f"importance_diagnostics: log_ratio {tuple(log_ratio.shape)} and mask {tuple(mask.shape)} "
+                         "must have the same shape")
+    m = mask.detach().bool()
+    lr = log_ratio.detach().double()
+    tokens = lr[m]
+    seq = torch.where(m, lr, torch.zeros_like(lr)).sum(-1)[m.any(-1)]
+    return {"is/ess_frac": ess_fraction(tokens), "is/chi2": chi2(tokens),
+            "is/ess_frac_seq": ess_fraction(seq), "is/chi2_seq": chi2(seq)}
