@@ -319,6 +319,20 @@ class AlignmentMonitorHook(_StepHook):
 _GAC_SETTINGS = frozenset(inspect.signature(GACHook.__init__).parameters) - {"self", "optimizer"}
 
 
+def _check_known(settings: dict[str, Any]) -> None:
+    unknown = sorted(set(settings) - _GAC_SETTINGS)
+    if unknown:
+        raise UsageError(f"attach_gac: unknown setting(s) {', '.join(unknown)}; the settings are "
+                         f"{', '.join(sorted(_GAC_SETTINGS))}")
+
+
+def check_gac_settings(settings: dict[str, Any]) -> None:
+    """Raise a UsageError naming the first bad or unknown setting of :func:`attach_gac`, without an optimizer."""
+    _check_known(settings)
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    GACHook(probe, **settings).remove()
+
+
 def attach_gac(optimizer: torch.optim.Optimizer, **settings: Any) -> GACHook:
     """Run Gradient Alignment Control inside every ``optimizer.step()`` (a step pre-hook).
 
@@ -331,10 +345,7 @@ def attach_gac(optimizer: torch.optim.Optimizer, **settings: Any) -> GACHook:
     Returns the :class:`GACHook` (``.metrics``, ``.action``, ``.summary()``, ``state_dict()``,
     ``load_state_dict()``, ``remove()``).
     """
-    unknown = sorted(set(settings) - _GAC_SETTINGS)
-    if unknown:
-        raise UsageError(f"attach_gac: unknown setting(s) {', '.join(unknown)}; the settings are "
-                         f"{', '.join(sorted(_GAC_SETTINGS))}")
+    _check_known(settings)
     return GACHook(optimizer, **settings)
 
 
