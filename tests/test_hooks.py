@@ -229,6 +229,36 @@ def test_grad_scaler_hands_the_hook_unscaled_gradients_and_skips_overflow_steps(
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 
+def test_a_fused_optimizer_under_grad_scaler_needs_unscale_first():
+    """A fused AdamW takes the scaler's scale and found_inf into its own step: without unscale_ the hook would see
+    scaled gradients (refused); after unscale_ it sees the true ones, and an overflow step is left alone."""
+    model = regressor()
+    batch = next(iter(model.train_dataloader()))
+    raw = torch.autograd.grad(model.loss_fn(batch), list(model.parameters()))
+    norm = math.sqrt(sum(float((g * g).sum()) for g in raw))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    attach_gac(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(model.loss_fn(batch)).backward()
+    with pytest.raises(UsageError, match=r"scaler.unscale_\(optimizer\) before scaler.step"):
+        scaler.step(opt)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    hook = attach_gac(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for loss_scale in (1.0, float("inf")):
+        opt.zero_grad()
+        scaler.scale(model.loss_fn(batch) * loss_scale).backward()
+        scaler.unscale_(opt)
+        before = flat_params(model).clone()
+        scaler.step(opt)
+        scaler.update()
+        if loss_scale == 1.0:
+            assert hook.steps == 1 and hook.metrics["grad/norm"] == pytest.approx(norm, rel=1e-6)
+    assert hook.steps == 1 and hook.metrics == {} and torch.equal(flat_params(model), before)
+
+
 def test_state_dict_resumes_exactly():
     full = regressor()
     opt = full.configure_optimizers()
@@ -293,41 +323,61 @@ def test_adding_parameters_after_attaching_is_refused():
 
 # -- torch.distributed: 2 ranks on gloo against 1 process -------------------------------------------------------
 
-def _ddp_worker(rank: int, world: int, port: int, steps: int, queue) -> None:
+def _dist_worker(rank: int, world: int, port: int, steps: int, wrap: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = regressor()
-    ddp = torch.nn.parallel.DistributedDataParallel(model.net)
+    if wrap == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model.net)
+    else:  # FSDP2: parameters and gradients are DTensor shards
+        from torch.distributed.fsdp import fully_shard
+
+        net = fully_shard(model.net)
     optimizer = model.configure_optimizers()
     hook = attach_gac(optimizer, **SETTINGS)
-    calls = []
-    broadcast = dist.broadcast
-    dist.broadcast = lambda *a, **k: (calls.append(1), broadcast(*a, **k))[1]
+    calls = []  # the hook's collectives: one 3-element float64 tensor per step
+    originals = {name: getattr(dist, name) for name in ("broadcast", "all_reduce")}
+
+    def counting(name):
+        def call(tensor, *a, **k):
+            if tensor.dtype == torch.float64 and tensor.numel() == 3:
+                calls.append(name)
+            return originals[name](tensor, *a, **k)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
     batches = list(model.train_dataloader())
     actions, cos = [], []
     for t in range(steps):
         x, y = batches[t % len(batches)]
         half = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[half]), y[half]).backward()
+        torch.nn.functional.mse_loss(net(x[half]), y[half]).backward()
         optimizer.step()
         actions.append(hook.action)
         cos.append(hook.metrics.get("align/cos"))
-    dist.broadcast = broadcast
-    queue.put((rank, actions, cos, flat_params(model).tolist(), len(calls)))
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+    params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                        for p in model.parameters()])
+    queue.put((rank, actions, cos, params.tolist(), calls))
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ddp_two_ranks_agree_and_match_one_process():
-    steps, world = 30, 2
+@pytest.mark.parametrize("wrap,collective", [("ddp", "broadcast"), ("fsdp2", "all_reduce")])
+def test_two_ranks_agree_and_match_one_process(wrap, collective):
+    """DDP (replicated gradients: rank 0's scalars are broadcast) and FSDP2 fully_shard (DTensor gradient shards:
+    the partial scalars are summed), each with half the batch per rank, against one process with all of it."""
+    steps, world = 30 if wrap == "ddp" else 12, 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, world, port, steps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_dist_worker, args=(r, world, port, steps, wrap, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = sorted(queue.get(timeout=240) for _ in range(world))
@@ -335,7 +385,7 @@ def test_ddp_two_ranks_agree_and_match_one_process():
         p.join(timeout=60)
     (_, a0, c0, p0, n0), (_, a1, c1, p1, n1) = results
     assert a0 == a1 and c0 == c1 and p0 == p1  # every rank took the same decision from the same scalars
-    assert n0 == n1 == steps  # one collective per optimizer step
+    assert n0 == n1 == [collective] * steps  # one collective per optimizer step
 
     model = regressor()
     optimizer = model.configure_optimizers()
@@ -348,6 +398,6 @@ def test_ddp_two_ranks_agree_and_match_one_process():
         optimizer.step()
         actions.append(hook.action)
         cos.append(hook.metrics.get("align/cos"))
-    assert a0 == actions and {"keep", "shrink", "project"} <= set(actions)
+    assert a0 == actions and {"keep", "project"} <= set(actions)
     assert c0[1:] == pytest.approx(cos[1:], abs=1e-5)
     torch.testing.assert_close(torch.tensor(p0), flat_params(model), rtol=1e-4, atol=1e-5)
