@@ -36,6 +36,9 @@ def test_large_log_weights_do_not_overflow_the_ess():
     log_w = torch.tensor([1000.0, 1000.0 + math.log(2.0)], dtype=torch.float64)  # w = e^1000 * (1, 2)
     assert float(ess_fraction(log_w)) == pytest.approx(9 / (2 * 5), rel=1e-12)
     assert math.isinf(float(chi2(log_w)))
+    # e^710 overflows float64 but mean(w^2) = e^710 / 100 does not
+    log_w = torch.tensor([355.0] + [-1e4] * 99, dtype=torch.float64)
+    assert float(chi2(log_w)) == pytest.approx(math.exp(710 - math.log(100)), rel=1e-12)
 
 
 def test_empty_and_mismatched_inputs():

@@ -18,25 +18,44 @@ import torch
 from torch import Tensor
 
 
+def _moments(log_w: Tensor) -> tuple[Tensor, Tensor, Tensor, int] | None:
+    """(m, sum w', sum w'^2, N) with w' = exp(log_w - m), m = max(log_w), in float64; None for N = 0."""
+    log_w = log_w.detach().reshape(-1)
+    if log_w.numel() == 0:
+        return None
+    m = log_w.max().double()
+    w = torch.exp(log_w.double() - m)
+    return m, w.sum(), (w * w).sum(), log_w.numel()
+
+
+def _nan() -> Tensor:
+    return torch.tensor(float("nan"), dtype=torch.float64)
+
+
+def _ess(mo) -> Tensor:
+    m, s1, s2, n = mo
+    return s1 * s1 / (n * s2)
+
+
+def _chi2(mo) -> Tensor:
+    m, s1, s2, n = mo
+    return torch.exp(2.0 * m + torch.log(s2 / n)) - 1.0  # mean(w^2) = e^(2m) mean(w'^2), taken in log space
+
+
 def ess_fraction(log_w: Tensor) -> Tensor:
     """(sum w)^2 / (N sum w^2) for weights w = exp(log_w) of shape (N,), as a 0-d float64 tensor; NaN for N = 0.
 
     Computed from log_w - max(log_w) (the fraction does not change when every weight is scaled), so that
     large log-weights do not overflow."""
-    log_w = log_w.detach().double().reshape(-1)
-    if log_w.numel() == 0:
-        return torch.tensor(float("nan"), dtype=torch.float64)
-    w = torch.exp(log_w - log_w.max())
-    return w.sum() ** 2 / (log_w.numel() * (w * w).sum())
+    mo = _moments(log_w)
+    return _nan() if mo is None else _ess(mo)
 
 
 def chi2(log_w: Tensor) -> Tensor:
-    """mean(w^2) - 1 for weights w = exp(log_w) of shape (N,), as a 0-d float64 tensor (inf when w^2 overflows
-    float64, i.e. a log-weight above 354); NaN for N = 0."""
-    log_w = log_w.detach().double().reshape(-1)
-    if log_w.numel() == 0:
-        return torch.tensor(float("nan"), dtype=torch.float64)
-    return torch.exp(2.0 * log_w).mean() - 1.0
+    """mean(w^2) - 1 for weights w = exp(log_w) of shape (N,), as a 0-d float64 tensor (inf when mean(w^2)
+    overflows float64: a log-weight above about 355); NaN for N = 0."""
+    mo = _moments(log_w)
+    return _nan() if mo is None else _chi2(mo)
 
 
 def importance_diagnostics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -44,13 +63,16 @@ def importance_diagnostics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]
     sequences that have at least one response token.
 
     log_ratio: (B, T) log pi_theta - log pi_behav per token; mask: (B, T), 1 on response tokens. Padding
-    positions are ignored whatever they hold."""
+    positions are ignored whatever they hold. Sums are taken in float64."""
     if log_ratio.shape != mask.shape:
         raise ValueError(f"importance_diagnostics: log_ratio {tuple(log_ratio.shape)} and mask {tuple(mask.shape)} "
                          "must have the same shape")
     m = mask.detach().bool()
-    lr = log_ratio.detach().double()
-    tokens = lr[m]
-    seq = torch.where(m, lr, torch.zeros_like(lr)).sum(-1)[m.any(-1)]
-    return {"is/ess_frac": ess_fraction(tokens), "is/chi2": chi2(tokens),
-            "is/ess_frac_seq": ess_fraction(seq), "is/chi2_seq": chi2(seq)}
+    lr = log_ratio.detach()
+    seq = torch.where(m, lr, torch.zeros((), dtype=lr.dtype, device=lr.device)).sum(-1, dtype=torch.float64)
+    out = {}
+    for suffix, log_w in (("", lr[m]), ("_seq", seq[m.any(-1)])):
+        mo = _moments(log_w)
+        out[f"is/ess_frac{suffix}"] = _nan() if mo is None else _ess(mo)
+        out[f"is/chi2{suffix}"] = _nan() if mo is None else _chi2(mo)
+    return out
