@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gacbench.rollout.diagnostics import chi2, ess_fraction, importance_diagnostics
+from gacbench.rollout.diagnostics import chi2, diagnostics_by_lag, ess_fraction, importance_diagnostics
 
 
 def test_token_and_sequence_statistics_by_hand():
@@ -47,6 +47,45 @@ def test_empty_and_mismatched_inputs():
     assert all(math.isnan(float(v)) for v in out.values())
     with pytest.raises(ValueError, match="same shape"):
         importance_diagnostics(torch.zeros(2, 3), torch.ones(2, 4))
+
+
+def test_by_lag_splits_the_batch_by_each_samples_lag():
+    w = torch.tensor([[1.0, 2.0], [0.5, 9.0], [4.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    out = diagnostics_by_lag(w.log(), mask, torch.tensor([0, 2, 0]))
+    assert set(out) == {"is/behav_current_kl/lag0", "is/ess_frac/lag0", "is/behav_current_kl/lag2",
+                        "is/ess_frac/lag2"}
+    # lag 0: rows 0 and 2, w = 1, 2, 4, 1; lag 2: row 1's only response token, w = 0.5
+    assert float(out["is/behav_current_kl/lag0"]) == pytest.approx(-math.log(8.0) / 4, rel=1e-12)
+    assert float(out["is/ess_frac/lag0"]) == pytest.approx(64 / (4 * 22), rel=1e-12)
+    assert float(out["is/behav_current_kl/lag2"]) == pytest.approx(math.log(2.0), rel=1e-12)
+    assert float(out["is/ess_frac/lag2"]) == 1.0
+    with pytest.raises(ValueError, match="one lag per row"):
+        diagnostics_by_lag(w.log(), mask, torch.tensor([0, 1]))
+
+
+def test_a_uniform_lag_grpo_run_logs_the_diagnostics_of_its_lag(tiny_llm_dir):
+    """rollout.mode uniform: one lag per step; that lag's bucket is the whole batch, so its KL is the batch's."""
+    from conftest import TINY_TASK, make_trainer
+
+    from gacbench.llm.grpo import GRPOModule
+
+    m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, task=dict(TINY_TASK),
+                   rollout={"prompts": 4, "group": 4, "max_tokens": 4, "mode": "uniform", "max_staleness": 2},
+                   lr=3e-3, steps=6, eval_every=10**6)
+    trainer = make_trainer([], max_steps=6)
+    trainer.fit(m)
+    series = trainer.logger.series
+    lags = dict(series["stale/lag"])
+    assert len(set(lags.values())) > 1
+    total = dict(series["is/behav_current_kl"])
+    for step, lag in lags.items():
+        by_lag = dict(series[f"is/behav_current_kl/lag{int(lag)}"])
+        assert by_lag[step] == pytest.approx(total[step], rel=1e-6, abs=1e-9)
+        assert 0.0 < dict(series[f"is/ess_frac/lag{int(lag)}"])[step] <= 1.0
+    for key in series:  # no bucket for a lag that step did not have
+        if key.startswith("is/ess_frac/lag"):
+            assert all(lags[step] == int(key.rsplit("lag", 1)[1]) for step, _ in series[key])
 
 
 def test_a_stale_grpo_run_logs_the_diagnostics_in_metrics_csv(tiny_llm_dir, tmp_path):

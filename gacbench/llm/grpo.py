@@ -47,7 +47,7 @@ from gacbench.llm.model import load
 from gacbench.llm.tasks import TaskConfig, build_task, reward_fn
 from gacbench.objectives.base import Objective
 from gacbench.rollout.advantages import advantage_fn
-from gacbench.rollout.diagnostics import importance_diagnostics
+from gacbench.rollout.diagnostics import diagnostics_by_lag, importance_diagnostics
 from gacbench.rollout.engines import Rollout, check_sync, discard_engine
 from gacbench.rollout.queue import StaleRolloutQueue
 from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, agg_loss, policy_loss, resolve_loss_stabilizer
@@ -340,6 +340,7 @@ class GRPOModule(Objective):
 
             del metrics["is/engine_mismatch_kl"]
             metrics.update(logprob_gaps(logp.detach(), data))
+            metrics.update(diagnostics_by_lag(logp.detach() - logp_behav, mask, data["sample_lag"]))
         if lc.kl_coef > 0:
             kl = self.kl_to_reference(logp, data["logp_ref"], pb.mask)
             loss = loss + lc.kl_coef * kl

@@ -76,3 +76,24 @@ def importance_diagnostics(log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]
         out[f"is/ess_frac{suffix}"] = _nan() if mo is None else _ess(mo)
         out[f"is/chi2{suffix}"] = _nan() if mo is None else _chi2(mo)
     return out
+
+
+def diagnostics_by_lag(log_ratio: Tensor, mask: Tensor, lag: Tensor) -> dict[str, Tensor]:
+    """The batch split by each sample's realised lag k (asynchronous rollouts): ``is/behav_current_kl/lag{k}`` =
+    E[-log_ratio] = E[log pi_behav - log pi_theta] and ``is/ess_frac/lag{k}`` over the response tokens of the
+    samples of lag k, for each k present in the batch.
+
+    log_ratio, mask: (B, T) as in :func:`importance_diagnostics`; lag: (B,) integer lags."""
+    if lag.shape != log_ratio.shape[:1]:
+        raise ValueError(f"diagnostics_by_lag: lag {tuple(lag.shape)} must hold one lag per row of log_ratio "
+                         f"{tuple(log_ratio.shape)}")
+    m = mask.detach().bool()
+    lr = log_ratio.detach()
+    out = {}
+    for k in sorted(set(lag.tolist())):
+        log_w = lr[m & (lag == k).unsqueeze(-1)]
+        if log_w.numel() == 0:
+            continue
+        out[f"is/behav_current_kl/lag{k}"] = -log_w.double().mean()
+        out[f"is/ess_frac/lag{k}"] = ess_fraction(log_w)
+    return out
