@@ -45,6 +45,11 @@ def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return out
 
 
+def _n_listed(optimizer: torch.optim.Optimizer) -> int:
+    """How many parameter entries the param groups list (a cheap per-step check that none was added)."""
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
 def _check_optimizer(optimizer: Any, who: str) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"{who}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; pass the "
@@ -111,6 +116,7 @@ class _StepHook:
                              "torch.distributed.init_process_group before attaching, or pass distributed=None")
         self.optimizer = optimizer
         self.params = _params(optimizer)
+        self._n_listed = _n_listed(optimizer)
         self.warmup, self.tol, self.distributed = warmup, float(tol), distributed
         self.values: list[float] = []  # the c_t trace
         self.metrics: dict[str, float] = {}
@@ -119,7 +125,7 @@ class _StepHook:
 
     def _pre_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         _check_no_closure(self.who, self.callback, args, kwargs)
-        if len(_params(optimizer)) != len(self.params):
+        if _n_listed(optimizer) != self._n_listed:
             raise UsageError(f"{self.who}: the optimizer's parameters changed after the hook was attached "
                              "(add_param_group); attach the hook after the last add_param_group")
         found_inf = getattr(optimizer, "found_inf", None)  # set by a GradScaler around a fused optimizer's step
@@ -132,9 +138,10 @@ class _StepHook:
         self._step()
 
     def _reduce(self, grads: list[Tensor | None]) -> _Reducer:
-        if self._reducer is None:
+        """Fixed at the first step with a gradient (whether the gradients are DTensor shards)."""
+        if self._reducer is None and any(g is not None for g in grads):
             self._reducer = _Reducer(self.distributed, _is_sharded(grads))
-        return self._reducer
+        return self._reducer or _Reducer(self.distributed, False)
 
     def _step(self) -> None:
         raise NotImplementedError

@@ -78,10 +78,13 @@ def test_a_uniform_lag_grpo_run_logs_the_diagnostics_of_its_lag(tiny_llm_dir):
     series = trainer.logger.series
     lags = dict(series["stale/lag"])
     assert len(set(lags.values())) > 1
-    total = dict(series["is/behav_current_kl"])
+    total, fresh = dict(series["is/behav_current_kl"]), dict(series["is/engine_mismatch_kl"])
+    assert 0.0 in lags.values()
     for step, lag in lags.items():
         by_lag = dict(series[f"is/behav_current_kl/lag{int(lag)}"])
         assert by_lag[step] == pytest.approx(total[step], rel=1e-6, abs=1e-9)
+        if lag == 0:  # the lag-0 bucket is the engine mismatch alone
+            assert by_lag[step] == pytest.approx(fresh[step], rel=1e-6, abs=1e-9)
         assert 0.0 < dict(series[f"is/ess_frac/lag{int(lag)}"])[step] <= 1.0
     for key in series:  # no bucket for a lag that step did not have
         if key.startswith("is/ess_frac/lag"):
