@@ -68,10 +68,51 @@ def test_settings_are_checked_when_the_callback_is_made():
 
 
 def test_the_torch_optimizer_is_found_inside_accelerate_s_wrapper():
-    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate import Accelerator
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    assert inner_optimizer(AcceleratedOptimizer(opt, device_placement=False)) is opt
+    wrapped = Accelerator(cpu=True).prepare_optimizer(opt, device_placement=False)
+    assert type(wrapped) is not type(opt) and inner_optimizer(wrapped) is opt
     assert inner_optimizer(opt) is opt
     with pytest.raises(UsageError, match="not a torch.optim.Optimizer"):
         inner_optimizer(object())
+
+
+def test_the_callback_drives_the_hooks_through_the_trainer_events():
+    """The Trainer's events by hand: with reference="update" the monitor is attached first (c_t of the raw
+    gradient) and each log adds the last step's values to the logs and to the entry log_history just received."""
+    from conftest import UserRegressor
+    from transformers import TrainerState
+
+    model = UserRegressor(batch_size=4, lr=0.1, optimizer="adamw")
+    opt = model.configure_optimizers()
+    cb = GACCallback(reference="update", warmup=0)
+    state = TrainerState()
+    wrapper = type("Wrapper", (), {"optimizer": opt})()  # how accelerate wraps the Trainer's optimizer
+    cb.on_train_begin(None, state, None, optimizer=wrapper)
+    batches = list(model.train_dataloader())
+    raw = []
+    for t in range(4):
+        opt.zero_grad()
+        model.loss_fn(batches[t]).backward()
+        raw.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        opt.step()
+        state.global_step = t + 1
+        logs = {"loss": 1.0}
+        state.log_history.append({**logs, "step": state.global_step})
+        cb.on_log(None, state, None, logs=logs)
+        assert logs.items() <= state.log_history[-1].items() and "grad/norm" in logs
+        assert ("align/ref_cos" in logs) == (t > 0)
+    cos = float(raw[3] @ raw[2] / (raw[3].norm() * raw[2].norm()))
+    assert state.log_history[-1]["align/cos"] == pytest.approx(cos, rel=1e-5)
+    assert state.log_history[-1]["gac/action"] in (0.0, 1.0, 2.0, 3.0)
+    final = {"train_runtime": 1.0}  # the end-of-training log at the same step adds nothing
+    cb.on_log(None, state, None, logs=final)
+    assert final == {"train_runtime": 1.0}
+    cb.on_train_end(None, state, None)
+    assert cb.summary["n"] == 3
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model.loss_fn(batches[0]).backward()
+    opt.step()  # detached: a plain AdamW step, nothing recorded
+    assert cb.gac.steps == 4 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
