@@ -2,6 +2,8 @@
 centred on Gradient Alignment Control (GAC)."""
 
 from gacbench.callbacks import GAC, AlignmentMonitor, AssumptionMonitor, StalenessSimulator
+from gacbench.hooks import attach_alignment_monitor, attach_gac
 
 __version__ = "0.1.0"
-__all__ = ["GAC", "AlignmentMonitor", "AssumptionMonitor", "StalenessSimulator", "__version__"]
+__all__ = ["GAC", "AlignmentMonitor", "AssumptionMonitor", "StalenessSimulator", "attach_alignment_monitor",
+           "attach_gac", "__version__"]

@@ -9,14 +9,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gacbench"
 # rank of each room (a sub-package, or a top-level module); a room may import rooms of a strictly lower rank
 RANK = {
     "functional": 0, "loggers": 0, "usage": 0, "jsonio": 0, "trainer": 0, "provenance": 0,
-    "callbacks": 1,
+    "callbacks": 1, "hooks": 1,
     "stabilizers": 2,
     "rollout": 3, "methods": 3,
     "objectives": 4,
     "theory": 5, "llm": 5,
     "bench": 6,
     "__init__": 6,
-    "cli": 7, "__main__": 7,
+    "cli": 7, "__main__": 7, "integrations": 7,
 }
 
 

@@ -47,6 +47,7 @@ from gacbench.llm.model import load
 from gacbench.llm.tasks import TaskConfig, build_task, reward_fn
 from gacbench.objectives.base import Objective, given_settings
 from gacbench.rollout.advantages import advantage_fn
+from gacbench.rollout.diagnostics import diagnostics_by_lag, importance_diagnostics
 from gacbench.rollout.engines import Rollout, check_sync, discard_engine
 from gacbench.rollout.queue import StaleRolloutQueue
 from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, agg_loss, policy_loss, resolve_loss_stabilizer
@@ -357,11 +358,14 @@ class GRPOModule(Objective):
         loss, metrics = policy_loss(self.loss_stabilizer, pb)
         # E_engine[log p_engine - log p_trainer] over the batch's tokens, at the behaviour policy
         metrics["is/engine_mismatch_kl"] = ((data["engine_logp"] - logp_behav) * mask).sum() / mask.sum().clamp_min(1)
+        # off-policy size of the update: ESS fraction and chi^2 of w = pi_theta / pi_behav, per token and per sequence
+        metrics.update(importance_diagnostics(logp.detach() - logp_behav, mask))
         if "sample_lag" in data:  # async/uniform: logp_behav is the engine's own; the gaps to the trainer's log-probs
             from gacbench.llm.source_batch import logprob_gaps
 
             del metrics["is/engine_mismatch_kl"]
             metrics.update(logprob_gaps(logp.detach(), data))
+            metrics.update(diagnostics_by_lag(logp.detach() - logp_behav, mask, data["sample_lag"]))
         if lc.kl_coef > 0:
             kl = self.kl_to_reference(logp, data["logp_ref"], pb.mask)
             loss = loss + lc.kl_coef * kl

@@ -1,0 +1,103 @@
+"""GAC and the alignment monitor in a Hugging Face ``Trainer`` (TRL's ``GRPOTrainer`` included).
+
+``GACCallback(**settings)`` is a ``transformers.TrainerCallback``: when training begins it attaches
+:func:`gacbench.attach_gac` (and, unless GAC already measures c_t against the previous raw gradient,
+:func:`gacbench.attach_alignment_monitor` before it) to the trainer's optimizer, and at every log it adds
+``align/cos``, ``grad/norm`` and GAC's metrics of the last optimizer step to the logs, so that they appear in
+``trainer.state.log_history`` and in the reporting integrations listed after it.
+
+The Trainer calls ``optimizer.step()`` without a closure, after its gradient clipping (``max_grad_norm``)
+and, under fp16, after the GradScaler's unscale: GAC sees the clipped, unscaled gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from gacbench.functional.alignment import ACTION_NAMES
+from gacbench.hooks import AlignmentMonitorHook, GACHook, attach_alignment_monitor, attach_gac, check_gac_settings
+from gacbench.usage import UsageError
+
+# ``gac/action`` is logged as a number: 0 keep, 1 shrink, 2 project, 3 skip
+ACTION_CODES = {name: float(code) for code, name in ACTION_NAMES.items()}
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside the wrappers a Trainer puts around it (accelerate's AcceleratedOptimizer)."""
+    while not type(optimizer).__module__.startswith("torch.") and isinstance(
+            getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"GACCallback: the trainer's optimizer is a {type(optimizer).__name__}, not a "
+                         "torch.optim.Optimizer (or a wrapper of one with an .optimizer attribute); GAC cannot "
+                         "hook its step")
+    return optimizer
+
+
+class GACCallback(TrainerCallback):
+    """Gradient Alignment Control for a ``transformers.Trainer`` / ``trl.GRPOTrainer``.
+
+    Args: the settings of :class:`gacbench.GAC` (``c_low``, ``c_high``, ``high_mode``, ``reference``, ...),
+    checked here. After training, ``summary`` holds the Table 3 statistics of the c_t trace; ``gac`` and
+    ``monitor`` are the attached hooks (``monitor`` is None when ``reference="grad"``: GAC logs c_t itself).
+
+    Each log adds the values of the last optimizer step (not an average over ``logging_steps``):
+    ``align/cos`` (c_t), ``grad/norm``, ``align/ref_cos`` (other references), ``align/proj_frac``,
+    ``align/skip``, ``gac/coef`` and ``gac/action`` (0 keep, 1 shrink, 2 project, 3 skip).
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        check_gac_settings(settings)
+        self.settings = settings
+        self.gac: GACHook | None = None
+        self.monitor: AlignmentMonitorHook | None = None
+        self.summary: dict[str, float] = {}
+        self._logged_step = -1
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs) -> None:
+        if optimizer is None:
+            raise UsageError("GACCallback: the trainer has no optimizer at on_train_begin; pass the callback to a "
+                             "transformers Trainer (callbacks=[GACCallback(...)]) that creates its optimizer")
+        opt = inner_optimizer(optimizer)
+        self._detach()
+        self._logged_step = -1
+        if self.settings.get("reference", "grad") != "grad":  # the monitor first: it sees the raw gradient
+            self.monitor = attach_alignment_monitor(opt, warmup=self.settings.get("warmup", 50),
+                                                    tol=self.settings.get("tol", 0.05))
+        self.gac = attach_gac(opt, **self.settings)
+
+    def metrics(self) -> dict[str, float]:
+        """The last optimizer step's values, as they are added to the logs."""
+        out: dict[str, float] = {}
+        if self.monitor is not None:
+            out.update(self.monitor.metrics)
+        if self.gac is not None:
+            out.update(self.gac.metrics)
+            if self.gac.action:
+                out["gac/action"] = ACTION_CODES[self.gac.action]
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if logs is None or self.gac is None or state.global_step == self._logged_step:
+            return  # an evaluation or end-of-training log at a step already logged: nothing new to add
+        self._logged_step = state.global_step
+        extra = self.metrics()
+        logs.update(extra)
+        # the Trainer appended a copy of these logs to log_history just before calling on_log
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        source = self.monitor if self.monitor is not None else self.gac
+        if source is not None:
+            self.summary = source.summary()
+        self._detach()
+
+    def _detach(self) -> None:
+        for hook in (self.monitor, self.gac):
+            if hook is not None:
+                hook.remove()
+        # the hooks' metrics and state stay readable after training; a new train() attaches fresh ones

@@ -1,0 +1,403 @@
+"""attach_gac / attach_alignment_monitor: the callbacks' code as optimizer step pre-hooks in a plain loop.
+The same model, data and seed give the same parameters as the Lightning callbacks; closures are refused
+before anything is touched; skips leave the optimizer state alone; GradScaler and clipping act first."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import UserRegressor, flat_params, make_trainer
+
+import gacbench
+from gacbench import GAC, AlignmentMonitor, attach_alignment_monitor, attach_gac
+from gacbench.usage import UsageError
+
+# c_t of this regressor (batch 4, lr 0.1) spreads over [-0.9, 0.95]: keep, shrink and project all occur
+SETTINGS = dict(c_low=0.1, c_high=0.5, warmup=0)
+
+
+def regressor(opt="adamw", seed=0):
+    return UserRegressor(batch_size=4, lr=0.1, optimizer=opt, seed=seed)
+
+
+def plain_loop(model, optimizer, steps, accumulate=1):
+    """zero_grad, backward, step, over the module's own batches in order, as Lightning feeds them."""
+    batches = list(model.train_dataloader())
+    for t in range(steps):
+        optimizer.zero_grad()
+        for k in range(accumulate):
+            model.loss_fn(batches[(t * accumulate + k) % len(batches)]).backward()
+        optimizer.step()
+
+
+def test_settings_are_exactly_the_callbacks():
+    import inspect
+    cb = set(inspect.signature(GAC.__init__).parameters) - {"self"}
+    hook = set(inspect.signature(gacbench.hooks.GACHook.__init__).parameters) - {"self", "optimizer", "distributed"}
+    assert hook == cb
+
+
+@pytest.mark.parametrize("opt,reference", [("adamw", "grad"), ("sgd", "grad"), ("adamw", "update"),
+                                           ("adamw", "ema")])
+def test_plain_loop_with_attach_gac_equals_the_lightning_callback(opt, reference):
+    steps = 60
+    model = regressor(opt)
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer, reference=reference, **SETTINGS)
+    actions, logged = [], []
+    batches = list(model.train_dataloader())
+    for t in range(steps):
+        optimizer.zero_grad()
+        model.loss_fn(batches[t % len(batches)]).backward()
+        optimizer.step()
+        actions.append(hook.action)
+        logged.append(hook.metrics)
+
+    lit = regressor(opt)
+    gac = GAC(reference=reference, **SETTINGS)
+    trainer = make_trainer([gac], max_steps=steps)
+    trainer.fit(lit)
+
+    assert {"keep", "shrink", "project"} <= set(actions) if reference == "grad" else {"keep", "shrink"} <= set(actions)
+    assert torch.equal(flat_params(model), flat_params(lit))
+    key = hook.cos_key
+    assert [m[key] for m in logged[1:]] == trainer.logger.values(key)
+    assert [m["grad/norm"] for m in logged] == trainer.logger.values("grad/norm")
+    assert [m["gac/coef"] for m in logged] == trainer.logger.values("gac/coef")
+    assert (hook.steps, hook.changed, hook.skipped) == (gac.steps, gac.changed, gac.skipped)
+    if reference == "grad":
+        trainer_summary = gac.summary
+        assert hook.summary() == trainer_summary
+
+
+def test_monitor_hook_equals_the_monitor_callback():
+    steps = 30
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    mon = attach_alignment_monitor(optimizer, warmup=5)
+    plain_loop(model, optimizer, steps)
+
+    lit = regressor()
+    cb = AlignmentMonitor(warmup=5)
+    trainer = make_trainer([cb], max_steps=steps)
+    trainer.fit(lit)
+    assert torch.equal(flat_params(model), flat_params(lit))
+    assert mon.values == trainer.logger.values("align/cos") and len(mon.values) == steps - 1
+    assert mon.summary() == cb.summary and mon.summary()["n"] == steps - 1 - 5
+    assert mon.metrics["grad/norm"] == trainer.logger.values("grad/norm")[-1]
+
+
+def test_a_closure_is_refused_before_anything_is_touched():
+    """The previous step's gradients are still in p.grad: step(closure) must not act on them."""
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer, **SETTINGS)
+    mon = attach_alignment_monitor(optimizer)
+    plain_loop(model, optimizer, 3)  # p.grad holds step 3's gradient (no zero_grad after the step)
+    params, state = flat_params(model).clone(), hook.state_dict()
+    grads = [p.grad.clone() for p in model.parameters()]
+    called = []
+
+    def closure():
+        called.append(1)
+        optimizer.zero_grad()
+        loss = model.loss_fn(next(iter(model.train_dataloader())))
+        loss.backward()
+        return loss
+
+    for call in (lambda: optimizer.step(closure), lambda: optimizer.step(closure=closure)):
+        with pytest.raises(UsageError, match=r"step\(closure\).*gacbench.GAC"):
+            call()
+    assert not called
+    assert torch.equal(flat_params(model), params)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    after = hook.state_dict()
+    assert after["steps"] == state["steps"] == 3 and torch.equal(after["transform"]["ref"], state["transform"]["ref"])
+    assert len(mon.values) == 2
+
+
+def test_attach_gac_under_lightning_points_to_the_callback():
+    class Attached(UserRegressor):
+        def configure_optimizers(self):
+            opt = super().configure_optimizers()
+            attach_gac(opt)
+            return opt
+
+    with pytest.raises(UsageError, match="use the callback gacbench.GAC"):
+        make_trainer([], max_steps=2).fit(Attached())
+
+
+def test_skip_leaves_parameters_and_adamw_state_untouched():
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer, c_low=0.0, c_high=1e-6, high_mode="skip", warmup=0)  # any positive c_t skips
+    batches = list(model.train_dataloader())
+    skipped = applied = 0
+    for t in range(20):
+        optimizer.zero_grad()
+        model.loss_fn(batches[t % len(batches)]).backward()
+        before = flat_params(model).clone()
+        state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+        optimizer.step()
+        same_state = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                         for a, b in zip(state, (optimizer.state[p] for p in model.parameters())))
+        if hook.action == "skip":
+            skipped += 1
+            assert hook.metrics["align/skip"] == 1.0
+            assert torch.equal(flat_params(model), before) and same_state and all(state)
+        else:
+            applied += 1
+            assert not torch.equal(flat_params(model), before) and not same_state
+    assert skipped == hook.skipped > 0 and applied > 1
+
+
+def test_non_finite_gradient_is_skipped_with_a_warning_or_raises():
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer)
+    plain_loop(model, optimizer, 2)
+    before = flat_params(model).clone()
+    optimizer.zero_grad()
+    (model.loss_fn(next(iter(model.train_dataloader()))) * float("nan")).backward()
+    with pytest.warns(UserWarning, match="non-finite"):
+        optimizer.step()
+    assert torch.equal(flat_params(model), before)
+    assert hook.metrics == {"align/skip": 1.0, "gac/bad_grad": 1.0} and hook.action == "skip"
+
+    strict = regressor()
+    opt2 = strict.configure_optimizers()
+    attach_gac(opt2, on_bad_grad="raise")
+    (strict.loss_fn(next(iter(strict.train_dataloader()))) * float("inf")).backward()
+    with pytest.raises(FloatingPointError, match="on_bad_grad='skip'"):
+        opt2.step()
+
+
+def test_gradient_accumulation_runs_once_per_step_on_the_summed_gradient():
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer)
+    batches = list(model.train_dataloader())
+    optimizer.zero_grad()
+    for b in batches[:3]:
+        model.loss_fn(b).backward()
+    total = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters()))
+    optimizer.step()
+    assert hook.steps == 1 and hook.metrics["grad/norm"] == pytest.approx(total, rel=1e-6)
+
+
+def test_clipping_before_step_is_seen_by_the_hook():
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer)
+    optimizer.zero_grad()
+    model.loss_fn(next(iter(model.train_dataloader()))).backward()
+    raw = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3))
+    optimizer.step()
+    assert raw > 1e-2 and hook.metrics["grad/norm"] == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_grad_scaler_hands_the_hook_unscaled_gradients_and_skips_overflow_steps():
+    """GradScaler.step unscales first and calls optimizer.step only on finite gradients: with a power-of-two
+    scale the run equals the unscaled one bit for bit, and an overflow step never reaches the hook."""
+    runs = []
+    for scaled in (False, True):
+        model = regressor()
+        optimizer = model.configure_optimizers()
+        hook = attach_gac(optimizer, **SETTINGS)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000, enabled=scaled)
+        batches = list(model.train_dataloader())
+        norms = []
+        for t in range(12):
+            optimizer.zero_grad()
+            scaler.scale(model.loss_fn(batches[t % len(batches)])).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            norms.append(hook.metrics["grad/norm"])
+        runs.append((flat_params(model), norms, hook.state_dict()))
+        if scaled:  # an overflow: the scaler skips the step, the hook is not called
+            before, steps = flat_params(model).clone(), hook.steps
+            optimizer.zero_grad()
+            scaler.scale(model.loss_fn(batches[0]) * float("inf")).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            assert hook.steps == steps and torch.equal(flat_params(model), before)
+            assert scaler.get_scale() < 2.0 ** 10
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
+def test_a_fused_optimizer_under_grad_scaler_needs_unscale_first():
+    """A fused AdamW takes the scaler's scale and found_inf into its own step: without unscale_ the hook would see
+    scaled gradients (refused); after unscale_ it sees the true ones, and an overflow step is left alone."""
+    model = regressor()
+    batch = next(iter(model.train_dataloader()))
+    raw = torch.autograd.grad(model.loss_fn(batch), list(model.parameters()))
+    norm = math.sqrt(sum(float((g * g).sum()) for g in raw))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    attach_gac(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(model.loss_fn(batch)).backward()
+    with pytest.raises(UsageError, match=r"scaler.unscale_\(optimizer\) before scaler.step"):
+        scaler.step(opt)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    hook = attach_gac(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for loss_scale in (1.0, float("inf")):
+        opt.zero_grad()
+        scaler.scale(model.loss_fn(batch) * loss_scale).backward()
+        scaler.unscale_(opt)
+        before = flat_params(model).clone()
+        scaler.step(opt)
+        scaler.update()
+        if loss_scale == 1.0:
+            assert hook.steps == 1 and hook.metrics["grad/norm"] == pytest.approx(norm, rel=1e-6)
+    assert hook.steps == 1 and hook.metrics == {} and torch.equal(flat_params(model), before)
+
+
+def test_state_dict_resumes_exactly():
+    full = regressor()
+    opt = full.configure_optimizers()
+    attach_gac(opt, **SETTINGS)
+    plain_loop(full, opt, 20)
+
+    first = regressor()
+    opt1 = first.configure_optimizers()
+    h1 = attach_gac(opt1, **SETTINGS)
+    plain_loop(first, opt1, 10)
+    saved = {"model": first.state_dict(), "opt": opt1.state_dict(), "gac": h1.state_dict()}
+
+    resumed = regressor(seed=1)
+    resumed.x, resumed.y = first.x, first.y
+    resumed.load_state_dict(saved["model"])
+    opt2 = resumed.configure_optimizers()
+    opt2.load_state_dict(saved["opt"])
+    h2 = attach_gac(opt2, **SETTINGS)
+    h2.load_state_dict(saved["gac"])
+    batches = list(resumed.train_dataloader())
+    for t in range(10, 20):
+        opt2.zero_grad()
+        resumed.loss_fn(batches[t % len(batches)]).backward()
+        opt2.step()
+    assert torch.equal(flat_params(resumed), flat_params(full))
+    with pytest.raises(UsageError, match="state_dict"):
+        h2.load_state_dict({"steps": 1})
+
+
+def test_remove_restores_the_plain_optimizer():
+    plain, hooked = regressor(), regressor()
+    o1, o2 = plain.configure_optimizers(), hooked.configure_optimizers()
+    attach_gac(o2, c_low=0.0, c_high=1e-6).remove()
+    plain_loop(plain, o1, 8)
+    plain_loop(hooked, o2, 8)
+    assert torch.equal(flat_params(plain), flat_params(hooked))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda o: attach_gac(o, c_lo=0.1), "unknown setting.*c_lo"),
+    (lambda o: attach_gac(o, c_low=0.5, c_high=0.1), "c_low"),
+    (lambda o: attach_gac(o, high_mode="drop"), "high_mode"),
+    (lambda o: attach_gac(o, warmup=-1), "warmup"),
+    (lambda o: attach_gac(torch.nn.Linear(2, 2)), "torch.optim.Optimizer"),
+    (lambda o: attach_alignment_monitor(o, buffer_dtype="int8"), "buffer_dtype"),
+    (lambda o: attach_gac(o, distributed=True), "not initialized"),
+])
+def test_bad_settings_are_named(call, match):
+    with pytest.raises(UsageError, match=match):
+        call(regressor().configure_optimizers())
+
+
+def test_adding_parameters_after_attaching_is_refused():
+    model = regressor()
+    opt = model.configure_optimizers()
+    attach_gac(opt)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    model.loss_fn(next(iter(model.train_dataloader()))).backward()
+    with pytest.raises(UsageError, match="add_param_group"):
+        opt.step()
+
+
+# -- torch.distributed: 2 ranks on gloo against 1 process -------------------------------------------------------
+
+def _dist_worker(rank: int, world: int, port: int, steps: int, wrap: str, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = regressor()
+    if wrap == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model.net)
+    else:  # FSDP2: parameters and gradients are DTensor shards
+        from torch.distributed.fsdp import fully_shard
+
+        net = fully_shard(model.net)
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer, **SETTINGS)
+    calls = []  # the hook's collectives: one 3-element float64 tensor per step
+    originals = {name: getattr(dist, name) for name in ("broadcast", "all_reduce")}
+
+    def counting(name):
+        def call(tensor, *a, **k):
+            if tensor.dtype == torch.float64 and tensor.numel() == 3:
+                calls.append(name)
+            return originals[name](tensor, *a, **k)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    batches = list(model.train_dataloader())
+    actions, cos = [], []
+    for t in range(steps):
+        x, y = batches[t % len(batches)]
+        half = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(net(x[half]), y[half]).backward()
+        optimizer.step()
+        actions.append(hook.action)
+        cos.append(hook.metrics.get("align/cos"))
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+    params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                        for p in model.parameters()])
+    queue.put((rank, actions, cos, params.tolist(), calls))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap,collective", [("ddp", "broadcast"), ("fsdp2", "all_reduce")])
+def test_two_ranks_agree_and_match_one_process(wrap, collective):
+    """DDP (replicated gradients: rank 0's scalars are broadcast) and FSDP2 fully_shard (DTensor gradient shards:
+    the partial scalars are summed), each with half the batch per rank, against one process with all of it."""
+    steps, world = 30 if wrap == "ddp" else 12, 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_dist_worker, args=(r, world, port, steps, wrap, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=240) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+    (_, a0, c0, p0, n0), (_, a1, c1, p1, n1) = results
+    assert a0 == a1 and c0 == c1 and p0 == p1  # every rank took the same decision from the same scalars
+    assert n0 == n1 == [collective] * steps  # one collective per optimizer step
+
+    model = regressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_gac(optimizer, **SETTINGS)
+    actions, cos = [], []
+    batches = list(model.train_dataloader())
+    for t in range(steps):
+        optimizer.zero_grad()
+        model.loss_fn(batches[t % len(batches)]).backward()
+        optimizer.step()
+        actions.append(hook.action)
+        cos.append(hook.metrics.get("align/cos"))
+    assert a0 == actions and {"keep", "project"} <= set(actions)
+    assert c0[1:] == pytest.approx(cos[1:], abs=1e-5)
+    torch.testing.assert_close(torch.tensor(p0), flat_params(model), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,118 @@
+"""GACCallback in TRL's GRPOTrainer on the tiny warm-started model (CPU): the Trainer steps without a closure,
+c_t and GAC's action reach trainer.state.log_history at every logged step, and GAC changes the training."""
+
+import pytest
+
+trl = pytest.importorskip("trl")
+
+import torch  # noqa: E402
+from conftest import TINY_TASK  # noqa: E402
+
+from gacbench.integrations.trl import GACCallback, inner_optimizer  # noqa: E402
+from gacbench.usage import UsageError  # noqa: E402
+
+
+def text_reward(completions, **kwargs):
+    """A deterministic reward that varies within a group (the tiny model's exact-answer rewards, or its completion
+    lengths, are often equal across a group: a zero gradient)."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def grpo(model_dir, out_dir, callbacks):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gacbench.llm.task import ArithmeticTask
+
+    rows = [{"prompt": p.prompt} for p in ArithmeticTask(**TINY_TASK, seed=0).batch("train", 0, 16)]
+    args = trl.GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=2,  # each generation trains two steps: aligned gradients
+        max_completion_length=4, temperature=1.0, learning_rate=1e-2, lr_scheduler_type="constant",
+        optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, beta=0.0, max_steps=3, logging_steps=1,
+        eval_strategy="no", save_strategy="no", report_to="none", use_cpu=True, bf16=False, fp16=False, seed=0,
+        data_seed=0, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True, log_completions=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = trl.GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                              reward_funcs=text_reward, args=args, train_dataset=Dataset.from_list(rows),
+                              callbacks=callbacks)
+    trainer.train()
+    return trainer, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.slow
+def test_gac_callback_in_grpo_trainer_logs_and_acts(tiny_llm_dir, tmp_path):
+    cb = GACCallback(c_low=0.0, c_high=1e-6, warmup=0)  # any positive c_t: the aligned component is removed
+    trainer, params = grpo(tiny_llm_dir, tmp_path / "gac", [cb])
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 3
+    assert all("grad/norm" in h and "gac/action" in h for h in steps)
+    assert all("align/cos" in h for h in steps[1:])  # c_t from the second step on
+    # GAC runs inside optimizer.step, after the Trainer's clipping to max_grad_norm = 1 (grad_norm is pre-clip)
+    assert [h["grad/norm"] for h in steps] == pytest.approx([min(h["grad_norm"], 1.0) for h in steps], rel=1e-5)
+    assert cb.gac.steps == 3 and cb.gac.changed >= 1  # the reused generation gives an aligned gradient
+    assert steps[-1]["align/proj_frac"] == pytest.approx(cb.gac.changed / 3)
+    assert cb.summary["n"] == 2
+
+    _, plain = grpo(tiny_llm_dir, tmp_path / "plain", [])
+    assert not torch.equal(params, plain)
+
+
+def test_settings_are_checked_when_the_callback_is_made():
+    with pytest.raises(UsageError, match="c_low"):
+        GACCallback(c_low=0.5, c_high=0.1)
+    with pytest.raises(UsageError, match="unknown setting"):
+        GACCallback(chigh=0.2)
+
+
+def test_the_torch_optimizer_is_found_inside_accelerate_s_wrapper():
+    from accelerate import Accelerator
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    wrapped = Accelerator(cpu=True).prepare_optimizer(opt, device_placement=False)
+    assert type(wrapped) is not type(opt) and inner_optimizer(wrapped) is opt
+    assert inner_optimizer(opt) is opt
+    with pytest.raises(UsageError, match="not a torch.optim.Optimizer"):
+        inner_optimizer(object())
+
+
+def test_the_callback_drives_the_hooks_through_the_trainer_events():
+    """The Trainer's events by hand: with reference="update" the monitor is attached first (c_t of the raw
+    gradient) and each log adds the last step's values to the logs and to the entry log_history just received."""
+    from conftest import UserRegressor
+    from transformers import TrainerState
+
+    model = UserRegressor(batch_size=4, lr=0.1, optimizer="adamw")
+    opt = model.configure_optimizers()
+    cb = GACCallback(reference="update", warmup=0)
+    state = TrainerState()
+    wrapper = type("Wrapper", (), {"optimizer": opt})()  # how accelerate wraps the Trainer's optimizer
+    cb.on_train_begin(None, state, None, optimizer=wrapper)
+    batches = list(model.train_dataloader())
+    raw = []
+    for t in range(4):
+        opt.zero_grad()
+        model.loss_fn(batches[t]).backward()
+        raw.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        opt.step()
+        state.global_step = t + 1
+        logs = {"loss": 1.0}
+        state.log_history.append({**logs, "step": state.global_step})
+        cb.on_log(None, state, None, logs=logs)
+        assert logs.items() <= state.log_history[-1].items() and "grad/norm" in logs
+        assert ("align/ref_cos" in logs) == (t > 0)
+    cos = float(raw[3] @ raw[2] / (raw[3].norm() * raw[2].norm()))
+    assert state.log_history[-1]["align/cos"] == pytest.approx(cos, rel=1e-5)
+    assert state.log_history[-1]["gac/action"] in (0.0, 1.0, 2.0, 3.0)
+    final = {"train_runtime": 1.0}  # the end-of-training log at the same step adds nothing
+    cb.on_log(None, state, None, logs=final)
+    assert final == {"train_runtime": 1.0}
+    cb.on_train_end(None, state, None)
+    assert cb.summary["n"] == 3
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model.loss_fn(batches[0]).backward()
+    opt.step()  # detached: a plain AdamW step, nothing recorded
+    assert cb.gac.steps == 4 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
