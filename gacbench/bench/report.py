@@ -73,13 +73,15 @@ from gacbench.bench.records import (  # noqa: F401  (re-exported)
     running_max_drop,
     window_noise,
 )
-from gacbench.bench.regime import regime_points
+from gacbench.bench.regime import law_points, regime_points
 from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     BOOT_RESAMPLES,
     BOOT_SEED,
     CI_LEVEL,
     REFERENCE_METHODS,
     ablation_key,
+    headline_shares,
+    holm_adjust,
     mean_bootstrap_ci,
     paired_difference,
     recovered_shares,
@@ -126,13 +128,17 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
                                 else "ablation_recovered"]
     if regime:
         summary["regime"] = regime
+        law = law_points(regime)
+        if law:
+            summary["regime_law"] = law
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
-    figs = figures(root, cells_g, dirs, groups, regime, ablation_rows) if groups else []
+    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares))
+            if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]
