@@ -293,7 +293,8 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
     interval."""
     plt = cv.plt
     rows = [r for r in rows if not r.get("missing") and not r["no_gap"] and math.isfinite(r["share"])]
-    if not any(r.get("share_ci_low") is not None for r in rows):
+    has_ci = lambda r: not any(x is None or math.isnan(x) for x in (r.get("share_ci_low"), r.get("share_ci_high")))  # noqa: E731
+    if not any(has_ci(r) for r in rows):
         return
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     counts = [sum(r["task"] == t for r in rows) for t in tasks]
@@ -309,7 +310,7 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
         for y, r in enumerate(tr):
             color = cv.colors.get(r["method"], "tab:gray")
             low, high = r.get("share_ci_low"), r.get("share_ci_high")
-            if low is not None and high is not None:
+            if has_ci(r):
                 a, b = max(low, left - pad), min(high, right + pad)
                 ax.plot([a, b], [y, y], color=color, lw=1.4)
                 if low < left - pad:
