@@ -300,13 +300,13 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
     counts = [sum(r["task"] == t for r in rows) for t in tasks]
     fig, axes = plt.subplots(len(tasks), 1, figsize=(7.0, sum(0.28 * n + 1.0 for n in counts)), squeeze=False,
                              gridspec_kw={"height_ratios": [n + 3 for n in counts]})
-    lo_edge, hi_edge = SHARE_AXIS
+    # one x range for every panel: the shares and finite interval ends, at least [-0.1, 1.1], cut to SHARE_AXIS
+    ends = [x for r in rows for x in (r["share"], r.get("share_ci_low"), r.get("share_ci_high"))
+            if x is not None and math.isfinite(x)]
+    left, right = max(SHARE_AXIS[0], min(-0.1, *ends)), min(SHARE_AXIS[1], max(1.1, *ends))
+    pad = 0.04 * (right - left)
     for ax, task in zip(axes[:, 0], tasks):
         tr = sorted((r for r in rows if r["task"] == task), key=lambda r: (r["share"], r["method"], r["staleness"]))
-        ends = [x for r in tr for x in (r["share"], r.get("share_ci_low"), r.get("share_ci_high"))
-                if x is not None and math.isfinite(x)]
-        left, right = max(lo_edge, min(-0.1, *ends)), min(hi_edge, max(1.1, *ends))
-        pad = 0.04 * (right - left)
         for y, r in enumerate(tr):
             color = cv.colors.get(r["method"], "tab:gray")
             low, high = r.get("share_ci_low"), r.get("share_ci_high")

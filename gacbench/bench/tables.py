@@ -386,7 +386,7 @@ def _law_section(law: list[dict]) -> list[str]:
     for entry in law:
         rho = entry["spearman_rho"]
         finite = sum(math.isfinite(p["gap"]) for p in entry["points"])
-        corr = ("—" if rho is None or math.isnan(rho) else
+        corr = ("— (needs three points with a gap, at two s · lr or more)" if rho is None or math.isnan(rho) else
                 f"{rho:+.2f} (p = {fmt(entry['spearman_p'], 2)}, {finite} points)")
         lines += [f"**{entry['model']}**: Spearman ρ(gap, s · lr) = {corr}"
                   + (f"; sync unhealthy at lr = {', '.join(f'{x:.3g}' for x in entry['sync_unhealthy_lrs'])}"
