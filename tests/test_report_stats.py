@@ -245,3 +245,19 @@ def test_law_section_and_figure(tmp_path, monkeypatch):
     assert sorted(x for x, _, _ in dots) == pytest.approx([0.2, 0.4, 0.6, 1.2])
     open_x = sorted(x for x, _, face in dots if isinstance(face, str) and face == "white")
     assert open_x == pytest.approx([0.6, 1.2])  # the points whose sync run at lr 0.3 is not healthy
+
+
+def test_forest_plot_cuts_an_unbounded_interval_at_the_axis_edge(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    row = {"task": "t", "method": "gac", "staleness": 8, "share": 0.5, "no_gap": False, "share_ci_low": -math.inf,
+           "share_ci_high": 40.0, "vs_stale_p_adj": 0.01}
+    nan_row = {**row, "method": "tis", "share_ci_low": math.nan, "share_ci_high": math.nan, "vs_stale_p_adj": None}
+    figs.shares_figure(Canvas(tmp_path, [], {}), [{**row, "measure": "final"}, {**nan_row, "measure": "final"}])
+    (ax,) = seen["fig_shares.png"]["axes"]
+    low, high = ax.get_xlim()
+    # the finite ends set the range (at least [-0.1, 1.1]; 40 is cut to SHARE_AXIS's 2.5), the infinite end does not
+    assert -0.5 < low < -0.1 and figs.SHARE_AXIS[1] < high < figs.SHARE_AXIS[1] + 0.5
+    cut = [ln for ln in ax.get_lines() if ln.get_marker() in ("<", ">")]
+    assert sorted(ln.get_marker() for ln in cut) == ["<", ">"]
+    assert all(low <= ln.get_xdata()[0] <= high for ln in cut)
+    assert len([ln for ln in ax.get_lines() if ln.get_marker() == "o"]) == 2  # tis: a share without an interval
