@@ -27,6 +27,9 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   t-test's p-value (scipy.stats.ttest_rel); intervals are null with fewer than two seeds; the share and its
   interval are null when sync or stale has no cells (``missing`` names them), the comparison when stale has
   none;
+- ``vs_stale_p_adj``: that p-value adjusted by Holm's step-down method over the tests of its table (one family
+  each: ``recovered``, ``recovered_reward`` and each ablation table; :func:`~gacbench.bench.stats.holm_adjust`);
+  summary.md's ``*`` and fig_shares.png's filled markers read it;
 - a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
   ``DEGRADE_WINDOW`` steps, ends below its own running maximum, and ``reward_noise``, the standard deviation
   of a DEGRADE_WINDOW-step mean from the step-to-step noise; ``degraded`` when the drop exceeds both
@@ -35,7 +38,7 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 - appended to summary.md after the existing sections: the intervals, paper Table 1 (``tables._table1``, at
   :func:`~gacbench.bench.tables.table1_staleness`), paper Table 3 with the calibrated thresholds
   (``tables._table3``) and the regime map (:func:`~gacbench.bench.regime.regime_points`, also ``regime`` in
-  summary.json);
+  summary.json) with its points against s * lr (:func:`~gacbench.bench.regime.law_points`, ``regime_law``);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``
   (:mod:`gacbench.bench.versions`), and the groups that mix keys;
