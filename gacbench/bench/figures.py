@@ -158,7 +158,7 @@ def curves_figures(cv: Canvas) -> None:
 
 def cos_figure(cv: Canvas) -> None:
     """Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, seed =
-    smallest (``fig_cos.png``)."""
+    smallest, the legend beside the panels (``fig_cos.png``)."""
     plt = cv.plt
     fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
     for ax, task in zip(axes[0], cv.tasks):
@@ -175,7 +175,8 @@ def cos_figure(cv: Canvas) -> None:
         ax.set_xlabel("step")
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="gray", lw=0.5)
-    cv.save(fig, "fig_cos.png", axes[0][-1])
+    cv.legend_beside(fig, list(axes[0]))
+    cv.save(fig, "fig_cos.png", outside=True)
 
 
 def robustness_figure(cv: Canvas, groups: list[dict]) -> None:
