@@ -9,14 +9,21 @@ from pathlib import Path
 import numpy as np
 
 from gacbench.bench.records import read_metrics
-from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows
+from gacbench.bench.regime import law_points
+from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows, significant
+
+#: At most this many methods besides sync and stale share a panel of a curve figure; a task with more gets one
+#: row of panels per method group (:func:`method_panels`)
+PANEL_METHODS = 5
+#: The forest plot's x range is cut to this interval; an interval end beyond it is drawn as an arrow at the edge
+SHARE_AXIS = (-1.5, 2.5)
 
 
-def figure_legend_entries(fig) -> tuple[list, list[str]]:
-    """The labelled artists of every panel of ``fig``, one per label in first-seen order: the legend drawn on one
-    panel then names the methods that appear only in others (a method run at s = 16 alone)."""
+def figure_legend_entries(fig, axes=None) -> tuple[list, list[str]]:
+    """The labelled artists of every panel of ``fig`` (or of ``axes``), one per label in first-seen order: the
+    legend drawn on one panel then names the methods that appear only in others (a method run at s = 16 alone)."""
     entries: dict[str, object] = {}
-    for ax in fig.axes:
+    for ax in fig.axes if axes is None else axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     return list(entries.values()), list(entries)
@@ -35,7 +42,8 @@ def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tup
 
 class Canvas:
     """What every figure of a directory shares: pyplot (Agg), the done main-grid cells and their tasks, one colour
-    per method, each cell's metrics.csv (read once from ``cell_dirs``: (task, method, staleness, seed) -> its
+    per method, the methods that recover per task (``recovering``, set by :func:`figures`), each cell's
+    metrics.csv (read once from ``cell_dirs``: (task, method, staleness, seed) -> its
     directory), and the list of the figures written."""
 
     def __init__(self, root: Path, cells: list[dict], cell_dirs: dict[tuple, Path]) -> None:
@@ -51,21 +59,34 @@ class Canvas:
         self.main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
         self.tasks = sorted({c["task"] for c in self.main})
         self.colors = {"sync": "black", "stale": "tab:red"}
-        # tab20 without its reds (stale's colour): distinct colours for up to 18 other methods
-        palette = iter([c for i, c in enumerate(plt.cm.tab20.colors) if i not in (6, 7)])
+        # tab20 without its reds (stale's colour), its nine dark shades first: distinct colours for up to 18 other
+        # methods, the light shades (hard to see on white) only beyond nine
+        tab20 = [c for i, c in enumerate(plt.cm.tab20.colors) if i not in (6, 7)]
+        palette = iter(tab20[0::2] + tab20[1::2])
         for m in sorted({c["method"] for c in self.main}):
             self.colors.setdefault(m, next(palette, "tab:gray"))
         self._cache: dict[tuple, dict] = {}
+        #: per task, the methods whose share is positive and significant after Holm's adjustment at some s
+        self.recovering: dict[str, set[str]] = {}
 
-    def save(self, fig, name: str, legend_ax=None) -> None:
-        """Write ``fig`` to ROOT/name (with one legend of every panel's entries on ``legend_ax``) and close it."""
+    def save(self, fig, name: str, legend_ax=None, outside: bool = False) -> None:
+        """Write ``fig`` to ROOT/name (with one legend of every panel's entries on ``legend_ax``) and close it.
+        ``outside``: the figure has legends beside its axes (:meth:`legend_beside`), kept inside the image."""
         if legend_ax is not None:
             handles, labels = figure_legend_entries(fig)
             legend_ax.legend(handles, labels, fontsize=7)
         fig.tight_layout()
-        fig.savefig(self.root / name, dpi=110)
+        fig.savefig(self.root / name, dpi=110, **({"bbox_inches": "tight"} if outside else {}))
         self.plt.close(fig)
         self.out.append(self.root / name)
+
+    @staticmethod
+    def legend_beside(fig, axes) -> None:
+        """One legend of the entries of ``axes`` (a row of panels), to the right of the row's last panel."""
+        handles, labels = figure_legend_entries(fig, axes)
+        if handles:
+            axes[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                            borderaxespad=0.0, frameon=False)
 
     def series(self, rec: dict, key: str) -> list[tuple[int, float]]:
         """The logged series ``key`` of the cell ``rec``: [(step, value), ...]."""
@@ -83,37 +104,61 @@ class Canvas:
         return re.sub("_+", "_", "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in task)).strip("_")
 
 
+def method_panels(methods: list[str], recovering: set[str]) -> list[tuple[str, list[str]]]:
+    """The methods of a curve figure besides sync and stale, in rows of panels (every row also draws sync and
+    stale): one row when there are at most PANEL_METHODS; else the GAC readings (names starting with ``gac``), the
+    corrections that recover (``recovering``: a positive share whose Holm-adjusted test against stale rejects at
+    some s) and the other methods, in that order, each cut into rows of at most PANEL_METHODS. (title, methods)
+    per row; the title of a single row is empty."""
+    methods = [m for m in dict.fromkeys(methods) if m not in REFERENCE_METHODS]
+    if len(methods) <= PANEL_METHODS:
+        return [("", methods)]
+    gac = [m for m in methods if m.startswith("gac")]
+    rec = [m for m in methods if m not in gac and m in recovering]
+    rest = [m for m in methods if m not in gac and m not in rec]
+    rows = []
+    for title, ms in (("GAC readings", gac), ("corrections that recover", rec), ("other methods", rest)):
+        chunks = [ms[i:i + PANEL_METHODS] for i in range(0, len(ms), PANEL_METHODS)]
+        rows += [(title + (f" ({k + 1}/{len(chunks)})" if len(chunks) > 1 else ""), chunk)
+                 for k, chunk in enumerate(chunks)]
+    return rows
+
+
 def curves_figures(cv: Canvas) -> None:
-    """Figures 1 and 4: metric curves across staleness, mean over seeds (``fig_curves_TASK.png``)."""
+    """Figures 1 and 4: metric curves across staleness, mean over seeds (``fig_curves_TASK.png``): one column
+    per staleness, one row per method group (:func:`method_panels`), sync and stale in every panel."""
     plt = cv.plt
     for task in cv.tasks:
         tc = [c for c in cv.main if c["task"] == task]
         metric = tc[0]["metric"]
-        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
-        fig, axes = plt.subplots(1, max(1, len(svals)), figsize=(4 * max(1, len(svals)), 3.2), squeeze=False,
+        cols = sorted({c["staleness"] for c in tc if c["staleness"] > 0}) or [0]
+        panels = method_panels([c["method"] for c in tc], cv.recovering.get(task, set()))
+        fig, axes = plt.subplots(len(panels), len(cols), figsize=(4 * len(cols), 3.2 * len(panels)), squeeze=False,
                                  sharey=True)
-        for ax, s in zip(axes[0], svals or [0]):
-            for m in dict.fromkeys(c["method"] for c in tc):
-                recs = [c for c in tc if c["method"] == m and (c["staleness"] == s or m == "sync")]
-                curves = [cv.series(r, f"eval/{metric}") for r in recs]
-                curves = [c for c in curves if c]
-                if not curves:
-                    continue
-                n = min(len(c) for c in curves)
-                steps = [curves[0][i][0] for i in range(n)]
-                mean = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0)
-                ax.plot(steps, mean, label=m, color=cv.colors[m], ls="--" if m == "sync" else "-")
-            ax.set_title(f"{task}, s={s}")
-            ax.set_xlabel("step")
-            if not tc[0]["higher_is_better"]:
-                ax.set_yscale("log")
-        axes[0][0].set_ylabel(metric)
-        cv.save(fig, f"fig_curves_{cv.stem(task)}.png", axes[0][-1])
+        for row, (title, methods) in zip(axes, panels):
+            for ax, s in zip(row, cols):
+                for m in (*REFERENCE_METHODS, *methods):
+                    recs = [c for c in tc if c["method"] == m and (c["staleness"] == s or m == "sync")]
+                    curves = [c for c in (cv.series(r, f"eval/{metric}") for r in recs) if c]
+                    if not curves:
+                        continue
+                    n = min(len(c) for c in curves)
+                    steps = [curves[0][i][0] for i in range(n)]
+                    mean = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0)
+                    ax.plot(steps, mean, label=m, color=cv.colors[m], ls="--" if m == "sync" else "-",
+                            lw=1.6 if m in REFERENCE_METHODS else 1.1)
+                ax.set_title(f"{task}, s={s}" + (f": {title}" if title else ""), fontsize=9)
+                ax.set_xlabel("step")
+                if not tc[0]["higher_is_better"]:
+                    ax.set_yscale("log")
+            row[0].set_ylabel(metric)
+            cv.legend_beside(fig, row)
+        cv.save(fig, f"fig_curves_{cv.stem(task)}.png", outside=True)
 
 
 def cos_figure(cv: Canvas) -> None:
     """Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, seed =
-    smallest (``fig_cos.png``)."""
+    smallest, the legend beside the panels (``fig_cos.png``)."""
     plt = cv.plt
     fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
     for ax, task in zip(axes[0], cv.tasks):
@@ -130,29 +175,41 @@ def cos_figure(cv: Canvas) -> None:
         ax.set_xlabel("step")
         ax.set_ylim(-1.05, 1.05)
         ax.axhline(0, color="gray", lw=0.5)
-    cv.save(fig, "fig_cos.png", axes[0][-1])
+    cv.legend_beside(fig, list(axes[0]))
+    cv.save(fig, "fig_cos.png", outside=True)
 
 
 def robustness_figure(cv: Canvas, groups: list[dict]) -> None:
-    """Robustness across staleness: final metric vs s per method (``fig_robustness.png``)."""
+    """Robustness across staleness: per method against s, the training reward of the last 20% of steps where every
+    group of the task has it (rollout objectives), else the final metric; mean ± std over seeds
+    (``fig_robustness.png``)."""
     plt = cv.plt
     maing = [g for g in groups if not g["ablation"]]
     fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
     for ax, task in zip(axes[0], cv.tasks):
         tg = [g for g in maing if g["task"] == task]
+        key = "reward_last" if tg and all("reward_last_mean" in g for g in tg) else "final"
         sync = next((g for g in tg if g["method"] == "sync"), None)
         if sync:
-            ax.axhline(sync["final_mean"], color="black", ls="--", label="sync")
-        for m in dict.fromkeys(g["method"] for g in tg if g["method"] != "sync"):
-            pts = sorted((g["staleness"], g["final_mean"], g["final_std"]) for g in tg if g["method"] == m)
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", label=m,
-                        color=cv.colors[m], capsize=2)
+            ax.axhline(sync[f"{key}_mean"], color="black", ls="--", label="sync")
+        methods = list(dict.fromkeys(g["method"] for g in tg if g["method"] != "sync"))
+        svals = sorted({g["staleness"] for g in tg if g["method"] != "sync"})
+        # the methods side by side around each s, over a quarter of the smallest spacing of s, so bars do not overlap
+        width = 0.25 * (min(np.diff(svals)) if len(svals) > 1 else 1.0)
+        for k, m in enumerate(methods):
+            shift = width * (k / (len(methods) - 1) - 0.5) if len(methods) > 1 else 0.0
+            pts = sorted((g["staleness"], g[f"{key}_mean"], g[f"{key}_std"]) for g in tg if g["method"] == m)
+            ax.errorbar([p[0] + shift for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
+                        label=m, color=cv.colors[m], capsize=2, lw=1.6 if m == "stale" else 1.0, ms=4)
+        if svals:
+            ax.set_xticks(svals, [str(x) for x in svals])
         ax.set_title(task)
-        ax.set_xlabel("staleness s")
-        ax.set_ylabel(tg[0]["metric"] if tg else "")
-        if tg and not tg[0]["higher_is_better"]:
+        ax.set_xlabel("staleness s (methods side by side)")
+        ax.set_ylabel("training reward (last 20% of steps)" if key == "reward_last" else tg[0]["metric"] if tg else "")
+        if key == "final" and tg and not tg[0]["higher_is_better"]:
             ax.set_yscale("log")
-    cv.save(fig, "fig_robustness.png", axes[0][-1])
+    cv.legend_beside(fig, list(axes[0]))
+    cv.save(fig, "fig_robustness.png", outside=True)
 
 
 def staleness_figures(cv: Canvas) -> None:
@@ -190,8 +247,9 @@ def staleness_figures(cv: Canvas) -> None:
 
 def method_figures(cv: Canvas) -> None:
     """Figure 3 (paper): c_t per method at each staleness, mean over seeds of 10-step moving averages
-    (``fig_cos_methods_TASK.png``); Figure 4 (paper): training-reward trajectories per method at each staleness
-    (rollout objectives, ``fig_reward_TASK.png``)."""
+    (``fig_cos_methods_TASK.png``); Figure 4 (paper): training-reward trajectories per method at each staleness,
+    mean ± std over seeds (rollout objectives, ``fig_reward_TASK.png``). One column per staleness, one row per
+    method group (:func:`method_panels`), sync and stale in every panel."""
     plt = cv.plt
     for task in cv.tasks:
         tc = [c for c in cv.main if c["task"] == task]
@@ -200,28 +258,125 @@ def method_figures(cv: Canvas) -> None:
             continue
         sync = [c for c in tc if c["method"] == "sync"]
         has_reward = any(cv.series(c, "reward/mean") for c in tc)
+        panels = method_panels([c["method"] for c in tc], cv.recovering.get(task, set()))
         for key, name, ylabel in (("align/cos", "fig_cos_methods", "c_t (10-step mean)"),
                                   ("reward/mean", "fig_reward", "training reward (10-step mean)")):
             if key == "reward/mean" and not has_reward:
                 continue
-            fig, axes = plt.subplots(1, len(svals), figsize=(4 * len(svals), 3.2), squeeze=False, sharey=True)
-            for ax, sv in zip(axes[0], svals):
-                steps, mean, _ = _smooth_mean([cv.series(r, key) for r in sync])
-                if steps:
-                    ax.plot(steps, mean, color="black", ls="--", lw=1, label="sync (s=0)")
-                for m in dict.fromkeys(c["method"] for c in tc if c["method"] != "sync"):
-                    recs = [r for r in tc if r["method"] == m and r["staleness"] == sv]
-                    steps, mean, std = _smooth_mean([cv.series(r, key) for r in recs])
+            fig, axes = plt.subplots(len(panels), len(svals), figsize=(4 * len(svals), 3.2 * len(panels)),
+                                     squeeze=False, sharey=True)
+            for row, (title, methods) in zip(axes, panels):
+                for ax, sv in zip(row, svals):
+                    steps, mean, _ = _smooth_mean([cv.series(r, key) for r in sync])
                     if steps:
-                        ax.plot(steps, mean, color=cv.colors[m], lw=1, label=m)
-                        if key == "reward/mean":
-                            ax.fill_between(steps, mean - std, mean + std, color=cv.colors[m], alpha=0.12, lw=0)
-                ax.set_title(f"{task}, s={sv}", fontsize=9)
-                ax.set_xlabel("step")
-                if key == "align/cos":
-                    ax.axhline(0, color="gray", lw=0.5)
-            axes[0][0].set_ylabel(ylabel)
-            cv.save(fig, f"{name}_{cv.stem(task)}.png", axes[0][-1])
+                        ax.plot(steps, mean, color="black", ls="--", lw=1.4, label="sync (s=0)")
+                    for m in ("stale", *methods):
+                        recs = [r for r in tc if r["method"] == m and r["staleness"] == sv]
+                        steps, mean, std = _smooth_mean([cv.series(r, key) for r in recs])
+                        if steps:
+                            ax.plot(steps, mean, color=cv.colors[m], lw=1.4 if m == "stale" else 1.0, label=m)
+                            if key == "reward/mean":
+                                ax.fill_between(steps, mean - std, mean + std, color=cv.colors[m], alpha=0.1, lw=0)
+                    ax.set_title(f"{task}, s={sv}" + (f": {title}" if title else ""), fontsize=9)
+                    ax.set_xlabel("step")
+                    if key == "align/cos":
+                        ax.axhline(0, color="gray", lw=0.5)
+                row[0].set_ylabel(ylabel)
+                cv.legend_beside(fig, row)
+            cv.save(fig, f"{name}_{cv.stem(task)}.png", outside=True)
+
+
+def shares_figure(cv: Canvas, rows: list[dict]) -> None:
+    """The paper's Figure 4 with intervals: a forest plot of the recovered share of every method at every s with
+    its 95% paired bootstrap interval, on the measure the summary reads (``rows``: :func:`headline_shares`), one
+    panel per task, sorted by share; a filled marker where the Holm-adjusted test against stale rejects at 0.05,
+    an open one elsewhere; lines at 0 (stale) and 1 (sync) (``fig_shares.png``). Written when a share has an
+    interval."""
+    plt = cv.plt
+    rows = [r for r in rows if not r.get("missing") and not r["no_gap"] and math.isfinite(r["share"])]
+    has_ci = lambda r: not any(x is None or math.isnan(x) for x in (r.get("share_ci_low"), r.get("share_ci_high")))  # noqa: E731
+    if not any(has_ci(r) for r in rows):
+        return
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    counts = [sum(r["task"] == t for r in rows) for t in tasks]
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(7.0, sum(0.28 * n + 1.0 for n in counts)), squeeze=False,
+                             gridspec_kw={"height_ratios": [n + 3 for n in counts]})
+    # one x range for every panel: the shares and finite interval ends, at least [-0.1, 1.1], cut to SHARE_AXIS
+    ends = [x for r in rows for x in (r["share"], r.get("share_ci_low"), r.get("share_ci_high"))
+            if x is not None and math.isfinite(x)]
+    left, right = max(SHARE_AXIS[0], min(-0.1, *ends)), min(SHARE_AXIS[1], max(1.1, *ends))
+    pad = 0.04 * (right - left)
+    for ax, task in zip(axes[:, 0], tasks):
+        tr = sorted((r for r in rows if r["task"] == task), key=lambda r: (r["share"], r["method"], r["staleness"]))
+        for y, r in enumerate(tr):
+            color = cv.colors.get(r["method"], "tab:gray")
+            low, high = r.get("share_ci_low"), r.get("share_ci_high")
+            if has_ci(r):
+                a, b = max(low, left - pad), min(high, right + pad)
+                ax.plot([a, b], [y, y], color=color, lw=1.4)
+                if low < left - pad:
+                    ax.plot([a], [y], marker="<", color=color, ms=5)
+                if high > right + pad:
+                    ax.plot([b], [y], marker=">", color=color, ms=5)
+            ax.plot([min(max(r["share"], left - pad), right + pad)], [y], marker="o", ms=6, color=color,
+                    mfc=color if significant(r) else "white", mew=1.4)
+        ax.axvline(0.0, color="tab:red", ls="--", lw=1)
+        ax.axvline(1.0, color="black", ls="--", lw=1)
+        ax.set_yticks(range(len(tr)), [f"{r['method']}, s={r['staleness']}" for r in tr], fontsize=7)
+        ax.set_ylim(-0.7, len(tr) - 0.3)
+        ax.set_xlim(left - 2 * pad, right + 2 * pad)
+        measure = "training reward (last 20%)" if tr[0]["measure"] == "reward_last" else "final metric"
+        ax.set_title(f"{task}: recovered share of the stale–sync gap, {measure}", fontsize=9, pad=12)
+        ax.text(0.0, 1.0, " stale", transform=ax.get_xaxis_transform(), color="tab:red", fontsize=7, va="bottom")
+        ax.text(1.0, 1.0, " sync", transform=ax.get_xaxis_transform(), color="black", fontsize=7, va="bottom")
+        ax.grid(axis="x", color="0.9", lw=0.5)
+    axes[-1, 0].set_xlabel("share (95% paired bootstrap interval; filled: Holm-adjusted p < 0.05 against stale; "
+                           "arrow: interval cut)", fontsize=8)
+    cv.save(fig, "fig_shares.png")
+
+
+def law_figure(cv: Canvas, law: list[dict]) -> None:
+    """The staleness x learning-rate law: the regime map's stale - sync gap against s * lr (log axis), mean and
+    95% bootstrap interval over seeds, one colour per model (``law``: :func:`~gacbench.bench.regime.law_points`);
+    an open marker where the sync run at that lr is not healthy, i.e. beyond the healthy-sync limit
+    (``fig_law.png``)."""
+    plt = cv.plt
+    if not law:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    palette = plt.cm.tab10.colors
+    for i, entry in enumerate(law):
+        color, pts = palette[i % len(palette)], [p for p in entry["points"] if math.isfinite(p["gap"])]
+        if not pts:
+            continue
+        rho = entry["spearman_rho"]
+        label = entry["model"] + ("" if rho is None or math.isnan(rho) else f" (Spearman ρ = {rho:+.2f})")
+        if entry["sync_unhealthy_lrs"]:
+            label += f"; sync unhealthy at lr ≥ {min(entry['sync_unhealthy_lrs']):.3g}"
+        ax.plot([p["s_lr"] for p in pts], [p["gap"] for p in pts], color=color, lw=0.8, alpha=0.6)
+        for k, p in enumerate(pts):
+            low, high = p["gap_ci_low"], p["gap_ci_high"]
+            if low is not None and high is not None and math.isfinite(low) and math.isfinite(high):
+                ax.plot([p["s_lr"]] * 2, [low, high], color=color, lw=1.2)
+            ax.plot([p["s_lr"]], [p["gap"]], marker="o", ls="", ms=6, color=color, mew=1.4,
+                    mfc=color if p["sync_healthy"] else "white", label=label if k == 0 else None)
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    ax.axhline(0.0, color="gray", lw=0.6)
+    ax.set_xscale("log")
+    xs = sorted({p["s_lr"] for entry in law for p in entry["points"] if p["s_lr"] > 0})
+    ax.xaxis.set_major_locator(FixedLocator(xs))  # a tick at each s · lr of the map, labelled plainly
+    ax.set_xticks(xs, [f"{x:.3g}" for x in xs], fontsize=7, rotation=45 if len(xs) > 6 else 0)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("s · lr (staleness × learning rate)")
+    measures = {entry["measure"] for entry in law}
+    ax.set_ylabel("stale − sync, reward (< 0: stale worse)" if measures == {"reward_last"}
+                  else "stale − sync (each model's measure)")
+    ax.set_title("Gap against s · lr per model (95% bootstrap over seeds; open: sync unhealthy at that lr)",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+    cv.save(fig, "fig_law.png", outside=True)
 
 
 def regime_figure(cv: Canvas, regime: list[dict]) -> None:
@@ -319,10 +474,16 @@ def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] 
 
 
 def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups: list[dict],
-            regime: list[dict] | None = None, ablation_rows: list[dict] | None = None) -> list[Path]:
+            regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
+            share_rows: list[dict] | None = None) -> list[Path]:
     """Write every figure of ``root`` that its cells support (``cells`` as grouped, ``cell_dirs`` as in
-    :class:`Canvas`); returns their paths."""
+    :class:`Canvas`; ``share_rows``: the recovered shares on the measure the summary reads,
+    :func:`~gacbench.bench.stats.headline_shares`); returns their paths."""
+    share_rows = share_rows or []
     cv = Canvas(root, cells, cell_dirs)
+    for r in share_rows:  # the corrections that recover: a positive share, significant after Holm's adjustment
+        if not r.get("missing") and not r["no_gap"] and r["share"] > 0 and significant(r):
+            cv.recovering.setdefault(r["task"], set()).add(r["method"])
     curves_figures(cv)
     cos_figure(cv)
     robustness_figure(cv, groups)
@@ -330,4 +491,6 @@ def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups:
     method_figures(cv)
     regime_figure(cv, regime or [])
     thresholds_figure(cv, groups, ablation_rows)
+    shares_figure(cv, share_rows)
+    law_figure(cv, law_points(regime or []))
     return cv.out

@@ -94,3 +94,39 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
                 points[-1]["eff_within_eta_max"] = None if math.isnan(eff) else bool(eff <= points[-1]["stale_eta_max"])
     points.sort(key=lambda p: (p["model"], p["lr"], p["staleness"]))
     return points
+
+
+def law_points(points: list[dict]) -> list[dict]:
+    """The staleness x learning-rate law of the regime map: the per-step surrogate-gradient bias of stale training
+    grows like s * lr, so per model the stale - sync gap should be one monotone function of s * lr. One entry per
+    model: ``measure`` (the points' measure: ``reward_last`` or ``final``, ``mixed`` where they differ),
+    ``points`` (``s_lr``, ``lr``, ``staleness``, ``gap``, its interval, ``n``, ``sync_healthy``) sorted by
+    s * lr; Spearman's rank correlation of gap against s * lr (``spearman_rho``, ``spearman_p``,
+    scipy.stats.spearmanr over the points with a finite gap; null with fewer than three such points or a single
+    s * lr value); and the learning rates whose sync run is not healthy (``sync_unhealthy_lrs``: the regime map's
+    ``sync_healthy``, beyond which the gap compares with a sync run that itself fails). Empty when the map has
+    fewer than two distinct s * lr values."""
+    if len({p["staleness"] * p["lr"] for p in points}) < 2:
+        return []
+    import warnings
+
+    from scipy import stats
+
+    out = []
+    for model in sorted({p["model"] for p in points}):
+        pts = sorted(({"s_lr": p["staleness"] * p["lr"], "lr": p["lr"], "staleness": p["staleness"], "gap": p["gap"],
+                       "gap_ci_low": p["gap_ci_low"], "gap_ci_high": p["gap_ci_high"], "n": p["n"],
+                       "sync_healthy": p["sync_healthy"]} for p in points if p["model"] == model),
+                     key=lambda p: (p["s_lr"], p["lr"]))
+        finite = [p for p in pts if p["gap"] is not None and math.isfinite(p["gap"])]
+        rho = pval = math.nan
+        if len(finite) >= 3 and len({p["s_lr"] for p in finite}) >= 2:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a constant gap: NaN, reported as null
+                res = stats.spearmanr([p["s_lr"] for p in finite], [p["gap"] for p in finite])
+            rho, pval = float(res.statistic), float(res.pvalue)
+        measures = {p["measure"] for p in points if p["model"] == model}
+        out.append({"model": model, "measure": measures.pop() if len(measures) == 1 else "mixed", "points": pts,
+                    "spearman_rho": rho, "spearman_p": pval,
+                    "sync_unhealthy_lrs": sorted({p["lr"] for p in pts if not p["sync_healthy"]})})
+    return out

@@ -27,6 +27,9 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   t-test's p-value (scipy.stats.ttest_rel); intervals are null with fewer than two seeds; the share and its
   interval are null when sync or stale has no cells (``missing`` names them), the comparison when stale has
   none;
+- ``vs_stale_p_adj``: that p-value adjusted by Holm's step-down method over the tests of its table (one family
+  each: ``recovered``, ``recovered_reward`` and each ablation table; :func:`~gacbench.bench.stats.holm_adjust`);
+  summary.md's ``*`` and fig_shares.png's filled markers read it;
 - a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
   ``DEGRADE_WINDOW`` steps, ends below its own running maximum, and ``reward_noise``, the standard deviation
   of a DEGRADE_WINDOW-step mean from the step-to-step noise; ``degraded`` when the drop exceeds both
@@ -35,7 +38,7 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 - appended to summary.md after the existing sections: the intervals, paper Table 1 (``tables._table1``, at
   :func:`~gacbench.bench.tables.table1_staleness`), paper Table 3 with the calibrated thresholds
   (``tables._table3``) and the regime map (:func:`~gacbench.bench.regime.regime_points`, also ``regime`` in
-  summary.json);
+  summary.json) with its points against s * lr (:func:`~gacbench.bench.regime.law_points`, ``regime_law``);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``
   (:mod:`gacbench.bench.versions`), and the groups that mix keys;
@@ -73,13 +76,15 @@ from gacbench.bench.records import (  # noqa: F401  (re-exported)
     running_max_drop,
     window_noise,
 )
-from gacbench.bench.regime import regime_points
+from gacbench.bench.regime import law_points, regime_points
 from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     BOOT_RESAMPLES,
     BOOT_SEED,
     CI_LEVEL,
     REFERENCE_METHODS,
     ablation_key,
+    headline_shares,
+    holm_adjust,
     mean_bootstrap_ci,
     paired_difference,
     recovered_shares,
@@ -126,13 +131,17 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
                                 else "ablation_recovered"]
     if regime:
         summary["regime"] = regime
+        law = law_points(regime)
+        if law:
+            summary["regime_law"] = law
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
-    figs = figures(root, cells_g, dirs, groups, regime, ablation_rows) if groups else []
+    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares))
+            if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]

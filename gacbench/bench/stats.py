@@ -75,6 +75,20 @@ def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> 
     return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p}
 
 
+def holm_adjust(ps: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values of one family of tests: with the m finite p-values sorted ascending,
+    p_(1) <= ... <= p_(m), the i-th adjusted value is min(1, max over j <= i of (m - j + 1) p_(j)) (the running
+    maximum keeps the adjusted values in the order of the raw ones). Rejecting where the adjusted value is below
+    alpha controls the family-wise error rate at alpha. None or NaN (no test) stays None and does not count in m."""
+    finite = [(p, i) for i, p in enumerate(ps) if p is not None and math.isfinite(p)]
+    out: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for rank, (p, i) in enumerate(sorted(finite)):
+        running = max(running, min(1.0, (len(finite) - rank) * p))
+        out[i] = running
+    return out
+
+
 def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: bool) -> dict:
     """``row`` (a recovered-share row) with ``n`` (the distinct seeds sync, stale and the method share),
     ``share_ci_low/high`` and the paired comparison to stale (``vs_stale_*``, over the seeds stale and the method
@@ -100,9 +114,10 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
                      ablation: bool = False) -> list[dict]:
     """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
     training reward over the last 20% of steps, for rollout objectives). With ``cells`` (the cell records)
-    each row also gets its confidence intervals (module docstring); a method whose sync or stale group has no
-    cells gets a row with ``missing`` naming them and null share. ``ablation=True``: the rows of the threshold
-    ablation's groups instead, against the same sync and stale groups."""
+    each row also gets its confidence intervals (module docstring) and ``vs_stale_p_adj``, its p-value against
+    stale adjusted by Holm's method over the rows returned (one family; :func:`holm_adjust`); a method whose sync
+    or stale group has no cells gets a row with ``missing`` naming them and null share. ``ablation=True``: the
+    rows of the threshold ablation's groups instead, against the same sync and stale groups."""
     mean, std = f"{key}_mean", f"{key}_std"
     groups = [g for g in groups if mean in g]
     by = {(g["task"], g["method"], g["staleness"]): g for g in groups}
@@ -134,7 +149,25 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
                "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
                "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se)}
         rows.append(_with_ci(row, seeds, key, higher) if cells is not None else row)
+    if cells is not None:  # the rows are one family of tests against stale
+        for row, adj in zip(rows, holm_adjust([r["vs_stale_p"] for r in rows])):
+            row["vs_stale_p_adj"] = adj
     return rows
+
+
+def significant(row: dict, alpha: float = 0.05) -> bool:
+    """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment over
+    its table (``vs_stale_p_adj``)."""
+    return row.get("vs_stale_p_adj") is not None and row["vs_stale_p_adj"] < alpha
+
+
+def headline_shares(shares: list[dict], reward_shares: list[dict]) -> list[dict]:
+    """The recovered-share rows on the measure the summary reads for each task: the training reward
+    (``reward_shares``) for a task that has it (rollout objectives), else the final metric (``shares``). Copies,
+    each with ``measure`` (``reward_last`` or ``final``)."""
+    rewarded = {r["task"] for r in reward_shares}
+    return ([{**r, "measure": "reward_last"} for r in reward_shares]
+            + [{**r, "measure": "final"} for r in shares if r["task"] not in rewarded])
 
 
 def ablation_key(abl: list[dict]) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 
 from gacbench.bench.groups import nanmean, per_seed
 from gacbench.bench.records import DEGRADE_MARGIN, DEGRADE_SIGMAS, DEGRADE_WINDOW, DIAGNOSTICS
+from gacbench.bench.regime import law_points
 from gacbench.bench.stats import (
     BOOT_RESAMPLES,
     BOOT_SEED,
@@ -17,6 +18,7 @@ from gacbench.bench.stats import (
     ablation_key,
     ablation_share_rows,
     mean_bootstrap_ci,
+    significant,
 )
 
 
@@ -135,9 +137,11 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         what = "training reward" if key == "reward_last" else "final metric"
         lines += ["", "## Threshold ablation (c_low, c_high)", "",
                   f"Recovered share of the stale–sync gap in the {what} (95% paired bootstrap interval) and the "
-                  "paired difference to stale at the same s (t-interval, paired t-test p), as in the tables above.",
+                  "paired difference to stale at the same s (t-interval, paired t-test p, and p adjusted by Holm's "
+                  "method over this table's tests), as in the tables above.",
                   "", "| task | method | s | final (mean) | training reward (last 20%) | share [95% CI] | "
-                  "method − stale [95% CI] | p | diverged | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "method − stale [95% CI] | p | p adj. | diverged | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in abl:
             r = rows.get((g["task"], g["method"]), {})
             reward = (f"{fmt(g['reward_last_mean'], 3)} ± {fmt(g['reward_last_std'], 2)}"
@@ -147,8 +151,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
             diff = "—" if r.get("vs_stale_diff") is None else (
                 f"{r['vs_stale_diff']:+.3g} {fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)}")
             lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
-                         f"{reward} | {share} | {diff} | {fmt(r.get('vs_stale_p'), 2)} | {g['diverged_frac']:.0%} | "
-                         f"{g['n']} |")
+                         f"{reward} | {share} | {diff} | {fmt(r.get('vs_stale_p'), 2)} | "
+                         f"{fmt(r.get('vs_stale_p_adj'), 2)} | {g['diverged_frac']:.0%} | {g['n']} |")
     sections = (("Failed cells", "failed"), ("Incomplete cells (stored files damaged; not counted)", "incomplete"))
     for title, kind in sections:
         listed = [c for c in cells if c["status"] != "done" and (c["status"] == "incomplete") == (kind == "incomplete")]
@@ -167,6 +171,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _table1(groups, cells)
     lines += _table3(cells)
     lines += _regime_section(regime or [])
+    lines += _law_section(law_points(regime or []))
     lines += _versions_section(versions or [], mixed or [])
     return "\n".join(lines) + "\n"
 
@@ -196,10 +201,10 @@ def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
 
 def _share_cell(r: dict) -> str:
     """One entry of the table of shares across s: the share, its interval and ``*`` where the paired t-test
-    against stale has p < 0.05; empty for a missing group or no gap."""
+    against stale has a Holm-adjusted p < 0.05 (:func:`significant`); empty for a missing group or no gap."""
     if r.get("missing") or r["no_gap"]:
         return ""
-    star = " *" if r["vs_stale_p"] is not None and r["vs_stale_p"] < 0.05 else ""
+    star = " *" if significant(r) else ""
     return f"{round(r['share'], 2) + 0.0:.2f} {fmt_ci(r['share_ci_low'], r['share_ci_high'])}{star}"
 
 
@@ -211,9 +216,10 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
     lines = ["", f"## Confidence intervals ({CI_LEVEL:.0%}) over seeds", "",
              "Share: paired percentile bootstrap over the seeds that sync, stale and the method share "
              f"({BOOT_RESAMPLES} resamples, seed {BOOT_SEED}). Method − stale: mean paired difference, > 0 = the "
-             "method is better, with its t-interval and the two-sided paired t-test's p-value. — = fewer than two "
-             "seeds (or no gap to recover). In the tables across s, * marks p < 0.05 and an empty entry a "
-             "missing group or no gap."]
+             "method is better, with its t-interval and the two-sided paired t-test's p-value, raw and adjusted by "
+             "Holm's method over the tests of its table (p adj.; each table one family). — = fewer than two "
+             "seeds (or no gap to recover). In the tables across s, * marks an adjusted p < 0.05 and an empty "
+             "entry a missing group or no gap."]
     for title, rows in (("final metric", shares), ("training reward (last 20% of steps)", reward_shares)):
         rows = [r for r in rows if "n" in r]
         if not rows:
@@ -222,8 +228,8 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
             lines += [""] + _method_table(f"{task}: recovered share across s, {title}",
                                           [r for r in rows if r["task"] == task], _share_cell, heading="###")[:-1]
         lines += ["", f"### {title}", "",
-                  "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | seeds |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | p adj. | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r.get("missing"):
                 share = f"n/a (no {' or '.join(r['missing'])} cells)"
@@ -234,7 +240,7 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {share} | "
                          f"{fmt_ci(r['share_ci_low'], r['share_ci_high'])} | {fmt(r['vs_stale_diff'], 3)} | "
                          f"{fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)} | {fmt(r['vs_stale_p'], 2)} | "
-                         f"{r['n']} |")
+                         f"{fmt(r.get('vs_stale_p_adj'), 2)} | {r['n']} |")
     return lines
 
 
@@ -365,6 +371,32 @@ def _regime_section(points: list[dict]) -> list[str]:
             lines.append(f"{'' if key == 'eff_within_eta_max' else chr(10)}Predicting a stale failure where {name} > "
                          f"eta_max(s) matches the observation at {agree} of {len(judged)} points.")
     return lines
+
+
+def _law_section(law: list[dict]) -> list[str]:
+    """The regime map's points against s * lr per model (:func:`~gacbench.bench.regime.law_points`), with Spearman's
+    rank correlation of the gap against s * lr."""
+    if not law:
+        return []
+    lines = ["", "### Staleness × learning rate", "",
+             "The per-step surrogate-gradient bias of stale training grows like s · lr, so the gap of one model should "
+             "be one monotone function of s · lr: |ρ|, Spearman's rank correlation of gap against s · lr, near 1 says "
+             "the points fall on one monotone curve (ρ < 0 on a reward: stale loses more as s · lr grows). Gap as "
+             f"above, mean [{CI_LEVEL:.0%} bootstrap]; fig_law.png plots them.", ""]
+    for entry in law:
+        rho = entry["spearman_rho"]
+        finite = sum(math.isfinite(p["gap"]) for p in entry["points"])
+        corr = ("— (needs three points with a gap, at two s · lr or more)" if rho is None or math.isnan(rho) else
+                f"{rho:+.2f} (p = {fmt(entry['spearman_p'], 2)}, {finite} points)")
+        lines += [f"**{entry['model']}**: Spearman ρ(gap, s · lr) = {corr}"
+                  + (f"; sync unhealthy at lr = {', '.join(f'{x:.3g}' for x in entry['sync_unhealthy_lrs'])}"
+                     if entry["sync_unhealthy_lrs"] else ""), "",
+                  "| s · lr | lr | s | gap | 95% CI | sync healthy | seeds |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {p['s_lr']:.3g} | {p['lr']:.3g} | {p['staleness']} | {fmt(p['gap'], 2)} | "
+                  f"{fmt_ci(p['gap_ci_low'], p['gap_ci_high'], 2)} | {'yes' if p['sync_healthy'] else 'no'} | "
+                  f"{p['n']} |" for p in entry["points"]]
+        lines.append("")
+    return lines[:-1]
 
 
 def _step_share_note(timing: dict | None) -> str:
