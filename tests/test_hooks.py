@@ -2,6 +2,7 @@
 The same model, data and seed give the same parameters as the Lightning callbacks; closures are refused
 before anything is touched; skips leave the optimizer state alone; GradScaler and clipping act first."""
 
+import datetime
 import math
 import os
 import socket
@@ -325,7 +326,7 @@ def test_adding_parameters_after_attaching_is_refused():
 
 def _dist_worker(rank: int, world: int, port: int, steps: int, wrap: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = regressor()
     if wrap == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model.net)
@@ -380,9 +381,13 @@ def test_two_ranks_agree_and_match_one_process(wrap, collective):
     procs = [ctx.Process(target=_dist_worker, args=(r, world, port, steps, wrap, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=240) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        results = sorted(queue.get(timeout=240) for _ in range(world))
+    finally:  # a rank that failed leaves the other waiting in a collective: end both
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     (_, a0, c0, p0, n0), (_, a1, c1, p1, n1) = results
     assert a0 == a1 and c0 == c1 and p0 == p1  # every rank took the same decision from the same scalars
     assert n0 == n1 == [collective] * steps  # one collective per optimizer step
