@@ -26,6 +26,7 @@ from torch import Tensor
 
 from gacbench.functional.alignment import ACTION_NAMES, KEEP, SKIP, alignment_scalars, cosine_from_scalars
 from gacbench.functional.buffer import LazyFlatBuffer
+from gacbench.functional.collective import agree_scalars
 from gacbench.functional.gac import GACTransform, check_choice, local, parse_dtype
 from gacbench.functional.stats import alignment_summary
 from gacbench.usage import UsageError
@@ -78,14 +79,7 @@ class _Reducer:
         self.sharded = sharded
 
     def __call__(self, scalars: Tensor) -> Tensor:
-        if not self.active:
-            return scalars
-        scalars = scalars.clone()  # the collective works in place
-        if self.sharded:
-            dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
-        else:
-            dist.broadcast(scalars, src=0)
-        return scalars
+        return agree_scalars(scalars, self.sharded) if self.active else scalars
 
 
 def _initialized() -> bool:

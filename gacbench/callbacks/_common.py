@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import (
 )
 from torch import Tensor
 
+from gacbench.functional.collective import agree_scalars
 from gacbench.functional.gac import local  # noqa: F401  (re-exported for the callbacks)
 from gacbench.functional.stats import alignment_summary
 
@@ -84,12 +85,7 @@ def agree(trainer: "pl.Trainer", scalars: Tensor, sharded: bool) -> Tensor:
     """
     if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return scalars
-    scalars = scalars.clone()  # the collective works in place; the caller's local values stay intact
-    if sharded:
-        dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
-    else:
-        dist.broadcast(scalars, src=0)
-    return scalars
+    return agree_scalars(scalars, sharded)
 
 
 # The per-step metrics shown in the progress bar (every gacbench metric is in ``callback_metrics``).
