@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 2)")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="a local process pool, or Ray actors on the cluster at RAY_ADDRESS (else a local instance)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print where the wall time went: seconds and share of wall x workers per part (process "
+                        "start, model load, engine start, evals, optimizer steps, idle workers, ...)")
 
     sub.add_parser("grpo", add_help=False,
                    help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml "

@@ -26,7 +26,6 @@ after each of its cells.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -51,6 +50,7 @@ from gacbench.bench.cell import (
     stored_done,
     write_json,
 )
+from gacbench.bench.timing import timing_lines, timing_record  # noqa: F401  (timing_record re-exported)
 from gacbench.functional.calibration import calibration_record
 from gacbench.methods import (
     method_callbacks,
@@ -485,34 +485,6 @@ class _Display:
         self.progress.update(self.task, advance=1 if finished is not None else 0, running=running, failed=self.failed)
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def timing_record(results: list[dict], wall: float, workers: int) -> dict[str, Any]:
-    """Step share, cell rate and per-worker memory of the cells run in one invocation (``results`` in
-    completion order, so each worker's list of resident memory is in the order it ran its cells)."""
-    step_s = sum(r["step_s"] for r in results if _finite(r.get("step_s")))
-    eval_s = sum(r["eval_s"] for r in results if _finite(r.get("eval_s")))
-    per: dict[int, list[float]] = {}
-    for r in results:
-        if r.get("worker_pid") is not None:
-            per.setdefault(int(r["worker_pid"]), []).append(r.get("rss_mb"))
-    per_worker = []
-    for pid, rss in per.items():
-        known = [x for x in rss if _finite(x)]
-        per_worker.append({"pid": pid, "cells": len(rss), "rss_mb": rss,
-                           "rss_mb_first": known[0] if known else None, "rss_mb_last": known[-1] if known else None,
-                           "rss_mb_max": max(known) if known else None})
-    return {
-        "wall_s": wall, "workers": workers,
-        "cells_per_min": 60.0 * len(results) / wall if results and wall > 0 else 0.0,
-        "step_s": step_s, "eval_s": eval_s,
-        "step_share": step_s / (wall * workers) if results and wall > 0 and workers > 0 else None,
-        "per_worker": per_worker,
-    }
-
-
 def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, executor: str = "local",
              console: Console | None = None) -> dict[str, Any]:
     """Run every cell not yet done; returns timing figures (also written to ``out/timing.json`` when a
@@ -536,7 +508,7 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     used = 1 if executor == "local" and workers == 1 else min(workers, len(pending))
     threads = max(1, (os.cpu_count() or 1) // workers)
     display = _Display(len(cells), done_before, console)
-    t0 = time.perf_counter()
+    t0, grid_started_at = time.perf_counter(), time.time()
     results: list[dict] = []
     with display.progress:
         results += _report_failed(deps, display)
@@ -558,7 +530,7 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     wall = time.perf_counter() - t0
     failed = [r for r in results if r.get("status") != "done"]
     timing = {"cells": len(cells), "ran": len(results), "skipped_done": done_before, "failed": len(failed),
-              "executor": executor, **timing_record(results, wall, used if results else 0)}
+              "executor": executor, **timing_record(results, wall, used if results else 0, grid_started_at)}
     if results:
         write_json(root / "timing.json", timing)
     return timing
@@ -914,26 +886,8 @@ def main(args) -> int:
         f"{timing['wall_s']:.1f} s: {timing['cells_per_min']:.1f} cells/min; median framework share of step time "
         f"{report['overhead_share_median']:.0%}"
     )
-    for line in timing_lines(timing):
+    for line in timing_lines(timing, verbose=getattr(args, "verbose", False)):
         console.print(line, highlight=False)
     console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures "
                   f"({len(report['summary']['cells'])} stored cells)")
     return 1 if timing["failed"] else 0
-
-
-def timing_lines(timing: dict[str, Any]) -> list[str]:
-    """The step share and each worker's resident memory, as printed at the end of a run."""
-    if not timing.get("ran") or timing.get("step_share") is None:
-        return []
-
-    def mb(x: float | None) -> str:
-        return "?" if x is None else f"{x:.0f}"
-
-    lines = [f"step share {timing['step_share']:.0%}: {timing['step_s']:.1f} s of optimizer steps over "
-             f"{timing['workers']} worker(s) x {timing['wall_s']:.1f} s wall (eval {timing['eval_s']:.1f} s)"]
-    for w in timing["per_worker"]:
-        lines.append(f"  worker pid {w['pid']}: {w['cells']} cells, resident memory after its first cell "
-                     f"{mb(w['rss_mb_first'])} MB, after its last {mb(w['rss_mb_last'])} MB, "
-                     f"max {mb(w['rss_mb_max'])} MB")
-
-    return lines
