@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from gacbench.bench.cell import run_cell
+from gacbench.bench.runner import order_cells
 from gacbench.bench.timing import CELL_PARTS, PARTS, breakdown, cell_parts, timing_lines, timing_record
 from gacbench.cli import main
 
@@ -35,14 +36,16 @@ def test_breakdown_lays_each_worker_on_the_grid_span():
     b = breakdown(results, t0, wall=20.0, workers=3)
     w1, w2 = b["per_worker"][1], b["per_worker"][2]
     assert set(w1) == set(PARTS)
-    assert (w1["start"], w1["gaps"], w1["idle"]) == pytest.approx((2.0, 0.5, 5.0))
+    # the grid's last cell ends at 19 s: worker 1 waits 4 s for it, then both workers take 1 s to shut down
+    assert (w1["start"], w1["gaps"], w1["idle"], w1["shutdown"]) == pytest.approx((2.0, 0.5, 4.0, 1.0))
     assert (w1["setup"], w1["steps"], w1["eval"], w1["other"]) == pytest.approx((1.0, 9.0, 1.0, 1.5))
-    assert (w2["start"], w2["gaps"], w2["idle"]) == pytest.approx((3.0, 0.0, 1.0))
+    assert (w2["start"], w2["gaps"], w2["idle"], w2["shutdown"]) == pytest.approx((3.0, 0.0, 0.0, 1.0))
     assert (w2["model"], w2["engine"], w2["steps"], w2["other"]) == pytest.approx((2.0, 3.0, 10.0, 1.0))
     for w in (w1, w2):
         assert sum(w.values()) == pytest.approx(20.0)
     total = b["parts"]
-    assert total["idle"] == pytest.approx(5.0 + 1.0 + 20.0)  # the third worker ran nothing
+    assert total["idle"] == pytest.approx(4.0 + 20.0)  # the third worker ran nothing
+    assert total["shutdown"] == pytest.approx(2.0)
     assert total["steps"] == pytest.approx(19.0)
     assert sum(total.values()) == pytest.approx(60.0)
 
@@ -56,7 +59,8 @@ def test_timing_record_shares_add_up_to_one_and_match_the_step_share():
     assert sum(t["parts_share"].values()) == pytest.approx(1.0)
     assert sum(t["parts"].values()) == pytest.approx(20.0)
     w = {x["pid"]: x for x in t["per_worker"]}
-    assert w[7]["parts"]["idle"] == pytest.approx(4.0) and w[8]["parts"]["start"] == pytest.approx(1.5)
+    assert (w[7]["parts"]["idle"], w[7]["parts"]["shutdown"]) == pytest.approx((3.0, 1.0))
+    assert (w[8]["parts"]["start"], w[8]["parts"]["idle"]) == pytest.approx((1.5, 0.0))
     assert "parts" not in timing_record(results, wall=10.0, workers=2)  # without the grid's start: no breakdown
 
 
@@ -71,8 +75,10 @@ def test_verbose_lines_print_every_part_with_seconds_and_share():
     rows = {line.split()[0]: line for line in extra[1: 1 + len(PARTS)]}
     assert list(rows) == list(PARTS)
     assert rows["steps"].split()[1:3] == ["9.0", "s"] and rows["steps"].split()[3] == "45.0%"
-    assert rows["idle"].split()[1] == "5.0" and rows["idle"].split()[3] == "25.0%"  # 4 s + 1 s
-    assert extra[1 + len(PARTS)].startswith("  worker pid 7: start 1.0, setup 0.5, eval 1.0, steps 3.0")
+    assert rows["idle"].split()[1:4] == ["3.0", "s", "15.0%"]  # worker 7 ends 3 s before worker 8
+    assert rows["shutdown"].split()[1:4] == ["2.0", "s", "10.0%"]  # 1 s each after the last cell
+    assert extra[1 + len(PARTS)] == ("  worker pid 7: start 1.0, setup 0.5, eval 1.0, steps 3.0, other 0.5, idle 3.0, "
+                                     "shutdown 1.0 (s)")
 
 
 def test_a_cell_records_its_time_parts_adding_up_to_its_span(tmp_path):
@@ -105,3 +111,19 @@ def test_bench_verbose_prints_the_breakdown_and_writes_it_to_timing_json(tmp_pat
     timing = json.loads(Path(out / "timing.json").read_text())
     assert sum(timing["parts"].values()) == pytest.approx(timing["wall_s"] * timing["workers"])
     assert timing["parts"]["steps"] == pytest.approx(timing["step_s"])
+
+
+def test_cells_run_longest_first_within_an_engine_group_with_reference_cells_before_all():
+    def c(method, s, seed, steps=60, lr=1.0):
+        return {"task": "t", "objective": "quadratic", "params": {"lr": lr}, "steps": steps, "method": method,
+                "staleness": s, "seed": seed}
+
+    cells = [c("sync", 0, 0), c("sync", 0, 1), c("stale", 16, 0), c("gac", 16, 0), c("sync", 0, 0, lr=2.0),
+             c("stale", 16, 0, steps=90), c("stale", 16, 0, lr=2.0)]
+    got = [(x["method"], x["staleness"], x["seed"], x["steps"], x["params"]["lr"]) for x in order_cells(cells)]
+    assert got == [("stale", 16, 0, 90, 1.0), ("stale", 16, 0, 60, 1.0), ("gac", 16, 0, 60, 1.0),
+                   ("sync", 0, 0, 60, 1.0), ("sync", 0, 1, 60, 1.0),  # lr=1 group: longest first, order of ties kept
+                   ("stale", 16, 0, 60, 2.0), ("sync", 0, 0, 60, 2.0)]  # the lr=2 group after it
+    calibrated = [c("sync", 0, 0), c("stale", 16, 0), c("gac-calibrated", 16, 0), c("sync", 0, 1)]
+    got = [(x["method"], x["seed"]) for x in order_cells(calibrated)]
+    assert got == [("sync", 0), ("stale", 0), ("gac-calibrated", 0), ("sync", 1)]  # seed 0's sync is a reference

@@ -314,12 +314,24 @@ def engine_key(cell: dict) -> tuple[str, str]:
 
 
 def order_cells(cells: list[dict]) -> list[dict]:
-    """``cells`` with those of equal :func:`engine_key` back to back; groups in order of first appearance,
-    the order within a group kept."""
+    """``cells`` with those of equal :func:`engine_key` back to back, groups in order of first appearance, and
+    within a group the longest first, so that the workers finish together (longest processing time first):
+    more steps first, then stale cells (s > 0: a stale step also recomputes the behaviour log-probs, or swaps
+    in a stale iterate) before synchronous ones. A cell that another cell of the group needs as its reference
+    (:func:`gacbench.methods.reference_cell`) goes before all of them, so that its dependents are released
+    early. Cells of equal rank keep their order."""
+    def key(c: dict) -> tuple:
+        return c.get("task"), c.get("method"), c.get("staleness"), c.get("seed")
+
+    refs = {key(r) for r in (reference_cell(c) for c in cells if "method" in c) if r is not None}
+
+    def rank(c: dict) -> tuple[bool, int, bool]:
+        return key(c) not in refs, -int(c.get("steps", 0)), not int(c.get("staleness", 0)) > 0
+
     groups: dict[tuple[str, str], list[dict]] = {}
     for c in cells:
         groups.setdefault(engine_key(c), []).append(c)
-    return [c for group in groups.values() for c in group]
+    return [c for group in groups.values() for c in sorted(group, key=rank)]
 
 
 def check_stored(cells: list[dict], root: Path) -> None:
@@ -462,11 +474,26 @@ def _die_with_parent(parent_pid: int | None) -> None:
         threading.Thread(target=watch, name="gacbench-parent-watch", daemon=True).start()
 
 
+def _exit_without_teardown() -> None:
+    """A worker's last act (registered with atexit): its results are sent and its files written by then, so
+    it skips the interpreter's teardown, which after an LLM cell takes seconds per worker (closing the vLLM
+    engine, freeing every module's objects) while the runner waits for the workers to end."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
 def _init_worker(threads: int, parent_pid: int | None = None) -> None:
+    import atexit
+
     import torch
 
     torch.set_num_threads(threads)
     _die_with_parent(parent_pid)
+    atexit.register(_exit_without_teardown)  # runs before the handlers registered earlier (atexit is LIFO)
 
 
 class _Display:

@@ -3,10 +3,11 @@
 A cell's ``status.json`` holds ``started_at`` and ``ended_at`` (Unix time) and ``time``: the seconds of
 its span split into :data:`CELL_PARTS` (they add up to ``ended_at - started_at``). :func:`timing_record`
 lays each worker's cells on the grid's own span (``grid_started_at`` .. ``grid_started_at + wall``): the
-time before a worker's first cell (process start and imports), its cells' parts, the gaps between its
-cells, and the time after its last cell (idle while the other workers finish). Every worker's line adds
-up to the wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in the order
-printed, with what each one holds.
+time before a worker's first cell (``start``: process start and imports), its cells' parts, the gaps
+between its cells, the time from its last cell to the last cell of the grid (``idle``: waiting for the
+other workers) and from there to the end (``shutdown``: the workers exit, the pool closes). Every worker's
+line adds up to the wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in
+the order printed, with what each one holds.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ CELL_PARTS = ("setup", "model", "engine", "eval", "steps", "trainer", "write", "
 
 #: Every part of wall x workers, with what it holds.
 PARTS: dict[str, str] = {
-    "start": "process start and imports (before a worker's first cell)",
-    "setup": "objective, callbacks and Trainer construction (model load excluded)",
-    "model": "loading the model (and building a missing warm-start checkpoint)",
-    "engine": "rollout engine start-up (0 when a worker reuses its engine)",
-    "eval": "metric evaluations: initial, periodic and final",
-    "steps": "optimizer steps (rollouts, forward, backward, update, callbacks)",
-    "trainer": "Lightning's fit outside steps, evals and engine start-up",
-    "write": "the cell's config.json",
-    "other": "the rest of a cell (resume checks, seeding, the result's return)",
-    "gaps": "between a worker's cells (result handed back, next cell handed over)",
-    "idle": "after a worker's last cell while others finish, and workers that ran no cell",
+    "start": "process start and imports",
+    "setup": "objective, callbacks, Trainer (no model load)",
+    "model": "model load (and any warm-start build)",
+    "engine": "rollout engine start-up",
+    "eval": "metric evaluations",
+    "steps": "optimizer steps",
+    "trainer": "fit outside steps, evals, engine start",
+    "write": "the cells' config.json",
+    "other": "the rest of the cells",
+    "gaps": "between a worker's cells",
+    "idle": "done, waiting for the other workers",
+    "shutdown": "after the last cell: workers exit",
 }
 
 
@@ -69,8 +71,11 @@ def breakdown(results: list[dict], grid_started_at: float, wall: float, workers:
             measured = r.get("time") if isinstance(r.get("time"), dict) else {"other": span}
             for k, v in cell_parts({k: v for k, v in measured.items() if k != "other" and _finite(v)}, span).items():
                 parts[k] += v
-        parts["idle"] = end - cells[-1]["ended_at"]
         per_worker[pid] = parts
+    last = max((cells[-1]["ended_at"] for cells in runs.values()), default=end)
+    for pid, parts in per_worker.items():
+        parts["idle"] = last - runs[pid][-1]["ended_at"]
+        parts["shutdown"] = end - last
     total = dict.fromkeys(PARTS, 0.0)
     for parts in per_worker.values():
         for k, v in parts.items():
@@ -140,7 +145,7 @@ def breakdown_lines(timing: dict[str, Any]) -> list[str]:
     lines = [f"where the time went ({timing['workers']} worker(s) x {timing['wall_s']:.1f} s wall = {total:.1f} s):"]
     for name, what in PARTS.items():
         seconds = timing["parts"].get(name, 0.0)
-        lines.append(f"  {name:<8} {seconds:8.1f} s {timing['parts_share'].get(name, 0.0):6.1%}  {what}")
+        lines.append(f"  {name:<8} {seconds:7.1f} s {timing['parts_share'].get(name, 0.0):6.1%}  {what}")
     for w in timing["per_worker"]:
         if "parts" in w:
             lines.append(f"  worker pid {w['pid']}: " + ", ".join(f"{k} {v:.1f}" for k, v in w["parts"].items()
