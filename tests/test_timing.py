@@ -127,3 +127,45 @@ def test_cells_run_longest_first_within_an_engine_group_with_reference_cells_bef
     calibrated = [c("sync", 0, 0), c("stale", 16, 0), c("gac-calibrated", 16, 0), c("sync", 0, 1)]
     got = [(x["method"], x["seed"]) for x in order_cells(calibrated)]
     assert got == [("sync", 0), ("stale", 0), ("gac-calibrated", 0), ("sync", 1)]  # seed 0's sync is a reference
+
+
+def test_a_pool_worker_registers_an_exit_that_flushes_its_output_and_skips_the_teardown(monkeypatch):
+    import atexit
+    import io
+    import sys
+
+    from gacbench.bench import runner
+
+    registered, exits = [], []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(runner, "_die_with_parent", lambda parent_pid: None)
+    import torch
+
+    runner._init_worker(torch.get_num_threads())  # this process's thread count stays as it is
+    assert registered == [runner._exit_without_teardown]
+    out = io.StringIO()
+    flushed = []
+    out.flush = lambda: flushed.append(True)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(runner.os, "_exit", exits.append)
+    runner._exit_without_teardown()
+    assert flushed and exits == [0]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_engine_start_pauses_the_collector_and_restores_it_also_after_an_error(enabled):
+    import gc
+
+    from gacbench.rollout.engines import _collector_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with _collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+        with pytest.raises(RuntimeError), _collector_paused():
+            raise RuntimeError("vLLM could not start")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
