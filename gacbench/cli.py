@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute the done cells of the grid stored by another environment (another library source, "
                         "package versions, thread count or device: gacbench.provenance); by default they are counted "
                         "in a note and reused")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print where the wall time went: seconds and share of wall x workers per part (process "
+                        "start, model load, engine start, evals, optimizer steps, idle workers, ...)")
 
     sub.add_parser("grpo", add_help=False,
                    help="one GRPO run from a LightningCLI config: gacbench grpo --config tasks/llm/tiny.yaml "

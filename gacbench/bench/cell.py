@@ -40,6 +40,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
+from gacbench.bench.timing import cell_parts
 from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, StalenessSimulator
 from gacbench.jsonio import DISK_FULL, json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
 from gacbench.methods import method_callbacks, parse_method
@@ -426,6 +427,7 @@ def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None,
 
 
 def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_other_versions: bool) -> dict:
+    started_at, t_start = time.time(), time.perf_counter()
     status_path = out / "status.json"
     if threads:
         torch.set_num_threads(threads)
@@ -439,15 +441,20 @@ def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_o
         if not (rerun_other_versions and stored_environment(root, cell) != environment_key(provenance())):
             return {**done, "reused": True}
     status_path.unlink(missing_ok=True)  # a failed or incomplete earlier run: unfinished until this one ends
+    t_write = time.perf_counter()
     write_json(out / "config.json", {**cell, "provenance": provenance()})
+    parts = {"write": time.perf_counter() - t_write}
     t0 = time.perf_counter()
     try:
         status = _run(cell, out)
+        parts.update(status.pop("time"))
     except Exception as exc:  # a failed cell is recorded and never stops the grid
         if isinstance(exc, OSError) and exc.errno in DISK_FULL:
             raise
         status = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    status.update({"cell": cell, "seconds": time.perf_counter() - t0, "worker_pid": os.getpid(), "rss_mb": rss_mb()})
+    ended_at = started_at + (time.perf_counter() - t_start)
+    status.update({"cell": cell, "seconds": time.perf_counter() - t0, "worker_pid": os.getpid(), "rss_mb": rss_mb(),
+                   "started_at": started_at, "ended_at": ended_at, "time": cell_parts(parts, ended_at - started_at)})
     write_json(status_path, status)
     return status
 
@@ -461,6 +468,7 @@ def _run(cell: dict, out: Path) -> dict:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*exists and is not empty.*")
     warnings.filterwarnings("ignore", "GAC: skipping step")  # counted per step in gac/bad_grad
+    t_begin = time.perf_counter()
     pl.seed_everything(cell["seed"], verbose=False)
     method, _ = parse_method(cell["method"])
     s = int(cell["staleness"]) if method.stale else 0
@@ -477,15 +485,26 @@ def _run(cell: dict, out: Path) -> dict:
     timer = StepTimer()
     callbacks += [timer, DivergenceStop()]
     evals = EvalTimer(model)
+    t_setup = time.perf_counter()
     initial = model.metric()
+    t_trainer = time.perf_counter()
     trainer = build_trainer(cell["steps"], callbacks, CSVLogger(save_dir=str(out), name="", version=""),
                             accelerator=getattr(cls, "accelerator", "cpu"))
+    t_fit = time.perf_counter()
+    eval_before_fit = evals.seconds
     trainer.fit(model)
+    fit_s = time.perf_counter() - t_fit
+    eval_in_fit = evals.seconds - eval_before_fit
     final = model.metric()
+    costs = getattr(model, "cost_s", {})  # an objective's own one-off costs: model load, engine start-up
+    model_s, engine_s = costs.get("model", 0.0), costs.get("engine", 0.0)
+    setup_s = (t_setup - t_begin) + (t_fit - t_trainer) - model_s
+    time_parts = {"setup": setup_s, "model": model_s, "engine": engine_s, "eval": evals.seconds,
+                  "steps": timer.step_s(), "trainer": fit_s - timer.step_s() - eval_in_fit - engine_s}
     return {
         "status": "done", "initial": initial, "final": final, "diverged": model.diverged(initial, final),
         "metric": model.metric_name, "higher_is_better": model.higher_is_better,
         "steps_run": trainer.global_step, "overhead_share": timer.overhead_share(),
         "step_ms": 1e3 * statistics.median(timer.total) if timer.total else math.nan,
-        "step_s": timer.step_s(), "eval_s": evals.seconds,
+        "step_s": timer.step_s(), "eval_s": evals.seconds, "time": time_parts,
     }

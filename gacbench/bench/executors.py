@@ -16,6 +16,7 @@ ended: the cells in flight stay unfinished and the next run recomputes them.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -197,6 +198,19 @@ def init_worker(threads: int, parent_pid: int | None = None) -> None:
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid)
+    atexit.register(exit_without_teardown)  # runs before the handlers registered earlier (atexit is LIFO)
+
+
+def exit_without_teardown() -> None:
+    """A pool worker's last act (registered with atexit): its results are sent and its files written by then,
+    so it skips the interpreter's teardown, which after an LLM cell takes seconds per worker (closing the vLLM
+    engine, freeing every module's objects) while the runner waits for the workers to end."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 class Display:

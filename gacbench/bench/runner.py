@@ -34,7 +34,6 @@ after each of its cells.
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 import signal
@@ -72,6 +71,7 @@ from gacbench.bench.executors import (  # noqa: F401  (reference_calibration re-
     run_ray,
     wait_for_claims,
 )
+from gacbench.bench.timing import timing_lines, timing_record  # noqa: F401  (timing_record re-exported)
 from gacbench.bench.validate import (  # noqa: F401  (SUITES_DIR, load_suite, check_params: importable from here)
     ABLATION,
     SEED_MAX,
@@ -166,12 +166,24 @@ def is_done(root: Path, cell: dict) -> bool:
 
 
 def order_cells(cells: list[dict]) -> list[dict]:
-    """``cells`` with those of equal :func:`engine_key` back to back; groups in order of first appearance,
-    the order within a group kept."""
+    """``cells`` with those of equal :func:`engine_key` back to back, groups in order of first appearance, and
+    within a group the longest first, so that the workers finish together (longest processing time first):
+    more steps first, then stale cells (s > 0: a stale step also recomputes the behaviour log-probs, or swaps
+    in a stale iterate) before synchronous ones. A cell that another cell of the group needs as its reference
+    (:func:`gacbench.methods.reference_cell`) goes before all of them, so that its dependents are released
+    early. Cells of equal rank keep their order."""
+    def key(c: dict) -> tuple:
+        return c.get("task"), c.get("method"), c.get("staleness"), c.get("seed")
+
+    refs = {key(r) for r in (reference_cell(c) for c in cells if "method" in c) if r is not None}
+
+    def rank(c: dict) -> tuple[bool, int, bool]:
+        return key(c) not in refs, -int(c.get("steps", 0)), not int(c.get("staleness", 0)) > 0
+
     groups: dict[tuple[str, str], list[dict]] = {}
     for c in cells:
         groups.setdefault(engine_key(c), []).append(c)
-    return [c for group in groups.values() for c in group]
+    return [c for group in groups.values() for c in sorted(group, key=rank)]
 
 
 def check_stored(cells: list[dict], root: Path) -> None:
@@ -232,34 +244,6 @@ def check_references(cells: list[dict], root: Path) -> None:
                              f"{root}: include sync in --methods and 0 in --staleness (or run it into --out first)")
 
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def timing_record(results: list[dict], wall: float, workers: int) -> dict[str, Any]:
-    """Step share, cell rate and per-worker memory of the cells run in one invocation (``results`` in
-    completion order, so each worker's list of resident memory is in the order it ran its cells)."""
-    step_s = sum(r["step_s"] for r in results if _finite(r.get("step_s")))
-    eval_s = sum(r["eval_s"] for r in results if _finite(r.get("eval_s")))
-    per: dict[int, list[float]] = {}
-    for r in results:
-        if r.get("worker_pid") is not None:
-            per.setdefault(int(r["worker_pid"]), []).append(r.get("rss_mb"))
-    per_worker = []
-    for pid, rss in per.items():
-        known = [x for x in rss if _finite(x)]
-        per_worker.append({"pid": pid, "cells": len(rss), "rss_mb": rss,
-                           "rss_mb_first": known[0] if known else None, "rss_mb_last": known[-1] if known else None,
-                           "rss_mb_max": max(known) if known else None})
-    return {
-        "wall_s": wall, "workers": workers,
-        "cells_per_min": 60.0 * len(results) / wall if results and wall > 0 else 0.0,
-        "step_s": step_s, "eval_s": eval_s,
-        "step_share": step_s / (wall * workers) if results and wall > 0 and workers > 0 else None,
-        "per_worker": per_worker,
-    }
-
-
 def worker_threads(workers: int) -> int:
     """The torch thread count of each worker of a grid run with ``workers`` workers."""
     return max(1, (os.cpu_count() or 1) // workers)
@@ -307,15 +291,12 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
                                         "they are reused (--rerun-other-versions recomputes them)"), highlight=False)
     rerun = {cell_dir(root, c) for v in other.values() for c in v} if rerun_other_versions else set()
     pending = [c for c in cells if cell_dir(root, c) in rerun or not is_done(root, c)]
-    refs = {cell_dir(root, r) for r in (reference_cell(c) for c in pending) if r is not None}
-    if refs:  # reference cells first within their engine group, so that their dependents are released early
-        pending = sorted(pending, key=lambda c: cell_dir(root, c) not in refs)
-    pending = order_cells(pending)
+    pending = order_cells(pending)  # reference cells first within their engine group, then the longest
     done_before = len(cells) - len(pending)
     deps = Dependencies(pending, root)
     used = 1 if executor == "local" and workers == 1 else min(workers, len(pending))
     display = Display(len(cells), done_before, console)
-    t0 = time.perf_counter()
+    t0, grid_started_at = time.perf_counter(), time.time()
     results: list[dict] = []
     with display.progress:
         results += report_failed(deps, display)
@@ -335,7 +316,7 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     failed = [r for r in ran + reused if r.get("status") != "done"]
     skipped = done_before + len([r for r in reused if r.get("status") == "done"])
     timing = {"cells": len(cells), "ran": len(ran), "skipped_done": skipped, "failed": len(failed),
-              "executor": executor, **timing_record(ran, wall, used if ran else 0)}
+              "executor": executor, **timing_record(ran, wall, used if ran else 0, grid_started_at)}
     if ran:
         write_json(root / "timing.json", timing)
     return timing
@@ -391,7 +372,7 @@ def main(args) -> int:
         f"{timing['wall_s']:.1f} s: {timing['cells_per_min']:.1f} cells/min; median framework share of step time "
         f"{report['overhead_share_median']:.0%}"
     )
-    for line in timing_lines(timing):
+    for line in timing_lines(timing, verbose=getattr(args, "verbose", False)):
         console.print(line, highlight=False)
     console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures "
                   f"({len(report['summary']['cells'])} stored cells)")
@@ -471,21 +452,3 @@ def _stop_on_signals():
             signal.signal(s, handler)
 
     return restore
-
-
-def timing_lines(timing: dict[str, Any]) -> list[str]:
-    """The step share and each worker's resident memory, as printed at the end of a run."""
-    if not timing.get("ran") or timing.get("step_share") is None:
-        return []
-
-    def mb(x: float | None) -> str:
-        return "?" if x is None else f"{x:.0f}"
-
-    lines = [f"step share {timing['step_share']:.0%}: {timing['step_s']:.1f} s of optimizer steps over "
-             f"{timing['workers']} worker(s) x {timing['wall_s']:.1f} s wall (eval {timing['eval_s']:.1f} s)"]
-    for w in timing["per_worker"]:
-        lines.append(f"  worker pid {w['pid']}: {w['cells']} cells, resident memory after its first cell "
-                     f"{mb(w['rss_mb_first'])} MB, after its last {mb(w['rss_mb_last'])} MB, "
-                     f"max {mb(w['rss_mb_max'])} MB")
-
-    return lines

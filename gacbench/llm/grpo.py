@@ -171,6 +171,7 @@ class GRPOModule(Objective):
         self.task = build_task(self.task_cfg, seed)
         self.reward = reward_fn(self.task_cfg.reward or self.task.default_reward)
         model_path = self.model_cfg.path
+        t_model = time.perf_counter()
         if model_path is None:
             if not getattr(self.task, "tiny_tokenizer", False):
                 raise ValueError(f"GRPOModule: task {self.task_cfg.name!r} is text; the tiny model's tokenizer knows "
@@ -186,6 +187,8 @@ class GRPOModule(Objective):
         self.model_path = model_path
         self.policy, self.tok = load(model_path)
         self.policy.train()  # from_pretrained returns eval mode
+        # one-off costs a bench cell reports apart: the model's load (and warm start) here, the engine's start-up
+        self.cost_s = {"model": time.perf_counter() - t_model, "engine": 0.0}
         self.context = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0)
         if self.context and hasattr(self.task, "sizes"):  # a finite dataset: fail now, not in the middle of a run
             for split, size in self.task.sizes.items():
@@ -263,17 +266,20 @@ class GRPOModule(Objective):
         if self.trainer.accumulate_grad_batches != 1:
             raise ValueError("GRPO: accumulate_grad_batches must be 1 (the stale queue advances once per batch and the "
                              "policy version once per optimizer step); raise rollout.prompts instead")
+        t0 = time.perf_counter()
         if self.rollout_cfg.mode != "sync":  # async: Ray rollout workers; uniform: the random-lag simulator
             from gacbench.llm.async_source import build_source
 
             self.rollout_source = build_source(self, resume=self._source_resume)
             self._sync_verified = True  # the source verifies its engines' weight syncs itself
             self.rollout_source.start()
+            self.cost_s["engine"] += time.perf_counter() - t0
             return
         e = self.engine_cfg
         self.engine = acquire_engine(e, model_path=self.model_path, policy=self.policy,
                                      eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                      max_model_len=self.context or None, seed=self.seed)
+        self.cost_s["engine"] += time.perf_counter() - t0
         if self._ref:
             self._ref[0].to(self.device)
         # also after a resume, and for a reused engine: it starts from the trainer's weights

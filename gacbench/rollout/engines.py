@@ -45,6 +45,7 @@ After a failed generation or sync, :func:`discard_engine` closes the engine and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import inspect
@@ -291,6 +292,20 @@ def _build_hf(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model
 
 
 # -- vllm ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off inside the block (as it was after it; an explicit
+    ``gc.collect()`` still runs). An import-heavy block that keeps what it allocates otherwise pays for
+    repeated full collections of a growing heap that find nothing to free."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class _Unsupported(Exception):
     pass
 
@@ -404,6 +419,16 @@ class VLLMEngine:
         # vLLM logs every in-place reload (and warns that the rotary embedding has no weights to load): one
         # line per optimizer step; set VLLM_LOGGING_LEVEL=INFO to see them
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        with _collector_paused():  # vLLM's imports and start-up: a large heap of objects that all stay alive
+            self._start(model_dir, max_model_len, seed, dtype, kv_cache_gib)
+        self.version = 0
+        self.weight_sync = weight_sync
+        self.sync_method: str | None = None  # "direct" or "reload", once decided
+        self.sync_note = ""  # why the direct path is not used, if it is not
+        self._direct: _DirectCpuSync | None = None
+
+    def _start(self, model_dir: str, max_model_len: int | None, seed: int, dtype: str,
+               kv_cache_gib: float | None) -> None:
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -421,11 +446,6 @@ class VLLMEngine:
                                "directory is a Hugging Face checkpoint, that head_dim >= 32 on CPU, and that the KV "
                                f"cache fits in free memory (kv_cache_gib={kv_cache_gib}; lower it, or free "
                                "memory).") from exc
-        self.version = 0
-        self.weight_sync = weight_sync
-        self.sync_method: str | None = None  # "direct" or "reload", once decided
-        self.sync_note = ""  # why the direct path is not used, if it is not
-        self._direct: _DirectCpuSync | None = None
 
     def _plan(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         if self.weight_sync == "reload":

@@ -1,0 +1,172 @@
+"""Where a grid's wall time goes: a cell's time parts, their aggregation over workers, and `bench --verbose`."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gacbench.bench.cell import run_cell
+from gacbench.bench.runner import order_cells
+from gacbench.bench.timing import CELL_PARTS, PARTS, breakdown, cell_parts, timing_lines, timing_record
+from gacbench.cli import main
+
+
+def _cell(pid: int, start: float, end: float, **parts) -> dict:
+    return {"status": "done", "worker_pid": pid, "started_at": start, "ended_at": end,
+            "step_s": parts.get("steps", 0.0), "eval_s": parts.get("eval", 0.0), "rss_mb": 100.0,
+            "time": cell_parts(parts, end - start)}
+
+
+def test_cell_parts_put_what_the_measured_parts_leave_in_other():
+    parts = cell_parts({"setup": 1.0, "steps": 5.0, "eval": 0.5}, span=7.0)
+    assert set(parts) == set(CELL_PARTS)
+    assert parts["other"] == pytest.approx(0.5) and parts["model"] == 0.0
+    assert sum(parts.values()) == pytest.approx(7.0)
+
+
+def test_breakdown_lays_each_worker_on_the_grid_span():
+    # grid from t = 1000 for 20 s, 3 workers; worker 1 ran two cells, worker 2 one, worker 3 none
+    t0 = 1000.0
+    results = [_cell(1, t0 + 2.0, t0 + 8.0, setup=1.0, steps=4.0),            # start 2 s
+               _cell(1, t0 + 8.5, t0 + 15.0, steps=5.0, eval=1.0),            # gap 0.5 s, idle 5 s after it
+               _cell(2, t0 + 3.0, t0 + 19.0, model=2.0, engine=3.0, steps=10.0),  # start 3 s, idle 1 s
+               {"status": "failed", "error": "reference failed", "cell": {}},  # never ran: no worker
+               _cell(2, t0 - 50.0, t0 - 40.0, steps=9.0)]                      # an earlier run's stored result
+    b = breakdown(results, t0, wall=20.0, workers=3)
+    w1, w2 = b["per_worker"][1], b["per_worker"][2]
+    assert set(w1) == set(PARTS)
+    # the grid's last cell ends at 19 s: worker 1 waits 4 s for it, then both workers take 1 s to shut down
+    assert (w1["start"], w1["gaps"], w1["idle"], w1["shutdown"]) == pytest.approx((2.0, 0.5, 4.0, 1.0))
+    assert (w1["setup"], w1["steps"], w1["eval"], w1["other"]) == pytest.approx((1.0, 9.0, 1.0, 1.5))
+    assert (w2["start"], w2["gaps"], w2["idle"], w2["shutdown"]) == pytest.approx((3.0, 0.0, 0.0, 1.0))
+    assert (w2["model"], w2["engine"], w2["steps"], w2["other"]) == pytest.approx((2.0, 3.0, 10.0, 1.0))
+    for w in (w1, w2):
+        assert sum(w.values()) == pytest.approx(20.0)
+    total = b["parts"]
+    assert total["idle"] == pytest.approx(4.0 + 20.0)  # the third worker ran nothing
+    assert total["shutdown"] == pytest.approx(2.0)
+    assert total["steps"] == pytest.approx(19.0)
+    assert sum(total.values()) == pytest.approx(60.0)
+
+
+def test_timing_record_shares_add_up_to_one_and_match_the_step_share():
+    t0 = 50.0
+    results = [_cell(7, t0 + 1.0, t0 + 6.0, setup=0.5, steps=3.0, eval=1.0),
+               _cell(8, t0 + 1.5, t0 + 9.0, steps=6.0)]
+    t = timing_record(results, wall=10.0, workers=2, grid_started_at=t0)
+    assert t["step_share"] == pytest.approx(9.0 / 20.0) == pytest.approx(t["parts_share"]["steps"])
+    assert sum(t["parts_share"].values()) == pytest.approx(1.0)
+    assert sum(t["parts"].values()) == pytest.approx(20.0)
+    w = {x["pid"]: x for x in t["per_worker"]}
+    assert (w[7]["parts"]["idle"], w[7]["parts"]["shutdown"]) == pytest.approx((3.0, 1.0))
+    assert (w[8]["parts"]["start"], w[8]["parts"]["idle"]) == pytest.approx((1.5, 0.0))
+    assert "parts" not in timing_record(results, wall=10.0, workers=2)  # without the grid's start: no breakdown
+
+
+def test_verbose_lines_print_every_part_with_seconds_and_share():
+    t0 = 0.0
+    results = [_cell(7, 1.0, 6.0, setup=0.5, steps=3.0, eval=1.0), _cell(8, 1.5, 9.0, steps=6.0)]
+    timing = {"ran": 2, **timing_record(results, wall=10.0, workers=2, grid_started_at=t0)}
+    quiet, loud = timing_lines(timing), timing_lines(timing, verbose=True)
+    assert loud[: len(quiet)] == quiet and len(quiet) == 3
+    extra = loud[len(quiet):]
+    assert extra[0] == "where the time went (2 worker(s) x 10.0 s wall = 20.0 s):"
+    rows = {line.split()[0]: line for line in extra[1: 1 + len(PARTS)]}
+    assert list(rows) == list(PARTS)
+    assert rows["steps"].split()[1:3] == ["9.0", "s"] and rows["steps"].split()[3] == "45.0%"
+    assert rows["idle"].split()[1:4] == ["3.0", "s", "15.0%"]  # worker 7 ends 3 s before worker 8
+    assert rows["shutdown"].split()[1:4] == ["2.0", "s", "10.0%"]  # 1 s each after the last cell
+    assert extra[1 + len(PARTS)] == ("  worker pid 7: start 1.0, setup 0.5, eval 1.0, steps 3.0, other 0.5, idle 3.0, "
+                                     "shutdown 1.0 (s)")
+
+
+def test_a_cell_records_its_time_parts_adding_up_to_its_span(tmp_path):
+    cell = {"task": "q", "objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1}, "steps": 20,
+            "warmup": 2, "method": "stale", "staleness": 4, "seed": 0}
+    status = run_cell(cell, tmp_path)
+    assert status["status"] == "done"
+    parts = status["time"]
+    assert set(parts) == set(CELL_PARTS)
+    assert sum(parts.values()) == pytest.approx(status["ended_at"] - status["started_at"])
+    assert parts["steps"] == status["step_s"] and parts["eval"] == status["eval_s"]
+    assert all(v >= 0 for v in parts.values()) and parts["setup"] > 0 and parts["trainer"] > 0
+    assert (parts["model"], parts["engine"]) == (0.0, 0.0)  # a synthetic objective reports no such costs
+    stored = json.loads((tmp_path / "cells/q/stale/s4/seed0/status.json").read_text())
+    assert stored["time"] == parts
+
+
+def test_bench_verbose_prints_the_breakdown_and_writes_it_to_timing_json(tmp_path, capsys):
+    suite = {"name": "tiny", "steps": 15, "warmup": 2,
+             "tasks": {"q": {"objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1}}},
+             "methods": ["sync", "stale"], "staleness": [0, 4], "seeds": [0]}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    assert main(["bench", "--suite", str(path), "--workers", "1", "--out", str(out), "--verbose"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "where the time went (1 worker(s) x" in printed
+    for name in PARTS:
+        assert f" {name} " in printed
+    timing = json.loads(Path(out / "timing.json").read_text())
+    assert sum(timing["parts"].values()) == pytest.approx(timing["wall_s"] * timing["workers"])
+    assert timing["parts"]["steps"] == pytest.approx(timing["step_s"])
+
+
+def test_cells_run_longest_first_within_an_engine_group_with_reference_cells_before_all():
+    def c(method, s, seed, steps=60, lr=1.0):
+        return {"task": "t", "objective": "quadratic", "params": {"lr": lr}, "steps": steps, "method": method,
+                "staleness": s, "seed": seed}
+
+    cells = [c("sync", 0, 0), c("sync", 0, 1), c("stale", 16, 0), c("gac", 16, 0), c("sync", 0, 0, lr=2.0),
+             c("stale", 16, 0, steps=90), c("stale", 16, 0, lr=2.0)]
+    got = [(x["method"], x["staleness"], x["seed"], x["steps"], x["params"]["lr"]) for x in order_cells(cells)]
+    assert got == [("stale", 16, 0, 90, 1.0), ("stale", 16, 0, 60, 1.0), ("gac", 16, 0, 60, 1.0),
+                   ("sync", 0, 0, 60, 1.0), ("sync", 0, 1, 60, 1.0),  # lr=1 group: longest first, order of ties kept
+                   ("stale", 16, 0, 60, 2.0), ("sync", 0, 0, 60, 2.0)]  # the lr=2 group after it
+    calibrated = [c("sync", 0, 0), c("stale", 16, 0), c("gac-calibrated", 16, 0), c("sync", 0, 1)]
+    got = [(x["method"], x["seed"]) for x in order_cells(calibrated)]
+    assert got == [("sync", 0), ("stale", 0), ("gac-calibrated", 0), ("sync", 1)]  # seed 0's sync is a reference
+
+
+def test_a_pool_worker_registers_an_exit_that_flushes_its_output_and_skips_the_teardown(monkeypatch):
+    import atexit
+    import io
+    import sys
+
+    from gacbench.bench import executors
+
+    registered, exits = [], []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(executors, "die_with_parent", lambda parent_pid: None)
+    monkeypatch.setattr(executors.signal, "signal", lambda signum, handler: None)  # keep this process's SIGINT
+    import torch
+
+    executors.init_worker(torch.get_num_threads())  # this process's thread count stays as it is
+    assert registered == [executors.exit_without_teardown]
+    out = io.StringIO()
+    flushed = []
+    out.flush = lambda: flushed.append(True)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(executors.os, "_exit", exits.append)
+    executors.exit_without_teardown()
+    assert flushed and exits == [0]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_engine_start_pauses_the_collector_and_restores_it_also_after_an_error(enabled):
+    import gc
+
+    from gacbench.rollout.engines import _collector_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        with _collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+        with pytest.raises(RuntimeError), _collector_paused():
+            raise RuntimeError("vLLM could not start")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
