@@ -109,8 +109,9 @@ def test_bench_verbose_prints_the_breakdown_and_writes_it_to_timing_json(tmp_pat
     for name in PARTS:
         assert f" {name} " in printed
     timing = json.loads(Path(out / "timing.json").read_text())
-    assert sum(timing["parts"].values()) == pytest.approx(timing["wall_s"] * timing["workers"])
-    assert timing["parts"]["steps"] == pytest.approx(timing["step_s"])
+    # the parts are laid on Unix times (resolution about 2.4e-7 s today), the wall on the performance counter
+    assert sum(timing["parts"].values()) == pytest.approx(timing["wall_s"] * timing["workers"], abs=1e-5)
+    assert timing["parts"]["steps"] == pytest.approx(timing["step_s"], abs=1e-5)
 
 
 def test_cells_run_longest_first_within_an_engine_group_with_reference_cells_before_all():
