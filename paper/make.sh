@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Regenerates the published tables and figures from stored runs. The runs live in runs/ (not in
-# git); a run already stored there is reused, so a second call only rebuilds the summary.
+# git), or in GACBENCH_RUNS=DIR (a store outside the clone, which a new clone or a cleaned work tree keeps);
+# a run already stored there is reused, so a second call only rebuilds the summary, and a grid that
+# spans several sessions resumes cell by cell.
 #   bash paper/make.sh                 # every suite below, then the rollout benchmark
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence llm-regime)
 #   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
 # Only single-version grids are published: a grid whose summary.json lists more than one code version
 # (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
 # provenance count as one version, `unrecorded`) stops the script before its files are copied, naming the
-# versions. Recompute the cells of the other versions (delete them from runs/SUITE/cells and rerun), or pass
+# versions. Recompute the cells of the other versions (delete them from $RUNS/SUITE/cells and rerun), or pass
 # --allow-mixed-versions (or set GACBENCH_ALLOW_MIXED_VERSIONS=1): the published summary.md then says at its
 # top that the grid mixes versions, and which groups mix them.
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
@@ -19,6 +21,7 @@ cd "$(dirname "$0")/.."
 GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
+RUNS=${GACBENCH_RUNS:-runs}
 ALL=(synthetic-smoke synthetic synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline)
 SUITES=()
 for arg in "$@"; do
@@ -46,18 +49,18 @@ PY
 }
 
 for suite in "${SUITES[@]}"; do
-    "$GACBENCH" bench --suite "$suite" --out "runs/$suite"
-    single_version "runs/$suite"
+    "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite"
+    single_version "$RUNS/$suite"
     mkdir -p "paper/$suite"
-    cp "runs/$suite/summary.md" "runs/$suite/summary.json" runs/"$suite"/fig_*.png "paper/$suite/"
+    cp "$RUNS/$suite/summary.md" "$RUNS/$suite/summary.json" "$RUNS/$suite"/fig_*.png "paper/$suite/"
 done
 if [ "$EVERYTHING" -eq 1 ]; then
     # every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells, about 2 min)
-    "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out runs/bandit-baselines \
+    "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out "$RUNS/bandit-baselines" \
         --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
-    single_version runs/bandit-baselines
+    single_version "$RUNS/bandit-baselines"
     mkdir -p paper/bandit-baselines
-    cp runs/bandit-baselines/summary.md runs/bandit-baselines/fig_*.png paper/bandit-baselines/
+    cp "$RUNS/bandit-baselines/summary.md" "$RUNS/bandit-baselines"/fig_*.png paper/bandit-baselines/
     # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in runs/async/
     # (paper/async/run.py produces them, about 20 min), rebuilt into paper/async/summary.md and its figures
     if [ -d runs/async ]; then "$PYTHON" paper/async/make.py; fi
