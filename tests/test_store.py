@@ -27,7 +27,7 @@ from gacbench.bench.cell import (
     run_cell,
     stored_done,
 )
-from gacbench.bench.runner import expand_cells, load_suite, run_grid
+from gacbench.bench.runner import expand_cells, load_suite, order_cells, run_grid
 from gacbench.cli import main
 from gacbench.jsonio import remove_stray_temporaries, write_json
 from gacbench.provenance import environment_key, provenance
@@ -306,7 +306,7 @@ def test_a_full_disk_ends_bench_and_report_with_one_line_and_no_temporaries(tmp_
         _fill_disk_on(m, "status.json")
         assert bench(suite, out) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    first = cell_dir(out, expand_cells(load_suite(str(suite)))[0])
+    first = cell_dir(out, order_cells(expand_cells(load_suite(str(suite))))[0])  # the first cell the runner runs
     assert err == [f"gacbench bench: error: cannot write {first / 'status.json'}: No space left on device (ENOSPC); "
                    "free space (or raise the quota) and rerun the same command: the finished cells are kept"]
     assert not list(out.rglob("*.tmp")) and not (first / "status.json").exists()
