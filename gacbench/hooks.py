@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gacbench.functional.alignment import ACTION_NAMES, KEEP, SKIP, alignment_scalars, cosine_from_scalars
+from gacbench.functional.alignment import (
+    ACTION_NAMES,
+    KEEP,
+    SKIP,
+    cosine_from_scalars,
+    full_vector_scalars,
+)
 from gacbench.functional.buffer import LazyFlatBuffer
 from gacbench.functional.collective import agree_scalars
 from gacbench.functional.gac import GACTransform, check_choice, local, parse_dtype
@@ -291,8 +297,7 @@ class AlignmentMonitorHook(_StepHook):
             return
         reduce = self._reduce([p.grad for p in params])
         prev = self._prev.get([local(p.detach()) for p in params])
-        pairs = [(g, v) for g, v in zip(grads, prev.views) if g is not None]
-        scalars = reduce(alignment_scalars([g for g, _ in pairs], [v for _, v in pairs]))
+        scalars = reduce(full_vector_scalars(grads, prev.views))  # a missing gradient is zero
         g_sq = float(scalars[1])
         self.metrics["grad/norm"] = math.sqrt(g_sq) if g_sq >= 0 else float("nan")
         if self.has_prev:

@@ -272,6 +272,27 @@ def test_monitor_counts_a_missing_gradient_as_zero():
     assert trainer.logger.values("align/cos") == pytest.approx(expected, abs=1e-6)
 
 
+def test_the_monitor_hook_counts_a_missing_gradient_as_zero():
+    """attach_alignment_monitor in a plain loop over the same branchy model: c_t of the full vectors."""
+    from gacbench import attach_alignment_monitor
+
+    model = BranchRegressor()
+    optimizer = model.configure_optimizers()
+    hook = attach_alignment_monitor(optimizer, warmup=0)
+    flat, cos, batches = [], [], list(model.train_dataloader())
+    for i in range(10):
+        optimizer.zero_grad()
+        model.training_step(batches[i % len(batches)], i).backward()
+        flat.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().reshape(-1)
+                               for group in optimizer.param_groups for p in group["params"]]))
+        optimizer.step()
+        if i:
+            cos.append(hook.metrics["align/cos"])
+    expected = [float(flat[t] @ flat[t - 1] / (flat[t].norm() * flat[t - 1].norm())) for t in range(1, 10)]
+    assert any(float(x.abs().min()) == 0.0 for x in flat)  # some steps do leave the side branch out
+    assert cos == pytest.approx(expected, abs=1e-6)
+
+
 def test_scalars_with_the_rest_of_the_reference_equal_the_full_vectors_bit_for_bit():
     """<g, r>, ||g||^2, ||r||^2 with r's tensors of missing gradients passed as ``ref_rest`` are exactly the
     sums over the full vectors with those gradients written out as zeros (tensors above a CPU block too)."""

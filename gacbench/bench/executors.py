@@ -20,6 +20,7 @@ import atexit
 import os
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -279,10 +280,10 @@ def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display
                 for c in deps.finished(cell, results[-1]):
                     futures[pool.submit(run_cell, c, *args)] = c
                 results += report_failed(deps, display)
+        pool.shutdown(wait=True)
     except BaseException:
         _kill_pool(pool)
         raise
-    pool.shutdown(wait=True)
     return results
 
 
@@ -326,8 +327,12 @@ def run_ray(deps: Dependencies, root: Path, workers: int, threads: int, display:
         raise UsageError("--executor ray needs Ray: pip install -e '.[ray]'") from None
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  **({} if address else {"num_cpus": workers}))
+        if threading.current_thread() is threading.main_thread():  # ray.init installs its own (SIGTERM: sys.exit)
+            for s, handler in handlers.items():  # the runner's handlers stop the grid and write its summary
+                signal.signal(s, handler)
     options: dict[str, Any] = {"num_cpus": 1}
     gpus = ray.cluster_resources().get("GPU", 0)
     if gpus and any(objective_class(o).accelerator != "cpu" for o in {c["objective"] for c in pending}):

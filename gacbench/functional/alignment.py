@@ -180,6 +180,14 @@ def alignment_scalars(
     return torch.cat([sums, ref_sq.to(device=sums.device, dtype=torch.float64).reshape(1)])
 
 
+def full_vector_scalars(grads: list[Tensor | None], ref: TensorList) -> Tensor:
+    """:func:`alignment_scalars` of the full vectors, where ``grads[i]`` is None for a parameter without a
+    gradient this step (its gradient is zero; its part of ``ref`` counts in ||r||^2)."""
+    live = [(g, r) for g, r in zip(grads, ref) if g is not None]
+    rest = [r for g, r in zip(grads, ref) if g is None]
+    return alignment_scalars([g for g, _ in live], [r for _, r in live], ref_rest=rest)
+
+
 def cosine_from_scalars(scalars: Tensor, eps: float = 1e-30) -> float:
     """c = <g, r> / (||g|| ||r||) from ``alignment_scalars``; 0.0 when either norm is zero."""
     g_r, gg, rr = (float(v) for v in scalars.tolist())
