@@ -182,8 +182,9 @@ class GACHook(_StepHook):
         on_zero_grad: str = "pass",
         warmup: int = 50,
         tol: float = 0.05,
-        kernels: str = "eager",
+        kernels: str = "auto",
         distributed: bool | None = None,
+        steps: int | None = None,
     ) -> None:
         try:
             self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype,
@@ -193,6 +194,7 @@ class GACHook(_StepHook):
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
+        self.run_steps, self._kernels_chosen = steps, False
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.action = ""
         super().__init__(optimizer, warmup, tol, distributed)
@@ -203,6 +205,10 @@ class GACHook(_StepHook):
 
     def _step(self) -> None:
         params = self.params
+        if not self._kernels_chosen and params:  # kernels="auto": the path from the parameters and the run's steps
+            self._kernels_chosen = True
+            self.transform.choose_kernels_for(sum(p.numel() for p in params), self.run_steps or math.inf,
+                                              params[0].device.type)
         reduce = self._reduce([p.grad for p in params])
         # swap exchanges p.grad with the reference's storage (plain gradient tensors only); keep_alias stays off:
         # the hook never sees zero_grad, so p.grad must not be the reference itself
@@ -347,7 +353,9 @@ def attach_gac(optimizer: torch.optim.Optimizer, **settings: Any) -> GACHook:
     ``kernels``), plus ``distributed``: None agrees the scalars across ranks whenever torch.distributed is
     initialized with more than one rank, False never. A skipped step sets every ``p.grad`` to None, so the
     optimizer leaves parameters and state (momentum, step count) untouched, as the callback does.
-    ``kernels="fused-adamw"`` runs as ``"compiled"`` here: the hook does not take the optimizer's step itself.
+    ``kernels="fused-adamw"`` runs as ``"compiled"`` here: the hook does not take the optimizer's step itself;
+    ``kernels="auto"`` (the default, as in the callback) chooses from the parameter count and ``steps``, the
+    run's optimizer steps (the callback reads them from the trainer; without them "auto" runs eager).
     Returns the :class:`GACHook` (``.metrics``, ``.action``, ``.summary()``, ``state_dict()``,
     ``load_state_dict()``, ``remove()``).
     """

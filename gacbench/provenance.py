@@ -11,8 +11,8 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
 - ``packages``: the versions of torch, vllm, transformers and lightning (``null`` when absent);
 - ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name.
 
-The environment key is everything but ``code.dirty``'s commit detail: the source hash, the package versions,
-the thread count and the device. Two cells with the same key ran the same library code on the same stack.
+The environment key is everything but the commit: the source hash, the package versions, the thread count
+and the device. Two cells with the same key ran the same library code on the same stack.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def code_version() -> dict[str, Any]:
         return {"version": None}
 
 
+@functools.lru_cache(maxsize=1)
 def package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in PACKAGES:
@@ -77,6 +78,7 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def device_name() -> str:
     import torch
 
@@ -89,7 +91,7 @@ def provenance() -> dict[str, Any]:
     """This process's environment, as stored in every run's ``config.json`` under ``provenance``."""
     import torch
 
-    return {"code": code_version(), "source_sha256": source_sha256(), "packages": package_versions(),
+    return {"code": code_version(), "source_sha256": source_sha256(), "packages": dict(package_versions()),
             "threads": torch.get_num_threads(), "device": device_name()}
 
 
@@ -106,7 +108,7 @@ def environment_key(prov: dict | None) -> str:
 def describe(prov: dict | None) -> str:
     """One line for a person: the commit (or version) with a dirty mark, then the environment key."""
     if not isinstance(prov, dict):
-        return "unrecorded (stored before provenance was recorded)"
+        return "unrecorded (no provenance stored with the run)"
     code = prov.get("code") or {}
     where = (f"commit {str(code['commit'])[:10]}{' (dirty)' if code.get('dirty') else ''}" if code.get("commit")
              else f"version {code.get('version')}")

@@ -38,8 +38,22 @@ def plain_loop(model, optimizer, steps, accumulate=1):
 def test_settings_are_exactly_the_callbacks():
     import inspect
     cb = set(inspect.signature(GAC.__init__).parameters) - {"self"}
-    hook = set(inspect.signature(gacbench.hooks.GACHook.__init__).parameters) - {"self", "optimizer", "distributed"}
-    assert hook == cb
+    hook = set(inspect.signature(gacbench.hooks.GACHook.__init__).parameters)
+    assert hook - {"self", "optimizer", "distributed", "steps"} == cb  # steps: what the trainer tells the callback
+
+
+def test_auto_kernels_choose_from_the_parameters_and_the_runs_steps():
+    from gacbench.functional.kernels import AUTO_COMPILE_PARAM_STEPS, AUTO_MIN_PARAMS
+
+    big = [torch.nn.Parameter(torch.zeros(AUTO_MIN_PARAMS))]
+    for steps, expected in ((None, "eager"), (10, "eager"), (int(AUTO_COMPILE_PARAM_STEPS // AUTO_MIN_PARAMS) + 1,
+                                                             "fused-adamw")):
+        optimizer = torch.optim.SGD(big, lr=0.0)
+        hook = attach_gac(optimizer, steps=steps)
+        big[0].grad = torch.zeros_like(big[0])
+        optimizer.step()
+        assert hook.transform.kernels == expected  # the compiled path itself is tested in test_gac_kernels.py
+        hook.remove()
 
 
 @pytest.mark.parametrize("opt,reference", [("adamw", "grad"), ("sgd", "grad"), ("adamw", "update"),
