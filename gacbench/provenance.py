@@ -105,11 +105,18 @@ def environment_key(prov: dict | None) -> str:
     return f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
 
 
-def describe(prov: dict | None) -> str:
-    """One line for a person: the commit (or version) with a dirty mark, then the environment key."""
+def code_label(prov: dict | None) -> str:
+    """The commit (or package version) a run was stored by, with a dirty mark: ``commit 1a2b3c4d5e (dirty)``."""
     if not isinstance(prov, dict):
         return "unrecorded (no provenance stored with the run)"
     code = prov.get("code") or {}
-    where = (f"commit {str(code['commit'])[:10]}{' (dirty)' if code.get('dirty') else ''}" if code.get("commit")
-             else f"version {code.get('version')}")
-    return f"{where}; {environment_key(prov)}"
+    if code.get("commit"):
+        return f"commit {str(code['commit'])[:10]}{' (dirty)' if code.get('dirty') else ''}"
+    return f"version {code.get('version')}"
+
+
+def describe(prov: dict | None) -> str:
+    """One line for a person: :func:`code_label`, then the environment key."""
+    if not isinstance(prov, dict):
+        return code_label(prov)
+    return f"{code_label(prov)}; {environment_key(prov)}"

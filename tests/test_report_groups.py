@@ -119,7 +119,7 @@ def test_versions_list_each_environment_and_the_groups_that_mix_them(tmp_path):
     assert summary["versions"] == [
         {"key": environment_key(new), "description": "commit aaaaaaaaaa", "cells": 5},
         {"key": environment_key(old), "description": "commit bbbbbbbbbb (dirty)", "cells": 1},
-        {"key": "unrecorded", "description": "unrecorded (stored before provenance was recorded)", "cells": 1}]
+        {"key": "unrecorded", "description": "unrecorded (no provenance stored with the run)", "cells": 1}]
     assert summary["mixed_version_groups"] == [
         {"task": "quadratic", "method": "stale", "staleness": 2,
          "versions": sorted([environment_key(new), environment_key(old)])}]

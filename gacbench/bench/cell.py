@@ -286,12 +286,12 @@ def _canonical(value: Any) -> Any:
 UNSET = object()  # a parameter one side of a comparison does not set
 
 
-def _flat(params: dict, prefix: str = "") -> dict[str, Any]:
+def flat_params(params: dict, prefix: str = "") -> dict[str, Any]:
     """``{"engine": {"name": "hf"}}`` -> ``{"engine.name": "hf"}`` (an empty section stays a value)."""
     out: dict[str, Any] = {}
     for key, value in params.items():
         if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_params(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -305,7 +305,7 @@ def identity_diff(stored: dict, cell: dict, keys: tuple[str, ...] = IDENTITY_KEY
     new = _canonical(cell)
     for key in keys:
         if key == "params":
-            old_p, new_p = _flat(stored.get("params") or {}), _flat(new.get("params") or {})
+            old_p, new_p = flat_params(stored.get("params") or {}), flat_params(new.get("params") or {})
             for name in sorted(set(old_p) | set(new_p)):
                 a, b = old_p.get(name, UNSET), new_p.get(name, UNSET)
                 if a != b:

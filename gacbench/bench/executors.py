@@ -75,8 +75,7 @@ def _fail_without_running(root: Path, cell: dict, error: str) -> dict:
     status = {"status": "failed", "error": error, "cell": cell}
     out = cell_dir(root, cell)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "status.json").unlink(missing_ok=True)
-    write_json(out / "status.json", status)
+    write_json(out / "status.json", status)  # atomic: replaces an earlier status
     return status
 
 
@@ -365,11 +364,7 @@ def run_ray(deps: Dependencies, root: Path, workers: int, threads: int, display:
             try:
                 results.append(ray.get(ready[0]))
             except ray.exceptions.RayActorError as exc:
-                status = {"status": "failed", "error": f"the Ray actor running this cell died: {exc}", "cell": cell}
-                out = cell_dir(root, cell)
-                out.mkdir(parents=True, exist_ok=True)
-                write_json(out / "status.json", status)
-                results.append(status)
+                results.append(_fail_without_running(root, cell, f"the Ray actor running this cell died: {exc}"))
                 actors[i] = actor_cls.remote(threads)
                 last.pop(i, None)
             queue += deps.finished(cell, results[-1])

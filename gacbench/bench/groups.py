@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gacbench.bench.cell import _flat
+from gacbench.bench.cell import flat_params
 from gacbench.bench.records import DIAGNOSTICS
 
 #: The keys of a cell's config that are not its settings: those that name a group besides its settings (task,
@@ -33,7 +33,7 @@ def cell_settings(spec: dict) -> dict[str, Any] | None:
     if spec.get("objective") is None:
         return None
     kept = {k: v for k, v in spec.items() if k not in NOT_SETTINGS and v is not None}
-    return _flat(json.loads(json.dumps(kept, default=str)))  # as stored in config.json
+    return flat_params(json.loads(json.dumps(kept, default=str)))  # as stored in config.json
 
 
 def _cell_key(c: dict) -> tuple:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo)
+from gacbench.bench.cell import engine_key, flat_params
 from gacbench.methods import canonical_method, method_callbacks, parse_method, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 from gacbench.usage import UsageError
@@ -357,17 +358,6 @@ def _describe_value(value: Any) -> str:
     return f"{json.dumps(value, default=str)} ({'true or false' if isinstance(value, bool) else type(value).__name__})"
 
 
-def _flat_keys(params: dict, prefix: str = "") -> set[str]:
-    out: set[str] = set()
-    for key, value in params.items():
-        out |= _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
-    return out
-
-
-def _params_key(cell: dict) -> tuple[str, str]:
-    return cell["objective"], json.dumps(cell.get("params", {}), sort_keys=True, default=str)
-
-
 def check_params(cells: list[dict], overrides: dict[str, Any] | None = None) -> None:
     """Every cell's params must be arguments of its objective, of the annotated type, and a section's keys
     fields of that section, of their types: a typo or a wrong type fails here, not in every cell. Then the
@@ -375,10 +365,10 @@ def check_params(cells: list[dict], overrides: dict[str, Any] | None = None) -> 
     that came from ``overrides`` (``--param``) is named as ``--param KEY``."""
     import inspect
 
-    from_cli = _flat_keys(overrides or {})
+    from_cli = set(flat_params(overrides or {}))
     checked: set[tuple[str, str]] = set()
     for c in cells:
-        key = _params_key(c)
+        key = engine_key(c)
         if key in checked:
             continue
         checked.add(key)
@@ -436,7 +426,7 @@ def check_settings(cells: list[dict], overrides: dict[str, Any] | None = None) -
     against its objective: a loss-side stabilizer needs an objective that builds its loss through one
     (``uses_loss_stabilizer``). A refusal becomes a UsageError naming ``--param KEY`` for a value from ``overrides``,
     else the task's parameter in the suite."""
-    from_cli = _flat_keys(overrides or {})
+    from_cli = set(flat_params(overrides or {}))
     stale = {m: parse_method(m)[0].stale for m in {c["method"] for c in cells if "method" in c}}
     seen: set[tuple[str, str]] = set()
     pairs: set[tuple[str, str]] = set()

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from gacbench.provenance import describe, environment_key
-
-
-def _code(prov: dict | None) -> str:
-    """The commit (or version) part of :func:`gacbench.provenance.describe`, with its dirty mark."""
-    return describe(prov).split("; ")[0]
+from gacbench.provenance import code_label, environment_key
 
 
 def code_versions(records: list[dict], provenances: list[dict | None]) -> list[dict]:
@@ -20,7 +15,7 @@ def code_versions(records: list[dict], provenances: list[dict | None]) -> list[d
     by_key: dict[str, list[dict | None]] = defaultdict(list)
     for prov in provenances:
         by_key[environment_key(prov)].append(prov)
-    out = [{"key": key, "description": ", ".join(dict.fromkeys(_code(p) for p in provs)), "cells": len(provs)}
+    out = [{"key": key, "description": ", ".join(dict.fromkeys(code_label(p) for p in provs)), "cells": len(provs)}
            for key, provs in by_key.items()]
     return sorted(out, key=lambda v: (-v["cells"], v["key"]))
 
