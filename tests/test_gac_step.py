@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -296,3 +297,69 @@ if __name__ == "__main__":  # run by test_two_ddp_processes_equal_one: two DDP r
     trainer, gac, model = _ddp_fit(2, "ddp")
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump({"cos": gac.trace.values, "changed": gac.changed, "params": flat_params(model).tolist()}, f)
+
+
+# -- the headline suite's readings and the task-level grid keys ------------------------------------------------------
+def test_the_headline_suite_adds_every_reading_at_16_and_32_and_keeps_its_cells():
+    import copy as _copy
+
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.runner import expand_cells
+    from gacbench.bench.validate import load_suite
+    from gacbench.methods import METHODS
+
+    suite = load_suite("llm-headline")
+    cells = expand_cells(suite)
+    core = _copy.deepcopy(suite)  # the grid without the readings and the control: the 260 cells it had
+    del core["tasks"]["arithmetic-beta1-0"], core["tasks"]["arithmetic"]["extra_methods"]
+    del core["tasks"]["arithmetic"]["extra_staleness"]
+    old = expand_cells(core)
+    assert len(old) == 260 and len(cells) == 340
+    by_dir = {cell_dir(Path("R"), c): c for c in cells}
+    assert all(by_dir.get(cell_dir(Path("R"), c)) == c for c in old)
+    readings = {"gac-skip", "gac-cosine", "gac-applied", "gac-update", "gac-ema", "gac-step", "gac-step-calibrated"}
+    assert readings <= set(METHODS)
+    for m in readings:
+        assert sorted({c["staleness"] for c in cells if c["method"] == m}) == [16, 32]
+        assert len([c for c in cells if c["method"] == m]) == 10
+    control = [c for c in cells if c["task"] == "arithmetic-beta1-0"]
+    assert sorted({(c["method"], c["staleness"]) for c in control}) == [("gac", 16), ("stale", 16)]
+    assert all(c["params"]["optimizer"] == {"betas": [0.0, 0.999]} for c in control) and len(control) == 10
+    params = {k: v for k, v in control[0]["params"].items() if k != "optimizer"}
+    assert params == suite["tasks"]["arithmetic"]["params"]  # the same regime, momentum off
+
+
+@pytest.mark.parametrize("task_keys, message", [
+    ({"extra_methods": ["gac-step"], "extra_staleness": [8]},
+     r"task 'a': extra_staleness: \[8\] not in the task's staleness"),
+    ({"staleness": [0, 64]}, r"task 'a': staleness: \[64\] not in the suite's staleness"),
+    ({"extra_staleness": [16]}, r"extra_staleness: is the staleness of the task's extra_methods, and the task has"),
+    ({"methods": ["nosuch"]}, r"task 'a': methods:.*unknown method 'nosuch'"),
+])
+def test_the_task_level_grid_keys_are_checked(tmp_path, task_keys, message):
+    import yaml
+
+    from gacbench.bench.validate import load_suite
+    from gacbench.usage import UsageError
+
+    suite = {"name": "x", "steps": 40, "methods": ["sync", "stale"], "staleness": [0, 16, 32], "seeds": [0],
+             "tasks": {"a": {"objective": "quadratic", "staleness": [0, 16], **task_keys}}}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    with pytest.raises(UsageError, match=message):
+        load_suite(str(path))
+
+
+def test_a_task_with_its_own_methods_and_staleness_runs_only_those():
+    from gacbench.bench.runner import expand_cells
+
+    suite = {"name": "x", "steps": 40, "methods": ["sync", "stale"], "staleness": [0, 8, 16], "seeds": [0, 1],
+             "ablation": {"staleness": 16, "c_low": [0.05], "c_high": [0.3]},
+             "tasks": {"a": {"objective": "quadratic", "extra_methods": ["gac-step"], "extra_staleness": [16]},
+                       "b": {"objective": "quadratic", "methods": ["gac"], "staleness": [8]}}}
+    got = sorted((c["task"], c["method"], c["staleness"]) for c in expand_cells(suite) if c["seed"] == 0)
+    assert got == [("a", "gac(c_low=0.05,c_high=0.3)", 16), ("a", "gac-step", 16), ("a", "stale", 8),
+                   ("a", "stale", 16), ("a", "sync", 0), ("b", "gac", 8)]
+    explicit = expand_cells(suite, methods=["stale", "gac"], staleness=[8, 16])
+    assert sorted({(c["task"], c["method"], c["staleness"]) for c in explicit}) == [
+        ("a", "gac", 8), ("a", "gac", 16), ("a", "stale", 8), ("a", "stale", 16), ("b", "gac", 8)]
