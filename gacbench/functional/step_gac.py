@@ -18,10 +18,11 @@ The optimizer's state is not touched: a shrunk, projected or skipped step keeps 
 computed for it (AdamW's m and v have taken in this step's gradient), as they describe the gradients seen,
 not the step applied; restoring them would need a snapshot of the whole optimizer state every step.
 
-Memory: two parameter-sized buffers held between steps (theta after the last step, and the previous
-applied step), plus one transient for Delta_t while :meth:`StepGAC.step` runs. theta is taken after each
-step (and by :meth:`StepGAC.start` before the first), not before it, so that callbacks that swap the
-parameters during the forward pass (StalenessSimulator) need no particular order.
+Memory: two parameter-sized buffers (theta after the last step, and the previous applied step), each one
+flat allocation, plus one scratch block (on the CPU 128K elements per thread; elsewhere the size of the largest
+parameter); Delta_t is formed block by block and never held whole. theta is taken after each step (and by
+:meth:`StepGAC.start` before the first), not before it, so that callbacks that swap the parameters during the
+forward pass (StalenessSimulator) need no particular order.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 
 from gacbench.functional.alignment import (
+    _CPU_BLOCK_PER_THREAD,
     HIGH_MODES,
     KEEP,
     SHRINK_MODES,
@@ -87,9 +89,10 @@ class StepGAC:
         self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
         self.apply = apply
         self.theta: FlatBuffer | None = None  # theta after the last step
-        self.prev: list[Tensor] | None = None  # the previous applied step, parameter-shaped (local shards)
+        self.prev: FlatBuffer | None = None  # the previous applied step (local shards)
         self.has_prev = False
         self._saved: Tensor | None = None  # a restored reference waiting for the parameters
+        self._scratch: Tensor | None = None  # Delta_t of one tensor at a time
 
     @staticmethod
     def _tensors(params: Sequence[Tensor]) -> list[Tensor]:
@@ -100,46 +103,72 @@ class StepGAC:
         tensors = self._tensors(params)
         if self.theta is None:
             self.theta = FlatBuffer.like(tensors)
-        self.theta.copy_from(tensors)
-        if self.prev is None:
-            self.prev = [torch.zeros_like(t) for t in tensors]
+            self.prev = FlatBuffer.like(tensors)
+            largest = max(tensors, key=lambda t: t.numel())
+            size = largest.numel()
+            if largest.device.type == "cpu":
+                size = min(size, _CPU_BLOCK_PER_THREAD * torch.get_num_threads())
+            self._scratch = torch.empty(size, dtype=largest.dtype, device=largest.device)
             if self._saved is not None:
-                self._load_flat(self._saved)
+                self.prev.load_(self._saved)
                 self._saved = None
+        self.theta.copy_from(tensors)
+
+    def _delta(self, now: Tensor, before: Tensor) -> Tensor:
+        """now - before into the scratch buffer (valid until the next call)."""
+        out = self._scratch[: now.numel()].view_as(now)
+        return torch.sub(now, before, out=out)
+
+    def _blocks(self, now: list[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """(theta_{t+1}, theta, r) as matching flat blocks: on the CPU of the size alignment_scalars works in, so
+        that a block's Delta stays in cache between its products; elsewhere one block per tensor."""
+        out = []
+        for n, b, r in zip(now, self.theta.views, self.prev.views):
+            n, b, r = n.view(-1), b.view(-1), r.view(-1)
+            size = _CPU_BLOCK_PER_THREAD * torch.get_num_threads() if n.device.type == "cpu" else n.numel()
+            out += list(zip(n.split(size), b.split(size), r.split(size)))
+        return out
 
     def step(self, params: Sequence[Tensor], reduce: Callable[[Tensor], Tensor] = _identity) -> StepOutcome | None:
         """After the optimizer's step: measure, apply the rule to the parameters in place (``apply``), move the
-        reference and theta. None when the step moved nothing."""
+        reference and theta. None when the step moved nothing.
+
+        Two passes over the parameters, block by block (:meth:`_blocks`), with one scratch block: the first forms
+        Delta_t and its scalars with the reference, the second (after the decision) forms Delta_t again, bit for
+        bit, and writes the applied step, the parameters (when changed) and theta."""
         if self.theta is None:
             raise RuntimeError("StepGAC.step before start(): call start(params) before the first optimizer step")
         now = self._tensors(params)
-        before = self.theta.views
-        delta = torch._foreach_sub(now, before)  # Delta_t = theta_{t+1} - theta_t
-        scalars = reduce(alignment_scalars(delta, self.prev).clone())
+        blocks = self._blocks(now)
+        scalars = torch.zeros(3, dtype=torch.float64)
+        for n, b, r in blocks:
+            scalars += alignment_scalars([self._delta(n, b)], [r]).to(scalars.device)
+        scalars = reduce(scalars)
         d_dot_r, d_sq, r_sq = (float(v) for v in scalars.tolist())
         if d_sq == 0.0:
             return None
         if not math.isfinite(d_sq):
-            if self.apply:
-                self.theta.copy_to(now)  # theta_{t+1} = theta_t: a non-finite step never reaches the parameters
+            # a non-finite step is never a reference; applying, it never reaches the parameters (theta_t restored)
+            (self.theta.copy_to if self.apply else self.theta.copy_from)(now)
             return StepOutcome(GACDecision(KEEP, 0.0, float("nan")), d_sq, bad=True)
         c = cosine_from_scalars(scalars) if self.has_prev else float("nan")
-        if not self.apply:
-            self.prev, self.has_prev = delta, True
-            self.theta.copy_from(now)
-            return StepOutcome(GACDecision(KEEP, 0.0, c), d_sq)
-        decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
+        decision = (gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink) if self.apply
+                    else GACDecision(KEEP, 0.0, c))
         if decision.action == SKIP:
             self.theta.copy_to(now)  # theta_{t+1} = theta_t; the reference stays the last applied step
             return StepOutcome(decision, d_sq)
-        if decision.coef:
-            alpha = decision.coef * d_dot_r / r_sq
-            torch._foreach_add_(delta, self.prev, alpha=-alpha)  # Delta~ = Delta - alpha r
-            with torch.no_grad():
-                torch._foreach_copy_(now, before)
-                torch._foreach_add_(now, delta)  # theta_{t+1} = theta_t + Delta~
-        self.prev, self.has_prev = delta, True
-        self.theta.copy_from(now)
+        alpha = decision.coef * d_dot_r / r_sq if decision.coef else 0.0
+        with torch.no_grad():
+            for n, b, r in blocks:
+                if alpha:
+                    d = self._delta(n, b)
+                    d.add_(r, alpha=-alpha)  # Delta~ = Delta - alpha r
+                    torch.add(b, d, out=n)  # theta_{t+1} = theta_t + Delta~
+                    r.copy_(d)
+                else:
+                    torch.sub(n, b, out=r)
+                b.copy_(n)
+        self.has_prev = True
         return StepOutcome(decision, d_sq)
 
     # -- checkpointing --------------------------------------------------------------------
@@ -147,7 +176,7 @@ class StepGAC:
         """``{"has_prev": bool, "prev": flat tensor (numel,) or None}`` (copied). theta is not saved: it is the
         parameters themselves, taken again by :meth:`start` after a restore."""
         if self.prev is not None:
-            flat = torch.cat([t.detach().reshape(-1) for t in self.prev])
+            flat = self.prev.data.clone()
         else:
             flat = None if self._saved is None else self._saved.clone()
         return {"has_prev": self.has_prev, "prev": flat}
@@ -167,14 +196,4 @@ class StepGAC:
         if self.prev is None:
             self._saved = flat
         else:
-            self._load_flat(flat)
-
-    def _load_flat(self, flat: Tensor) -> None:
-        numel = sum(t.numel() for t in self.prev)
-        if flat.numel() != numel:
-            raise ValueError(f"GAC(target='step'): the saved step has {flat.numel()} elements but the model has "
-                             f"{numel}; the checkpoint was written for a different model or parameter set")
-        offset = 0
-        for t in self.prev:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+            self.prev.load_(flat)
