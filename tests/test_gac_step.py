@@ -109,6 +109,49 @@ def test_skip_restores_the_parameters_exactly():
     assert torch.equal(p.detach(), before)
 
 
+def test_a_non_finite_step_never_reaches_the_parameters_nor_the_reference():
+    p = nn.Parameter(torch.arange(4.0))
+    gac = StepGAC()
+    gac.start([p])
+    with torch.no_grad():
+        p.add_(1.0)
+    assert gac.step([p]).decision.action == 0 and gac.has_prev
+    with torch.no_grad():
+        p[2] = float("nan")
+    out = gac.step([p])
+    assert out.bad and torch.equal(p.detach(), torch.arange(4.0) + 1.0)
+    assert torch.equal(gac.state_dict()["prev"], torch.ones(4))
+
+
+class NaNAtStep(UserRegressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == 4 else loss
+
+
+def test_a_non_finite_gradient_under_the_step_target_is_skipped_before_the_optimizer_or_raises():
+    gac = GAC(target="step", warmup=0)
+    trainer = make_trainer([gac], max_steps=10)
+    model = NaNAtStep(optimizer="adamw")
+    with pytest.warns(UserWarning, match="skipping step 4: its gradient is non-finite"):
+        trainer.fit(model)
+    assert torch.isfinite(flat_params(model)).all() and gac.bad == 1 and gac.steps == 10
+    states = trainer.optimizers[0].state.values()
+    assert all(torch.isfinite(st["exp_avg"]).all() for st in states)  # AdamW's moments never saw it
+    with pytest.raises(FloatingPointError, match="the gradient at step 4 is non-finite"):
+        make_trainer([GAC(target="step", on_bad_grad="raise")], max_steps=10).fit(NaNAtStep(optimizer="adamw"))
+
+
+def test_calibrated_gac_on_the_step_reads_the_step_column(tmp_path):
+    from gacbench.methods import CalibratedGAC
+
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("step,align/cos,align/step_cos\n" + "".join(f"{i},0.01,{0.3 + 0.01 * i}\n" for i in range(20)))
+    cb = CalibratedGAC(reference=csv, target="step")
+    assert cb.target == "step" and cb.calibration["max_abs"] == pytest.approx(0.49)
+    assert CalibratedGAC(reference=csv).calibration["max_abs"] == pytest.approx(0.01)
+
+
 def test_a_step_that_moved_nothing_is_not_measured():
     p = nn.Parameter(torch.ones(4))
     gac = StepGAC()

@@ -29,11 +29,12 @@ from gacbench.callbacks._common import (
     check_strategy,
     is_sharded,
     load_tensor,
+    local,
     log_metrics,
     optimizer_params,
     save_tensor,
 )
-from gacbench.functional.alignment import SKIP
+from gacbench.functional.alignment import SKIP, sq_norm
 from gacbench.functional.gac import GACTransform, check_choice
 from gacbench.functional.step_gac import StepGAC
 
@@ -195,6 +196,20 @@ class GAC(Callback):
             steps = float(trainer.estimated_stepping_batches)
             self.transform.choose_kernels_for(n_params, steps, self._params[0].device.type if self._params else "cpu")
 
+    def _check_gradient(self, trainer: "pl.Trainer") -> None:
+        """``target="step"``: a non-finite gradient would reach AdamW's moments and make every later step
+        non-finite, so it is handled before the step as the gradient target handles it (``on_bad_grad``); one
+        read of the gradient. Under a GradScaler the scaler skips such a step itself."""
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return
+        grads = [local(p.grad) for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        g_sq = float(agree(trainer, torch.stack([sq_norm(grads)]), is_sharded(trainer))[0])
+        if not math.isfinite(g_sq):
+            self.steps += 1
+            self._bad_gradient(trainer, self._params, g_sq, self.on_bad_grad)
+
     def _after_step(self, trainer: "pl.Trainer", optimizer, args, kwargs) -> None:
         """``target="step"``: the optimizer's post-step hook (the step has moved the parameters)."""
         out = self.step_transform.step(self._params, partial(agree, trainer, sharded=is_sharded(trainer)))
@@ -226,8 +241,9 @@ class GAC(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
-        if self.step_transform is not None:
-            return  # target="step" acts after the optimizer's step (_after_step)
+        if self.step_transform is not None:  # target="step" acts after the optimizer's step (_after_step)
+            self._check_gradient(trainer)
+            return
         params = self._params
         sharded = is_sharded(trainer)
         clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
