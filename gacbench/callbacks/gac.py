@@ -80,8 +80,18 @@ class GAC(Callback):
             finds no gradient and does nothing). Used where the reference is the raw gradient and the
             gradients are plain float32 tensors, else the eager path runs. The first step compiles
             (20-30 s on 2 CPU cores); a compile failure falls back to eager with one warning.
+        target: what the rule acts on. ``"grad"`` (default): the gradient, as above. ``"step"``: the optimizer's
+            step Delta_t = theta_{t+1} - theta_t, read in a post-step hook of the optimizer, against the previous
+            applied step (:class:`gacbench.functional.step_gac.StepGAC`): c = cos(Delta_t, Delta~_{t-1}) is
+            logged as ``align/step_cos``, a shrunk or projected step is written as theta_{t+1} = theta_t +
+            Delta~_t, and ``high_mode="skip"`` restores theta_t exactly; the optimizer's moments keep this
+            step's gradient. ``reference``, ``ema_decay``, ``buffer_dtype``, ``on_zero_grad`` and ``kernels``
+            belong to the gradient target and must stay at their defaults; ``on_bad_grad`` applies to a
+            non-finite gradient (checked before the step, so that AdamW's moments never take it in) and to a
+            non-finite step (``"skip"`` restores theta_t).
 
-    Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``), ``grad/norm``,
+    Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``; ``align/step_cos`` for
+    ``target="step"``, which leaves ``align/cos`` and ``grad/norm`` to the AlignmentMonitor), ``grad/norm``,
     ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``, into
     ``trainer.callback_metrics`` every step and to the loggers every ``log_every_n_steps``.
     """
