@@ -51,7 +51,7 @@ class AlignmentMonitor(Callback):
         buffer_dtype: dtype of the stored previous gradient (default: the parameters').
         step_cos: also log ``align/step_cos`` = cos(theta_{t+1} - theta_t, theta_t - theta_{t-1}), read right after
             each optimizer step (the trace ``gac-step-calibrated`` calibrates from). It holds two parameter-sized
-            buffers (the parameters after the last step and that step) and one transient while it measures;
+            buffers (the parameters after the last step and that step) and one scratch block;
             ``False`` drops them. Passive beside a callback that declares ``logs_step_alignment``
             (``GAC(target="step")``).
 
