@@ -9,8 +9,10 @@ built). ``register_method`` adds a named method.
 
 A method may need a *reference cell*: ``gac-calibrated`` takes its thresholds from the synchronous cell
 of the same task and seed (:mod:`gacbench.functional.calibration`). The runner runs that cell first,
-computes the calibration from its stored c_t trace (``gacbench.bench.runner.reference_calibration``), stores
-it in the cell's ``config.json`` under ``calibration`` and hands the cell to :func:`method_callbacks`.
+computes the calibration from its stored trace (``gacbench.bench.runner.reference_calibration``; the metric the
+method names as its ``trace``: ``align/cos`` for ``gac-calibrated``, ``align/step_cos`` for
+``gac-step-calibrated``), stores it in the cell's ``config.json`` under ``calibration`` and hands the cell to
+:func:`method_callbacks`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Method:
     #: the settings the method takes, in order, with their defaults (a spec's setting equal to its default is left
     #: out of the canonical form); None: the keyword parameters of ``build``
     settings: dict[str, Any] | None = field(default=None, compare=False)
+    #: with a reference: the metric of the reference cell's metrics.csv its calibration is computed from
+    trace: str = "align/cos"
 
 
 METHODS: dict[str, Method] = {}
@@ -49,14 +53,15 @@ REFERENCE_KINDS = ("sync",)
 
 
 def register_method(name: str, help: str, build: Callable[..., list[Callback]], stale: bool = True,
-                    reference: str | None = None, settings: dict[str, Any] | None = None) -> Method:
+                    reference: str | None = None, settings: dict[str, Any] | None = None,
+                    trace: str = "align/cos") -> Method:
     if not re.fullmatch(r"[a-z0-9][a-z0-9_+-]*", name):
         raise ValueError(f"method name {name!r}: use lower-case letters, digits, '-', '_' or '+'")
     if name in METHODS:
         raise ValueError(f"method {name!r} is already registered")
     if reference is not None and reference not in REFERENCE_KINDS:
         raise ValueError(f"method {name!r}: reference={reference!r} is not one of {', '.join(REFERENCE_KINDS)}")
-    METHODS[name] = Method(name, help, build, stale, reference, settings)
+    METHODS[name] = Method(name, help, build, stale, reference, settings, trace)
     return METHODS[name]
 
 
@@ -91,6 +96,8 @@ _register_gac("gac-applied", "GAC against the previous applied (projected) gradi
 _register_gac("gac-update", "GAC against the previous parameter step (includes the optimizer's preconditioning)",
               reference="update")
 _register_gac("gac-ema", "GAC against an EMA (decay 0.9) of raw gradients", reference="ema")
+_register_gac("gac-step", "GAC on the optimizer's step: the rule applied to theta_{t+1} - theta_t against the previous "
+              "applied step, thresholds on cos of consecutive steps (align/step_cos)", target="step")
 
 #: Settings of ``gac-calibrated`` that belong to the calibration rule, not to the GAC callback.
 RULE_KEYS = ("quantile", "gap", "cap")
@@ -119,7 +126,9 @@ class CalibratedGAC(GAC):
                 raise ValueError(f"gac-calibrated: {key} is computed from the synchronous reference run; to set the "
                                  "thresholds by hand use gac(c_low=...,c_high=...)")
         if calibration is None and reference is not None:
-            calibration = calibration_record(_reference_trace(reference, reference_warmup), 0, quantile, gap, cap)
+            key = "align/step_cos" if kwargs.get("target") == "step" else "align/cos"
+            calibration = calibration_record(_reference_trace(reference, reference_warmup, key), 0, quantile, gap,
+                                             cap)
         self.calibration = calibration
         if calibration is not None:
             kwargs.update(c_low=calibration["c_low"], c_high=calibration["c_high"])
@@ -138,9 +147,9 @@ class CalibratedGAC(GAC):
         log_metrics(trainer, {"gac/c_low": t.c_low, "gac/c_high": t.c_high})
 
 
-def _reference_trace(reference, warmup: int):
+def _reference_trace(reference, warmup: int, key: str = "align/cos"):
     """A reference given as a trace or summary (returned as is, the trace cut by ``warmup``), a metrics.csv
-    or a cell directory (its ``align/cos`` column, cut by ``warmup``)."""
+    or a cell directory (its ``key`` column, cut by ``warmup``)."""
     from pathlib import Path
 
     if isinstance(reference, dict):
@@ -157,12 +166,12 @@ def _reference_trace(reference, warmup: int):
             raise FileNotFoundError(f"gac-calibrated: no metrics.csv at {path} (give the reference run's metrics.csv "
                                     "or its cell directory)")
         with path.open() as f:  # Lightning's CSVLogger: a step column and one column per logged name
-            rows = [(int(float(r["step"])), float(r["align/cos"])) for r in csv.DictReader(f)
-                    if r.get("align/cos") not in (None, "")]
+            rows = [(int(float(r["step"])), float(r[key])) for r in csv.DictReader(f)
+                    if r.get(key) not in (None, "")]
         cos = [v for _, v in sorted(rows)]
         if not cos:
-            raise ValueError(f"gac-calibrated: {path} has no align/cos column; the reference run needs an "
-                             "AlignmentMonitor (or GAC) that logs c_t")
+            raise ValueError(f"gac-calibrated: {path} has no {key} column; the reference run needs an "
+                             f"AlignmentMonitor (or GAC) that logs {key}")
         return cos[warmup:]
     return list(reference)[warmup:]
 
@@ -174,11 +183,19 @@ def _gac_calibrated(calibration: dict | None = None, **kwargs: Any) -> list[Call
     return [CalibratedGAC(calibration=calibration, **{"warmup": 0, **settings})]
 
 
+def _gac_step_calibrated(calibration: dict | None = None, **kwargs: Any) -> list[Callback]:
+    return _gac_calibrated(calibration, **{"target": "step", **kwargs})
+
+
+_CALIBRATED_SETTINGS = {"quantile": QUANTILE, "gap": GAP, "cap": CAP,
+                        **{k: v for k, v in GAC_SETTINGS.items() if k not in ("c_low", "c_high")}}
 register_method("gac-calibrated", "GAC with (c_low, c_high) anchored to the synchronous run of the same task and seed: "
                 "c_low = q0.9(|c_t|), c_high = max(c_low + 0.25, max |c_t|) after the warm-up "
                 "(gacbench/functional/calibration.py)", _gac_calibrated, reference="sync",
-                settings={"quantile": QUANTILE, "gap": GAP, "cap": CAP,
-                          **{k: v for k, v in GAC_SETTINGS.items() if k not in ("c_low", "c_high")}})
+                settings=_CALIBRATED_SETTINGS)
+register_method("gac-step-calibrated", "gac-step with (c_low, c_high) anchored to the step cosines (align/step_cos) of "
+                "the synchronous run of the same task and seed, by gac-calibrated's rule", _gac_step_calibrated,
+                reference="sync", settings={**_CALIBRATED_SETTINGS, "target": "step"}, trace="align/step_cos")
 
 
 def reference_cell(cell: dict) -> dict | None:
@@ -191,6 +208,16 @@ def sync_cell(cell: dict) -> dict:
     """The synchronous cell (s = 0) of ``cell``'s task, parameters and seed."""
     ref = {k: v for k, v in cell.items() if k not in ("method", "staleness", "ablation", "calibration")}
     return {**ref, "method": "sync", "staleness": 0}
+
+
+def reference_trace(spec: str) -> str:
+    """The metric of the reference cell's metrics.csv that the method of ``spec`` calibrates from
+    (``align/cos``; ``align/step_cos`` for ``gac-step-calibrated``)."""
+    method, _ = parse_method(spec)
+    if method.reference is None:
+        return "align/cos"
+    part = next(p for p in _parts(spec) if p[0] in METHODS and METHODS[p[0]].reference)
+    return METHODS[part[0]].trace
 
 
 def reference_rule(spec: str) -> dict[str, Any]:

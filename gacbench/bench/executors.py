@@ -41,7 +41,7 @@ from gacbench.bench.cell import (
     write_json,
 )
 from gacbench.functional.calibration import calibration_record
-from gacbench.methods import reference_cell, reference_rule
+from gacbench.methods import reference_cell, reference_rule, reference_trace
 from gacbench.objectives import objective_class
 from gacbench.usage import UsageError
 
@@ -56,8 +56,9 @@ class GridInterrupted(BaseException):
 
 def reference_calibration(root: Path, cell: dict) -> dict:
     """The calibration record of ``cell`` (a method with a reference, ``gac-calibrated``) from its reference
-    cell's stored c_t trace under ``root``: ``align/cos`` after the cell's warm-up, by the rule settings of the
-    cell's method spec (``gac-calibrated(quantile=0.95)``), plus ``warmup`` and ``reference`` (the reference
+    cell's stored trace under ``root``: the metric the method names (``align/cos``; ``align/step_cos`` for
+    ``gac-step-calibrated``) after the cell's warm-up, by the rule settings of the cell's method spec
+    (``gac-calibrated(quantile=0.95)``), plus ``warmup``, ``trace`` (the metric) and ``reference`` (the reference
     cell's directory, relative to ``root``). Raises ValueError when the trace cannot be calibrated from."""
     from gacbench.bench.report import read_metrics
 
@@ -65,10 +66,16 @@ def reference_calibration(root: Path, cell: dict) -> dict:
     if ref is None:
         raise ValueError(f"method {cell['method']!r} has no reference cell")
     d = cell_dir(Path(root), ref)
-    cos = [v for _, v in sorted(read_metrics(d / "metrics.csv").get("align/cos", []))]
+    key = reference_trace(cell["method"])
+    cos = [v for _, v in sorted(read_metrics(d / "metrics.csv").get(key, []))]
+    if not cos and key != "align/cos":
+        raise ValueError(f"the reference cell {d} has no {key} trace in its metrics.csv (it ran before its "
+                         f"AlignmentMonitor logged {key}); delete that cell's directory so that the runner runs it "
+                         "again, then rerun")
     warmup = int(cell.get("warmup", 0))
     rec = calibration_record(cos[warmup:], 0, **reference_rule(cell["method"]))
-    return {**rec, "warmup": warmup, "reference": str(d.relative_to(Path(root)))}
+    extra = {"trace": key} if key != "align/cos" else {}  # gac-calibrated's record stays as it was
+    return {**rec, "warmup": warmup, **extra, "reference": str(d.relative_to(Path(root)))}
 
 
 def _fail_without_running(root: Path, cell: dict, error: str) -> dict:

@@ -100,7 +100,10 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                  seeds: list[int] | None = None, tasks: list[str] | None = None) -> list[dict]:
     """The grid as a list of cell dicts. ``sync`` runs once at s = 0; stale methods run at each s > 0. The suite's
     threshold-ablation cells come with the suite's own method list, or alone with the keyword ``ablation`` in
-    ``methods``."""
+    ``methods``. A task may narrow the grid for itself: ``methods`` (its methods instead of the suite's, and no
+    ablation cells),
+    ``staleness`` (its staleness values, within the grid's) and ``extra_staleness`` (the staleness values of its
+    ``extra_methods``, within its own)."""
     explicit = methods is not None
     methods = methods or suite["methods"]
     with_ablation = methods == suite["methods"] or ABLATION in methods
@@ -124,20 +127,29 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                 "steps": spec.get("steps", suite["steps"]), "warmup": suite.get("warmup", 0),
                 **({"assumptions": suite["assumptions"]} if suite.get("assumptions") else {})}
 
+    def restrict(values: list, own: list | None) -> list:
+        # a task's own list (methods, staleness, extra_staleness) narrows the grid's; None keeps the grid's
+        return list(values) if own is None else [x for x in values if x in own]
+
     cells = []
     for task in tasks:
         spec = suite["tasks"][task]
-        extra = [] if explicit else [x for x in spec.get("extra_methods", []) if x not in methods]
-        for m in list(methods) + extra:
+        own = methods if "methods" not in spec else ([m for m in methods if m in spec["methods"]] if explicit
+                                                     else list(spec["methods"]))
+        task_s = restrict(staleness, spec.get("staleness"))
+        extra = [] if explicit else [x for x in spec.get("extra_methods", []) if x not in own]
+        extra_s = restrict(task_s, spec.get("extra_staleness"))
+        for m in list(own) + extra:
             method, _ = parse_method(m)
-            for s in ([0] if not method.stale else [x for x in staleness if x > 0]):
-                if not method.stale and 0 not in staleness:
+            grid_s = extra_s if m in extra else task_s
+            for s in ([0] if not method.stale else [x for x in grid_s if x > 0]):
+                if not method.stale and 0 not in grid_s:
                     continue
                 for seed in seeds:
                     cells.append({**base(task), "method": m, "staleness": s, "seed": seed})
     ablation = suite.get("ablation")
     if ablation and with_ablation:
-        for task in tasks:
+        for task in [t for t in tasks if "methods" not in suite["tasks"][t]]:  # own methods: those cells only
             for lo in ablation["c_low"]:
                 for hi in ablation["c_high"]:
                     if lo >= hi:

@@ -158,6 +158,20 @@ def load_suite(name: str) -> dict[str, Any]:
                              "that defines loss_on (quadratic, logistic, mlp, grpo)")
         if "extra_methods" in spec:
             spec["extra_methods"] = _check_methods(f"{at}: extra_methods:", spec["extra_methods"])
+        if "methods" in spec:
+            spec["methods"] = _check_methods(f"{at}: methods:", spec["methods"])
+        for key in ("staleness", "extra_staleness"):
+            if key in spec:
+                _int_list(at, key, spec[key], 0)
+                outside = [x for x in spec[key] if x not in (suite["staleness"] if key == "staleness"
+                                                            else spec.get("staleness", suite["staleness"]))]
+                if outside:
+                    within = "the suite's staleness" if key == "staleness" else "the task's staleness"
+                    raise UsageError(f"{at}: {key}: {outside} not in {within}; a task's {key} narrows the grid, "
+                                     f"so list values of {within} only")
+        if "extra_staleness" in spec and "extra_methods" not in spec:
+            raise UsageError(f"{at}: extra_staleness: is the staleness of the task's extra_methods, and the task has "
+                             "none; add extra_methods: or drop extra_staleness:")
     ablation = suite.get("ablation")
     if ablation is not None:
         if not isinstance(ablation, dict) or not all(k in ablation for k in ("staleness", "c_low", "c_high")):

@@ -1,9 +1,11 @@
-"""AlignmentMonitor: logs c_t (``align/cos``) and ``grad/norm`` at every optimizer step, and
-the on-policy alignment statistics of paper Table 3 at the end of fit.
+"""AlignmentMonitor: logs c_t (``align/cos``), ``grad/norm`` and the cosine of consecutive optimizer steps
+(``align/step_cos``) at every optimizer step, and the on-policy alignment statistics of paper Table 3 at
+the end of fit.
 
 Capability: a callback that computes c_t of the raw gradient itself, and logs ``align/cos``,
 ``grad/norm`` and the end-of-fit summary under the same names, declares
 ``logs_raw_alignment = True`` (an attribute or property); beside one, the monitor stays passive.
+Likewise a callback that logs ``align/step_cos`` itself declares ``logs_step_alignment = True``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gacbench.callbacks._common import (
 )
 from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars
 from gacbench.functional.buffer import LazyFlatBuffer
+from gacbench.functional.step_gac import StepGAC
 
 
 class AlignmentMonitor(Callback):
@@ -46,12 +49,22 @@ class AlignmentMonitor(Callback):
         warmup: steps excluded from the end-of-fit summary (paper Table 3 uses 50).
         tol: the |c_t| tolerance of the summary's ``frac_le`` statistic (paper: 0.05).
         buffer_dtype: dtype of the stored previous gradient (default: the parameters').
+        step_cos: also log ``align/step_cos`` = cos(theta_{t+1} - theta_t, theta_t - theta_{t-1}), read right after
+            each optimizer step (the trace ``gac-step-calibrated`` calibrates from). It holds two parameter-sized
+            buffers (the parameters after the last step and that step) and one scratch block;
+            ``False`` drops them. Passive beside a callback that declares ``logs_step_alignment``
+            (``GAC(target="step")``).
 
     After fit, ``summary`` holds ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median`` and ``n``.
     """
 
-    def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None,
+                 step_cos: bool = True) -> None:
         self.trace = CosineTrace(warmup, tol)
+        self.step_cos = step_cos
+        self.step_passive = not step_cos
+        self._steps = StepGAC(apply=False)
+        self._hook = None
         self.buffer_dtype = buffer_dtype
         self.has_prev = False
         self.passive = False
@@ -69,10 +82,21 @@ class AlignmentMonitor(Callback):
         if self.passive:
             rank_zero_info(f"AlignmentMonitor: {type(providers[0]).__name__} already logs align/cos and grad/norm "
                            "(logs_raw_alignment); the monitor stays passive.")
+        self.step_passive = not self.step_cos or any(
+            cb is not self and getattr(cb, "logs_step_alignment", False) for cb in trainer.callbacks)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "AlignmentMonitor")
+        if not self.step_passive:
+            self._steps.start(self._params)
+            self._hook = trainer.optimizers[0].register_step_post_hook(
+                lambda optimizer, args, kwargs: self._after_step(trainer))
+
+    def _after_step(self, trainer: "pl.Trainer") -> None:
+        out = self._steps.step(self._params, lambda s: agree(trainer, s, is_sharded(trainer)))
+        if out is not None and not math.isnan(out.cos):
+            log_metrics(trainer, {"align/step_cos": out.cos})
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
@@ -102,8 +126,18 @@ class AlignmentMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._remove_hook()
         if not self.passive:
             self.summary = self.trace.log_summary(trainer)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._remove_hook()  # also after a failed fit
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -117,7 +151,12 @@ class AlignmentMonitor(Callback):
     @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         save_tensor(checkpoint, self.state_key, self._prev.state())
+        if self.step_cos:
+            save_tensor(checkpoint, self.state_key + "/step", self._steps.state_dict())
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         self._prev.load(load_tensor(checkpoint, self.state_key))
+        steps = load_tensor(checkpoint, self.state_key + "/step")
+        if steps is not None and self.step_cos:
+            self._steps.load_state_dict(steps)

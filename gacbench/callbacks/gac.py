@@ -1,10 +1,13 @@
 """Gradient Alignment Control (GAC) as a Lightning callback: a thin adapter over
-:class:`gacbench.functional.gac.GACTransform`.
+:class:`gacbench.functional.gac.GACTransform` (``target="grad"``) and
+:class:`gacbench.functional.step_gac.StepGAC` (``target="step"``).
 
 At every optimizer step (after accumulation, the DDP all-reduce and AMP unscaling,
 before clipping) it measures c = cos(g_t, r) against a reference direction r and
 applies the rule of docs/design.md: keep (c <= c_low), shrink the aligned component
-(c_low < c < c_high), or remove it / skip the step (c >= c_high).
+(c_low < c < c_high), or remove it / skip the step (c >= c_high). With ``target="step"`` the same rule
+acts on the optimizer's step Delta_t = theta_{t+1} - theta_t, right after the optimizer has taken it,
+against the previous applied step.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ from gacbench.callbacks._common import (
     check_strategy,
     is_sharded,
     load_tensor,
+    local,
     log_metrics,
     optimizer_params,
     save_tensor,
 )
-from gacbench.functional.alignment import SKIP
+from gacbench.functional.alignment import SKIP, sq_norm
 from gacbench.functional.gac import GACTransform, check_choice
+from gacbench.functional.step_gac import StepGAC
 
 ON_BAD_GRAD = ("skip", "raise")
+TARGETS = ("grad", "step")
 
 
 class GAC(Callback):
@@ -74,8 +80,18 @@ class GAC(Callback):
             finds no gradient and does nothing). Used where the reference is the raw gradient and the
             gradients are plain float32 tensors, else the eager path runs. The first step compiles
             (20-30 s on 2 CPU cores); a compile failure falls back to eager with one warning.
+        target: what the rule acts on. ``"grad"`` (default): the gradient, as above. ``"step"``: the optimizer's
+            step Delta_t = theta_{t+1} - theta_t, read in a post-step hook of the optimizer, against the previous
+            applied step (:class:`gacbench.functional.step_gac.StepGAC`): c = cos(Delta_t, Delta~_{t-1}) is
+            logged as ``align/step_cos``, a shrunk or projected step is written as theta_{t+1} = theta_t +
+            Delta~_t, and ``high_mode="skip"`` restores theta_t exactly; the optimizer's moments keep this
+            step's gradient. ``reference``, ``ema_decay``, ``buffer_dtype``, ``on_zero_grad`` and ``kernels``
+            belong to the gradient target and must stay at their defaults; ``on_bad_grad`` applies to a
+            non-finite gradient (checked before the step, so that AdamW's moments never take it in) and to a
+            non-finite step (``"skip"`` restores theta_t).
 
-    Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``), ``grad/norm``,
+    Logs ``align/cos`` (``align/ref_cos`` for references other than ``"grad"``; ``align/step_cos`` for
+    ``target="step"``, which leaves ``align/cos`` and ``grad/norm`` to the AlignmentMonitor), ``grad/norm``,
     ``align/proj_frac`` (share of steps changed so far), ``align/skip`` and ``gac/coef``, into
     ``trainer.callback_metrics`` every step and to the loggers every ``log_every_n_steps``.
     """
@@ -96,8 +112,21 @@ class GAC(Callback):
         warmup: int = 50,
         tol: float = 0.05,
         kernels: str = "auto",
+        target: str = "grad",
     ) -> None:
         self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype, kernels)
+        check_choice("GAC", "target", target, TARGETS)
+        self.target = target
+        self.step_transform: StepGAC | None = None
+        if target == "step":
+            given = {"reference": (reference, "grad"), "ema_decay": (ema_decay, 0.9),
+                     "buffer_dtype": (buffer_dtype, None), "on_zero_grad": (on_zero_grad, "pass"),
+                     "kernels": (kernels, "auto")}
+            odd = [f"{k}={v!r}" for k, (v, default) in given.items() if v != default]
+            if odd:
+                raise ValueError(f"GAC(target='step'): {', '.join(odd)} belong to the gradient target; the step "
+                                 "target measures against the previous applied step. Drop them, or use target='grad'.")
+            self.step_transform = StepGAC(c_low, c_high, high_mode, shrink)
         check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
         check_choice("GAC", "on_zero_grad", on_zero_grad, ("pass",) + ON_BAD_GRAD)
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
@@ -118,18 +147,27 @@ class GAC(Callback):
     @override
     def state_key(self) -> str:
         t = self.transform
+        extra = {"target": "step"} if self.target == "step" else {}
         return self._generate_state_key(c_low=t.c_low, c_high=t.c_high, high_mode=t.high_mode, reference=t.reference,
-                                        shrink=t.shrink, ema_decay=t.ema_decay)
+                                        shrink=t.shrink, ema_decay=t.ema_decay, **extra)
 
     @property
     def logs_raw_alignment(self) -> bool:
         """The capability AlignmentMonitor looks for: with the previous raw gradient as reference, GAC
         computes c_t itself and logs ``align/cos``, ``grad/norm`` and the end-of-fit summary."""
-        return self.reference == "grad"
+        return self.target == "grad" and self.reference == "grad"
+
+    @property
+    def logs_step_alignment(self) -> bool:
+        """The capability AlignmentMonitor looks for before logging ``align/step_cos``: with ``target="step"`` GAC
+        logs the cosine of consecutive (applied) optimizer steps itself."""
+        return self.target == "step"
 
     @property
     def cos_key(self) -> str:
         """The metric name of the cosine this instance thresholds."""
+        if self.target == "step":
+            return "align/step_cos"
         return "align/cos" if self.reference == "grad" else "align/ref_cos"
 
     @override
@@ -158,14 +196,64 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        if self.step_transform is not None:
+            self.step_transform.start(self._params)
+            self._hook = trainer.optimizers[0].register_step_post_hook(partial(self._after_step, trainer))
+            return
         if self.transform.requested_kernels == "auto":
             # the run's total steps, not those left: a resumed run makes the same choice as the uninterrupted one
             n_params = sum(p.numel() for p in self._params)  # the global count (a DTensor counts every shard)
             steps = float(trainer.estimated_stepping_batches)
             self.transform.choose_kernels_for(n_params, steps, self._params[0].device.type if self._params else "cpu")
 
+    def _check_gradient(self, trainer: "pl.Trainer") -> None:
+        """``target="step"``: a non-finite gradient would reach AdamW's moments and make every later step
+        non-finite, so it is handled before the step as the gradient target handles it (``on_bad_grad``); one
+        read of the gradient. Under a GradScaler the scaler skips such a step itself."""
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return
+        grads = [local(p.grad) for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        g_sq = float(agree(trainer, torch.stack([sq_norm(grads)]), is_sharded(trainer))[0])
+        if not math.isfinite(g_sq):
+            self.steps += 1
+            self._bad_gradient(trainer, self._params, g_sq, self.on_bad_grad)
+
+    def _after_step(self, trainer: "pl.Trainer", optimizer, args, kwargs) -> None:
+        """``target="step"``: the optimizer's post-step hook (the step has moved the parameters)."""
+        out = self.step_transform.step(self._params, partial(agree, trainer, sharded=is_sharded(trainer)))
+        if out is None:  # the step moved nothing
+            return
+        self.steps += 1
+        if out.bad:
+            self.bad += 1
+            self.skipped += 1
+            if self.on_bad_grad == "raise":
+                raise FloatingPointError(
+                    f"GAC: the optimizer's step at step {trainer.global_step} is non-finite (||step||^2 = "
+                    f"{out.step_sq}); the parameters were restored. Look for NaN/inf in the loss (learning rate too "
+                    "high, log of zero), or pass GAC(on_bad_grad='skip') to go on.")
+            if self.bad == 1:
+                rank_zero_warn(f"GAC: skipping step {trainer.global_step}: the optimizer's step is non-finite. "
+                               "Later skips are counted in gac/bad_grad.")
+            log_metrics(trainer, {"align/skip": 1.0, "gac/bad_grad": float(self.bad)})
+            return
+        d = out.decision
+        self.changed += d.changed
+        self.skipped += d.action == SKIP
+        metrics = {"align/proj_frac": self.changed / self.steps, "align/skip": float(d.action == SKIP),
+                   "gac/coef": d.coef}
+        if not math.isnan(d.cos):
+            self.trace.append(d.cos)
+            metrics["align/step_cos"] = d.cos
+        log_metrics(trainer, metrics)
+
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        if self.step_transform is not None:  # target="step" acts after the optimizer's step (_after_step)
+            self._check_gradient(trainer)
+            return
         params = self._params
         sharded = is_sharded(trainer)
         clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
@@ -203,7 +291,8 @@ class GAC(Callback):
 
     @override
     def on_before_zero_grad(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
-        self.transform.release(self._params)
+        if self.step_transform is None:
+            self.transform.release(self._params)
 
     def _bad_gradient(self, trainer, params, g_sq: float, action: str) -> None:
         if getattr(trainer.precision_plugin, "scaler", None) is not None and not math.isfinite(g_sq):
@@ -225,8 +314,21 @@ class GAC(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.reference == "grad":
+        if self.step_transform is not None:
+            self._remove_hook()
+            self.summary = self.trace.summary()  # of the step cosines; the align/ summary metrics are c_t's
+        elif self.reference == "grad":
             self.summary = self.trace.log_summary(trainer)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._remove_hook()  # also after a failed fit
+
+    def _remove_hook(self) -> None:
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._hook = None
 
     # Counters and the c_t trace travel through state_dict(); the transform's state (its reference
     # tensors and whether it is set) travels as one unit in the checkpoint's tensor section.
@@ -243,10 +345,11 @@ class GAC(Callback):
 
     @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        save_tensor(checkpoint, self.state_key, self.transform.state_dict())
+        state = self.step_transform if self.step_transform is not None else self.transform
+        save_tensor(checkpoint, self.state_key, state.state_dict())
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         saved = load_tensor(checkpoint, self.state_key)
         if saved is not None:
-            self.transform.load_state_dict(saved)
+            (self.step_transform if self.step_transform is not None else self.transform).load_state_dict(saved)

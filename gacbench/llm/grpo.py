@@ -9,9 +9,10 @@ surrogate; plus ``loss.kl_coef`` x KL to the initial policy) -> optimizer step (
 gradient-side callback act) -> weight sync to the engine -> version t + 1.
 
 The settings come in sections, each a dataclass that LightningCLI reads from a config file
-(``model:``, ``engine:``, ``task:``, ``rollout:``, ``loss:`` under the module's arguments): see
+(``model:``, ``engine:``, ``task:``, ``rollout:``, ``loss:``, ``optimizer:`` under the module's arguments): see
 :class:`ModelConfig`, :class:`EngineConfig`, :class:`~gacbench.llm.tasks.TaskConfig`,
-:class:`RolloutConfig`, :class:`LossConfig`. A section may also be given as a dict (a bench suite's params).
+:class:`RolloutConfig`, :class:`LossConfig`, :class:`OptimizerConfig`. A section may also be given as a dict (a
+bench suite's params).
 
 ``rollout.mode`` chooses where rollouts come from: ``sync`` (default) is the above, in this process, with the exact
 stale FIFO; ``async`` takes them from Ray rollout workers that generate ahead of the trainer within a staleness
@@ -119,6 +120,17 @@ class LossConfig:
     kl_coef: float = 0.0
 
 
+@dataclass
+class OptimizerConfig:
+    """AdamW's betas (beta1, beta2), each in [0, 1), eps > 0 and weight_decay >= 0 (decoupled, multiplied by the
+    learning rate). The defaults are torch's, with no weight decay; the paper's Table 2 uses weight_decay 0.01.
+    ``betas: [0.0, 0.999]`` is AdamW without momentum."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
 def _section(cls: type, value: Any, name: str) -> Any:
     """A config section from a dataclass instance or a dict; unknown keys are named in the error."""
     if isinstance(value, cls):
@@ -135,11 +147,26 @@ def _section(cls: type, value: Any, name: str) -> Any:
     return cls(**value)
 
 
+def _check_optimizer(owner: str, o: OptimizerConfig) -> None:
+    """The optimizer section's ranges (see :class:`OptimizerConfig`)."""
+    from gacbench.objectives.base import SettingError, check_range
+
+    betas = o.betas
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise SettingError(f"{owner}: optimizer.betas={betas!r} must be two numbers [beta1, beta2], e.g. "
+                           "[0.9, 0.999]", "optimizer.betas", betas)
+    for i, beta in enumerate(betas):
+        check_range(owner, f"optimizer.betas[{i}]", beta, 0, 1, hi_open=True,
+                    why="AdamW's moment decays; 0 keeps no memory of past gradients")
+    check_range(owner, "optimizer.eps", o.eps, 0, lo_open=True, why="it keeps AdamW's division away from zero")
+    check_range(owner, "optimizer.weight_decay", o.weight_decay, 0, why="0 disables decoupled weight decay")
+
+
 class GRPOModule(Objective):
-    """Args: the sections ``model``, ``engine``, ``task``, ``rollout``, ``loss`` (see their dataclasses), and
-    staleness s (0 = synchronous GRPO), lr (AdamW), steps, seed, eval_every / eval_size (greedy pass@1 on the
-    first ``eval_size`` held-out problems every ``eval_every`` steps). As an objective of the bench runner its
-    metric is ``eval/acc``."""
+    """Args: the sections ``model``, ``engine``, ``task``, ``rollout``, ``loss``, ``optimizer`` (see their
+    dataclasses), and staleness s (0 = synchronous GRPO), lr (AdamW), steps, seed, eval_every / eval_size (greedy
+    pass@1 on the first ``eval_size`` held-out problems every ``eval_every`` steps). As an objective of the bench
+    runner its metric is ``eval/acc``."""
 
     metric_name = "acc"
     higher_is_better = True
@@ -150,7 +177,8 @@ class GRPOModule(Objective):
     def __init__(self, model: ModelConfig | dict | None = None, engine: EngineConfig | dict | None = None,
                  task: TaskConfig | dict | None = None, rollout: RolloutConfig | dict | None = None,
                  loss: LossConfig | dict | None = None, staleness: int = 0, lr: float = 1e-4, steps: int = 100,
-                 seed: int = 0, eval_every: int = 10, eval_size: int = 64) -> None:
+                 seed: int = 0, eval_every: int = 10, eval_size: int = 64,
+                 optimizer: OptimizerConfig | dict | None = None) -> None:
         GRPOModule.check_settings(given_settings(locals()))
         super().__init__(eval_every)
         self.model_cfg = _section(ModelConfig, model, "model")
@@ -158,6 +186,7 @@ class GRPOModule(Objective):
         self.task_cfg = _section(TaskConfig, task, "task")
         self.rollout_cfg = r = _section(RolloutConfig, rollout, "rollout")
         self.loss_cfg = lc = _section(LossConfig, loss, "loss")
+        self.optimizer_cfg = _section(OptimizerConfig, optimizer, "optimizer")
         from gacbench.llm.async_source import resolve_mode
 
         staleness = resolve_mode(r, staleness)  # rollout.mode async: the bound s_max
@@ -166,7 +195,8 @@ class GRPOModule(Objective):
                                    "engine": dataclasses.asdict(self.engine_cfg),
                                    "task": dataclasses.asdict(self.task_cfg), "rollout": dataclasses.asdict(r),
                                    "loss": dataclasses.asdict(lc), "staleness": staleness, "lr": lr, "steps": steps,
-                                   "seed": seed, "eval_every": eval_every, "eval_size": eval_size})
+                                   "seed": seed, "eval_every": eval_every, "eval_size": eval_size,
+                                   "optimizer": dataclasses.asdict(self.optimizer_cfg)})
         self.staleness, self.lr, self.steps, self.seed, self.eval_size = staleness, lr, steps, seed, eval_size
         self.task = build_task(self.task_cfg, seed)
         self.reward = reward_fn(self.task_cfg.reward or self.task.default_reward)
@@ -221,8 +251,10 @@ class GRPOModule(Objective):
         (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts, max_tokens and
         logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
         loss.kl_coef >= 0, loss.clip_low in [0, 1), loss.clip_high >= 0, eval_size >= 1, and the checks of every
-        objective (finite numbers, lr > 0, steps and eval_every >= 1)."""
-        super().check_settings(params)
+        objective (finite numbers, lr > 0, steps and eval_every >= 1), optimizer.betas two numbers in [0, 1),
+        optimizer.eps > 0 and optimizer.weight_decay >= 0."""
+        # the optimizer section is a dict, not the synthetic objectives' optimizer name: checked below
+        super().check_settings({k: v for k, v in params.items() if k != "optimizer"})
         from gacbench.llm.async_source import resolve_mode
         from gacbench.llm.model import MODEL_SIZES
         from gacbench.llm.tasks import REWARDS, task_factory
@@ -235,6 +267,7 @@ class GRPOModule(Objective):
         t = _section(TaskConfig, params.get("task"), "task")
         r = _section(RolloutConfig, params.get("rollout"), "rollout")
         lc = _section(LossConfig, params.get("loss"), "loss")
+        o = _section(OptimizerConfig, params.get("optimizer"), "optimizer")
         check_name(owner, "engine.name", e.name, engine_names(), "a registered engine")
         check_lookup(owner, "task.name", t.name, task_factory)
         if t.reward is not None:
@@ -255,6 +288,7 @@ class GRPOModule(Objective):
         check_range(owner, "loss.clip_high", lc.clip_high, 0, why=clipped)
         if "eval_size" in params:
             check_range(owner, "eval_size", params["eval_size"], 1, integer=True)
+        _check_optimizer(owner, o)
 
     def setup(self, stage: str) -> None:
         self.loss_stabilizer = resolve_loss_stabilizer(self.trainer, self)
@@ -536,7 +570,9 @@ class GRPOModule(Objective):
 
     def configure_optimizers(self):
         # fused: one kernel per step (0.8 ms against 2.2 ms for the foreach AdamW on the tiny model, 2 CPU threads)
-        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, weight_decay=0.0, fused=True)
+        o = self.optimizer_cfg
+        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr, betas=tuple(float(b) for b in o.betas),
+                                 eps=o.eps, weight_decay=o.weight_decay, fused=True)
 
     def configure_callbacks(self):
         if self.rollout_cfg.mode == "sync":
