@@ -173,7 +173,7 @@ class StepTap(pl.Callback):
 
 
 def test_the_monitor_logs_the_cosine_of_consecutive_steps_whatever_the_callback_order():
-    tap, mon = StepTap(), AlignmentMonitor(warmup=0)
+    tap, mon = StepTap(), AlignmentMonitor(warmup=0, step_cos=True)
     trainer = make_trainer([mon, StalenessSimulator(2), tap], max_steps=10)  # the monitor before the simulator
     trainer.fit(UserRegressor(optimizer="adamw"))
     steps = [b - a for a, b in zip(tap.params, tap.params[1:])]
@@ -186,7 +186,8 @@ def test_gac_step_in_a_trainer_follows_the_rule_on_the_applied_steps():
     """Inside a Trainer (with a staleness simulator): the logged step cosine is that of the raw step with the
     previous applied step, and every applied step is the rule's output."""
     c_low, c_high = 0.5, 0.9
-    tap, gac, mon = StepTap(), GAC(c_low=c_low, c_high=c_high, target="step", warmup=0), AlignmentMonitor(warmup=0)
+    tap, mon = StepTap(), AlignmentMonitor(warmup=0, step_cos=True)
+    gac = GAC(c_low=c_low, c_high=c_high, target="step", warmup=0)
     trainer = make_trainer([StalenessSimulator(2), mon, gac, tap], max_steps=16)
     trainer.fit(UserRegressor(optimizer="adamw"))
     applied = [b - a for a, b in zip(tap.params, tap.params[1:])]
@@ -215,7 +216,7 @@ def test_resume_is_exact(high_mode, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def callbacks():
-        return [StalenessSimulator(3, schedule="uniform", seed=5), AlignmentMonitor(warmup=0),
+        return [StalenessSimulator(3, schedule="uniform", seed=5), AlignmentMonitor(warmup=0, step_cos=True),
                 GAC(c_low=0.4, c_high=0.85, high_mode=high_mode, target="step", warmup=0)]
 
     total, cut = 16, 8
@@ -243,9 +244,10 @@ def test_monitor_step_cos_resumes_exactly(tmp_path):
 
     total, cut = 12, 8
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=cut, save_top_k=-1)
-    full = make_trainer([AlignmentMonitor(warmup=0), ckpt_cb], max_steps=total, enable_checkpointing=True)
+    full = make_trainer([AlignmentMonitor(warmup=0, step_cos=True), ckpt_cb], max_steps=total,
+                        enable_checkpointing=True)
     full.fit(UserRegressor(n=32, optimizer="adamw"))
-    second = make_trainer([AlignmentMonitor(warmup=0)], max_steps=total)
+    second = make_trainer([AlignmentMonitor(warmup=0, step_cos=True)], max_steps=total)
     second.fit(UserRegressor(n=32, optimizer="adamw"), ckpt_path=next(tmp_path.glob(f"*step={cut}.ckpt")))
     assert second.logger.values("align/step_cos") == full.logger.values("align/step_cos")[-(total - cut):]
 

@@ -205,3 +205,17 @@ def test_make_sh_refuses_a_summary_without_versions(tmp_path):
     assert proc.returncode != 0
     assert "runs/grid/summary.json lists no code versions; rebuild it with gacbench report runs/grid" in proc.stderr
     assert not (tmp_path / "paper" / "grid").exists()
+
+
+def test_table3_reports_only_the_thresholds_calibrated_from_gradient_cosines():
+    """gac-step-calibrated's thresholds come from the step cosines, so Table 3 (gradient cosines) leaves them out."""
+    from gacbench.bench.tables import _table3
+
+    def cell(method, **kw):
+        return {"task": "t", "method": method, "staleness": 0 if method == "sync" else 16, "seed": 0,
+                "status": "done", **kw}
+
+    cells = [cell("sync", cos_abs_q90=0.2, cos_max_abs=0.5, cos_abs_le_005=0.3, cos_median=0.01),
+             cell("gac-calibrated", c_low=0.2, c_high=0.5), cell("gac-step-calibrated", c_low=0.9, c_high=0.97)]
+    row = next(line for line in _table3(cells) if line.startswith("| t |"))
+    assert "| (0.2, 0.5) over 1 cells |" in row

@@ -480,7 +480,8 @@ def _run(cell: dict, out: Path) -> dict:
         callbacks.append(AssumptionMonitor(every=int(cell["assumptions"])))
     if s > 0 and not model.rollout_staleness:
         callbacks.append(StalenessSimulator(s))
-    callbacks.append(AlignmentMonitor(warmup=cell.get("warmup", 0)))
+    # align/step_cos too: the trace the step reading (gac-step-calibrated) calibrates from
+    callbacks.append(AlignmentMonitor(warmup=cell.get("warmup", 0), step_cos=True))
     callbacks += method_callbacks(cell["method"], cell)  # a method with a reference reads cell["calibration"]
     timer = StepTimer()
     callbacks += [timer, DivergenceStop()]

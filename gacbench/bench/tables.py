@@ -296,6 +296,17 @@ def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
     return lines
 
 
+def _calibrated_from_gradients(method: str) -> bool:
+    """Whether ``method`` calibrates from the gradient cosines ``align/cos`` (gac-calibrated), which Table 3's
+    statistics are, and not from another trace (gac-step-calibrated: ``align/step_cos``)."""
+    from gacbench.methods import reference_trace
+
+    try:
+        return reference_trace(method) == "align/cos"
+    except (KeyError, ValueError):
+        return False
+
+
 def _table3(cells: list[dict]) -> list[str]:
     """Paper Table 3 (on-policy alignment statistics of the synchronous cells) and the thresholds the
     calibration rule reads from them (gacbench.functional.calibration), beside those gac-calibrated used."""
@@ -316,7 +327,8 @@ def _table3(cells: list[dict]) -> list[str]:
         tc = [c for c in sync if c["task"] == task]
         recs = [calibration_record({"q90_abs": c["cos_abs_q90"], "max_abs": c["cos_max_abs"]}) for c in tc]
         lows, highs = [r["c_low"] for r in recs], [r["c_high"] for r in recs]
-        used = [c for c in cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"]
+        used = [c for c in cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"
+                and _calibrated_from_gradients(c["method"])]  # not the step reading's thresholds
         used_s = (f"({fmt(float(np.mean([c['c_low'] for c in used])))}, "
                   f"{fmt(float(np.mean([c['c_high'] for c in used])))}) over {len(used)} cells" if used else "—")
         lines.append(f"| {task} | {fmt(nanmean([c['cos_abs_q90'] for c in tc]))} | "

@@ -51,15 +51,15 @@ class AlignmentMonitor(Callback):
         buffer_dtype: dtype of the stored previous gradient (default: the parameters').
         step_cos: also log ``align/step_cos`` = cos(theta_{t+1} - theta_t, theta_t - theta_{t-1}), read right after
             each optimizer step (the trace ``gac-step-calibrated`` calibrates from). It holds two parameter-sized
-            buffers (the parameters after the last step and that step) and one scratch block;
-            ``False`` drops them. Passive beside a callback that declares ``logs_step_alignment``
-            (``GAC(target="step")``).
+            buffers (the parameters after the last step and that step) and one scratch block, so it is off
+            by default; the bench runner's cells and ``gacbench grpo`` turn it on. Passive beside a callback
+            that declares ``logs_step_alignment`` (``GAC(target="step")``).
 
     After fit, ``summary`` holds ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median`` and ``n``.
     """
 
     def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None,
-                 step_cos: bool = True) -> None:
+                 step_cos: bool = False) -> None:
         self.trace = CosineTrace(warmup, tol)
         self.step_cos = step_cos
         self.step_passive = not step_cos

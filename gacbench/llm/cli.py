@@ -121,7 +121,8 @@ class GRPOCLI(LightningCLI):
         from gacbench.methods import method_callbacks
 
         configured = list(self.config_init.trainer.get("callbacks") or [])
-        extra = [AlignmentMonitor(warmup=self.config.alignment_warmup), *method_callbacks(self.config.method)]
+        monitor = AlignmentMonitor(warmup=self.config.alignment_warmup, step_cos=True)
+        extra = [monitor, *method_callbacks(self.config.method)]
         return super().instantiate_trainer(callbacks=[*configured, *extra], **kwargs)
 
 
