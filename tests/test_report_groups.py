@@ -219,3 +219,19 @@ def test_table3_reports_only_the_thresholds_calibrated_from_gradient_cosines():
              cell("gac-calibrated", c_low=0.2, c_high=0.5), cell("gac-step-calibrated", c_low=0.9, c_high=0.97)]
     row = next(line for line in _table3(cells) if line.startswith("| t |"))
     assert "| (0.2, 0.5) over 1 cells |" in row
+
+
+def test_the_update_diagnostics_table_has_the_ess_column_where_cells_log_it(tmp_path):
+    """is/ess_frac ((Σw)²/(NΣw²), logged by GRPO) is averaged after the warm-up like the other diagnostics."""
+    cell = _store(tmp_path, "stale", 2, 0, 1.0)
+    d = cell_dir(tmp_path, cell)
+    ess = [1.0, 0.9, 0.6, 0.5]
+    (d / "metrics.csv").write_text("step,eval/gap,align/cos,is/ess_frac\n"
+                                   + "".join(f"{t},1.0,0.1,{e}\n" for t, e in enumerate(ess)))
+    config = json.loads((d / "config.json").read_text())
+    write_json(d / "config.json", {**config, "warmup": 2})
+    rep = build_report(tmp_path)
+    (rec,) = rep["summary"]["cells"]
+    assert rec["ess_frac"] == pytest.approx((0.6 + 0.5) / 2)  # the steps after the warm-up
+    md = (tmp_path / "summary.md").read_text()
+    assert "| ESS fraction of the token weights |" in md and "| 0.55 |" in md

@@ -23,6 +23,7 @@ DIAGNOSTICS = {
     "ratio_max": ("is/ratio_max", "largest token ratio π_θ/π_behav"),
     "clipfrac": ("pg/clipfrac", "clipped-token share"),
     "clipfrac_dual": ("pg/clipfrac_dual", "dual-clipped-token share"),
+    "ess_frac": ("is/ess_frac", "ESS fraction of the token weights"),
 }
 
 
