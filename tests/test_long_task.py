@@ -18,6 +18,7 @@ from gacbench.llm.task import (  # noqa: E402
     scratchpad_lines,
 )
 from gacbench.llm.tasks import TaskConfig, build_task, reward_fn  # noqa: E402
+from gacbench.usage import UsageError  # noqa: E402
 
 STEP = re.compile(r"^(-?\d+)([+*-])(\d+)=(-?\d+)$")
 
@@ -48,9 +49,9 @@ def test_problems_are_deterministic_correct_and_splits_disjoint():
     assert ScratchpadTask(seed=3).batch("eval", 50, 5) == evals[50:55]
     with pytest.raises(ValueError, match="split"):
         task.problem("test", 0)
-    with pytest.raises(ValueError, match="min_ops"):
+    with pytest.raises(UsageError, match="need 1 <= min_ops <= max_ops .* min_ops=3, max_ops=2"):
         ScratchpadTask(min_ops=3, max_ops=2)
-    with pytest.raises(ValueError, match="eval_fraction"):
+    with pytest.raises(UsageError, match="eval_fraction"):
         ScratchpadTask(eval_fraction=1.0)
 
 
@@ -84,7 +85,7 @@ def test_registry_builds_the_task_with_its_options_and_default_reward():
     assert task == ScratchpadTask(min_ops=2, max_ops=3, max_operand=5, seed=7)
     assert reward_fn(task.default_reward) is final_line_reward
     assert build_task(TaskConfig(name="scratchpad", eval_fraction=0.2), 0).eval_fraction == 0.2
-    with pytest.raises(ValueError, match="unknown task.options ops.*min_ops, max_ops and max_operand"):
+    with pytest.raises(UsageError, match="unknown task.options ops.*min_ops, max_ops and max_operand"):
         build_task(TaskConfig(name="scratchpad", options={"ops": 2}), 0)
 
 

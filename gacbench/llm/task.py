@@ -18,6 +18,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
+from gacbench.usage import UsageError
+
 OPS = "+-*"
 
 
@@ -118,10 +120,10 @@ class ScratchpadTask:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ops <= self.max_ops or self.max_operand < 1:
-            raise ValueError(f"ScratchpadTask: need 1 <= min_ops <= max_ops and max_operand >= 1, got min_ops="
+            raise UsageError(f"ScratchpadTask: need 1 <= min_ops <= max_ops and max_operand >= 1, got min_ops="
                              f"{self.min_ops}, max_ops={self.max_ops}, max_operand={self.max_operand}")
         if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"ScratchpadTask: eval_fraction={self.eval_fraction} must be in (0, 1)")
+            raise UsageError(f"ScratchpadTask: eval_fraction={self.eval_fraction} must be in (0, 1)")
 
     def _draw(self, rng: random.Random) -> Problem:
         n = rng.randint(self.min_ops, self.max_ops)

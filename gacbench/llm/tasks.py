@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from gacbench.llm.datasets import MathDataset, math_verify_reward
 from gacbench.llm.task import ArithmeticTask, ScratchpadTask, exact_reward, final_line_reward
+from gacbench.usage import UsageError
 
 
 @dataclass
@@ -95,7 +96,7 @@ def _arithmetic(cfg: TaskConfig, seed: int) -> ArithmeticTask:
 def _scratchpad(cfg: TaskConfig, seed: int) -> ScratchpadTask:
     unknown = sorted(set(cfg.options) - {"min_ops", "max_ops", "max_operand"})
     if unknown:
-        raise ValueError(f"task 'scratchpad': unknown task.options {', '.join(unknown)}; it takes min_ops, max_ops "
+        raise UsageError(f"task 'scratchpad': unknown task.options {', '.join(unknown)}; it takes min_ops, max_ops "
                          "and max_operand")
     return ScratchpadTask(**cfg.options, eval_fraction=cfg.eval_fraction, seed=seed)
 
