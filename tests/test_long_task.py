@@ -223,3 +223,48 @@ def test_vllm_and_hf_give_the_same_greedy_answers_for_the_medium_architecture(tm
     finally:
         engine.close()
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_the_report_carries_response_length_and_parameter_count_per_cell_and_group(tmp_path):
+    """A stored grid whose stale cells logged response/tokens_mean and model/params (added to their
+    metrics.csv): each such cell's record has the mean over its rows and the count, each such group the mean
+    over seeds and the count; the other groups have neither key."""
+    import csv
+    import json
+
+    import yaml
+
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.report import build_report
+    from gacbench.bench.runner import expand_cells, load_suite, run_grid
+
+    suite = {"name": "len", "steps": 6, "warmup": 0, "tasks": {"bandit": {"objective": "bandit"}},
+             "methods": ["sync", "stale"], "staleness": [0, 2], "seeds": [0, 1]}
+    (tmp_path / "len.yaml").write_text(yaml.safe_dump(suite))
+    out = tmp_path / "out"
+    cells = expand_cells(load_suite(str(tmp_path / "len.yaml")))
+    assert run_grid(cells, out)["failed"] == 0
+    for cell in cells:
+        if cell["method"] != "stale":
+            continue
+        path = cell_dir(out, cell) / "metrics.csv"
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        tokens = [20.0 + cell["seed"] + (i % 2) for i in range(len(rows))]  # per row: 20/21, or 21/22
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, [*rows[0], "response/tokens_mean", "model/params"])
+            w.writeheader()
+            for r, t in zip(rows, tokens):
+                w.writerow({**r, "response/tokens_mean": t, "model/params": 17315456})
+        cell["expected"] = sum(tokens) / len(tokens)
+    build_report(out)
+    summary = json.loads((out / "summary.json").read_text())
+    stale = {c["seed"]: c for c in summary["cells"] if c["method"] == "stale"}
+    expected = {c["seed"]: c["expected"] for c in cells if c["method"] == "stale"}
+    for seed, rec in stale.items():
+        assert rec["response_tokens"] == pytest.approx(expected[seed]) and rec["params"] == 17315456
+    assert not any("response_tokens" in c for c in summary["cells"] if c["method"] == "sync")
+    groups = {g["method"]: g for g in summary["groups"]}
+    assert groups["stale"]["response_tokens_mean"] == pytest.approx((expected[0] + expected[1]) / 2)
+    assert groups["stale"]["params"] == 17315456
+    assert "response_tokens_mean" not in groups["sync"] and "params" not in groups["sync"]
