@@ -268,3 +268,26 @@ def test_the_report_carries_response_length_and_parameter_count_per_cell_and_gro
     assert groups["stale"]["response_tokens_mean"] == pytest.approx((expected[0] + expected[1]) / 2)
     assert groups["stale"]["params"] == 17315456
     assert "response_tokens_mean" not in groups["sync"] and "params" not in groups["sync"]
+
+
+def test_the_length_and_size_suites():
+    from gacbench.bench.runner import expand_cells, load_suite
+    from gacbench.llm.grpo import GRPOModule
+
+    length = load_suite("llm-length")
+    (spec,) = length["tasks"].values()
+    params = spec["params"]
+    assert params["task"]["name"] == "scratchpad" and params["model"]["size"] == "small"
+    assert params["rollout"]["max_tokens"] >= 33  # the longest correct completion fits
+    cells = expand_cells(length)
+    assert len(cells) == 3 + 6 * 2 * 3 and {c["staleness"] for c in cells} == {0, 16, 32}
+    assert set(length["methods"]) == {"sync", "stale", "gac", "gac-calibrated", "gspo", "dual-clip", "vcpo"}
+
+    size = load_suite("llm-size")
+    assert {t["params"]["model"]["size"] for t in size["tasks"].values()} == set(MODEL_SIZES)
+    assert {t["params"]["task"]["name"] for t in size["tasks"].values()} == {"arithmetic"}
+    cells = expand_cells(size)
+    assert len(cells) == 3 * (3 + 4 * 3) and {c["staleness"] for c in cells} == {0, 16}
+    for suite in (length, size):
+        for t in suite["tasks"].values():
+            GRPOModule.check_settings(t["params"])
