@@ -55,8 +55,9 @@ from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, agg_loss, policy_l
 @dataclass
 class ModelConfig:
     """path: a local Hugging Face checkpoint directory (e.g. a real Qwen3); None = a small Qwen3 built from a
-    config and warm-started for ``warm_steps`` supervised steps on the arithmetic task (built once, cached), of
-    the named ``size`` (gacbench.llm.model.MODEL_SIZES: ``tiny``, 0.79M parameters; ``small``, 4.7M)."""
+    config and warm-started for ``warm_steps`` supervised steps on the arithmetic task, or on the run's task where
+    it sets ``warm_on_task`` (gacbench.llm.warmstart.warm_task; built once, cached), of the named ``size``
+    (gacbench.llm.model.MODEL_SIZES: ``tiny``, 0.79M parameters; ``small``, 4.7M; ``medium``, 17.3M)."""
 
     path: str | None = None
     warm_steps: int = 400
