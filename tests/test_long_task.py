@@ -135,7 +135,7 @@ def test_warm_start_on_the_scratchpad_task_learns_and_is_cached_apart(tmp_path):
     cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
     task = ScratchpadTask(min_ops=1, max_ops=1, max_operand=4)
     model, tok = load(cached_model_dir(cfg, tmp_path))
-    losses = warm_start(model, tok, task, steps=30, batch_size=32)
+    losses = warm_start(model, tok, task, steps=30, batch_size=16)
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
     d = warm_started_dir(cfg, task, steps=2, cache_dir=tmp_path)
     assert d.name.startswith("warm-ScratchpadTask-") and (d / "config.json").exists()
@@ -168,7 +168,7 @@ def test_grpo_logs_the_response_length_and_parameter_count(tmp_path):
 
     cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
     task = ScratchpadTask(min_ops=1, max_ops=1, max_operand=4)
-    path = warm_started_dir(cfg, task, steps=20, cache_dir=tmp_path)
+    path = warm_started_dir(cfg, task, steps=5, cache_dir=tmp_path)
     assert cached_model_dir(cfg, tmp_path).exists()
     module = GRPOModule(model={"path": str(path)}, task={"name": "scratchpad", "options": {"min_ops": 1,
                         "max_ops": 1, "max_operand": 4}}, rollout={"prompts": 2, "group": 2, "max_tokens": 12},
