@@ -88,6 +88,9 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
         values = [v for step, v in series.get(logged, []) if step >= warmup]
         if values:
             rec[name] = float(np.mean(values))
+    if series.get("response/tokens_mean"):  # GRPO: generated tokens per response (mean over steps), model size
+        rec["response_tokens"] = float(np.mean([v for _, v in series["response/tokens_mean"]]))
+        rec["params"] = int(series["model/params"][-1][1]) if series.get("model/params") else None
     if series.get("align/proj_frac"):  # GAC: the share of its steps it shrank, projected or skipped
         rec["gac_changed"] = float(series["align/proj_frac"][-1][1])
     reward = [v for _, v in series.get("reward/mean", [])]

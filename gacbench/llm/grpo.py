@@ -57,8 +57,9 @@ from gacbench.stabilizers.base import AGG_MODES, PolicyBatch, agg_loss, policy_l
 @dataclass
 class ModelConfig:
     """path: a local Hugging Face checkpoint directory (e.g. a real Qwen3); None = a small Qwen3 built from a
-    config and warm-started for ``warm_steps`` supervised steps on the arithmetic task (built once, cached), of
-    the named ``size`` (gacbench.llm.model.MODEL_SIZES: ``tiny``, 0.79M parameters; ``small``, 4.7M)."""
+    config and warm-started for ``warm_steps`` supervised steps on the arithmetic task, or on the run's task where
+    it sets ``warm_on_task`` (gacbench.llm.warmstart.warm_task; built once, cached), of the named ``size``
+    (gacbench.llm.model.MODEL_SIZES: ``tiny``, 0.79M parameters; ``small``, 4.7M; ``medium``, 17.3M)."""
 
     path: str | None = None
     warm_steps: int = 400
@@ -208,15 +209,15 @@ class GRPOModule(Objective):
                                  "only digits and +-*=. Set model.path to a local checkpoint directory "
                                  "(e.g. Qwen3-1.7B).")
             from gacbench.llm.model import sized_config
-            from gacbench.llm.task import ArithmeticTask
-            from gacbench.llm.warmstart import warm_started_dir
+            from gacbench.llm.warmstart import warm_started_dir, warm_task
 
-            warm_task = ArithmeticTask(max_ops=self.task_cfg.max_ops, max_operand=self.task_cfg.max_operand)
-            model_path = str(warm_started_dir(sized_config(self.model_cfg.size), task=warm_task,
+            model_path = str(warm_started_dir(sized_config(self.model_cfg.size),
+                                              task=warm_task(self.task_cfg, self.task),
                                               steps=self.model_cfg.warm_steps))
         self.model_path = model_path
         self.policy, self.tok = load(model_path)
         self.policy.train()  # from_pretrained returns eval mode
+        self.n_params = sum(p.numel() for p in self.policy.parameters())  # tied embeddings counted once
         # one-off costs a bench cell reports apart: the model's load (and warm start) here, the engine's start-up
         self.cost_s = {"model": time.perf_counter() - t_model, "engine": 0.0}
         self.context = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0)
@@ -375,7 +376,10 @@ class GRPOModule(Objective):
         self._consumed = {k: v for k, v in self._consumed.items() if k == self.global_step - 1}
         self._consumed[self.global_step] = data
         loss = data_parallel_loss(self, loss, data["packed"]["mask"])  # DDP with token-mean: the global token count
-        metrics.update({"stale/lag": float(lag), "reward/mean": data["rewards"].mean(), **self._times})
+        metrics.update({"stale/lag": float(lag), "reward/mean": data["rewards"].mean(), **self._times,
+                        # generated tokens per response of the batch trained on, its eos included where generated
+                        "response/tokens_mean": data["packed"]["mask"].sum(-1).float().mean(),
+                        "model/params": float(self.n_params)})
         if self.rollout_source is not None:
             metrics.update(self.rollout_source.step_metrics())
         log_metrics(self.trainer, metrics)

@@ -51,10 +51,12 @@ def tiny_config(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: in
 
 #: Named architectures for ``model.size`` (GRPO's ModelConfig): keyword arguments of :func:`tiny_config`.
 #: ``tiny``: hidden 128, 4 layers, 0.79M parameters; ``small``: hidden 256, 6 layers, 8 heads of 32 (vLLM's CPU
-#: attention needs head_dim >= 32), 4.7M parameters.
+#: attention needs head_dim >= 32), 4.7M parameters; ``medium``: hidden 384, 8 layers, 12 heads of 32, 17.3M
+#: parameters.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {},
     "small": {"hidden": 256, "layers": 6, "heads": 8, "kv_heads": 4, "intermediate": 768},
+    "medium": {"hidden": 384, "layers": 8, "heads": 12, "kv_heads": 4, "intermediate": 1536},
 }
 
 

@@ -11,8 +11,10 @@ character tokenizer can write its prompts). A task factory builds one from the r
         return MyTask(path=cfg.path, **cfg.options, seed=seed)
 
 Rewards map ``(completion text, gold answer) -> float`` and are registered with ``register_reward``.
-Built in: tasks ``arithmetic`` (procedural, :class:`~gacbench.llm.task.ArithmeticTask`) and ``math`` (a
-local JSONL/Parquet file, :class:`~gacbench.llm.datasets.MathDataset`); rewards ``exact`` and ``math-verify``.
+Built in: tasks ``arithmetic`` (procedural, :class:`~gacbench.llm.task.ArithmeticTask`), ``scratchpad`` (the same
+expressions answered with a written scratchpad, :class:`~gacbench.llm.task.ScratchpadTask`) and ``math`` (a local
+JSONL/Parquet file, :class:`~gacbench.llm.datasets.MathDataset`); rewards ``exact``, ``final-line`` and
+``math-verify``.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gacbench.llm.datasets import MathDataset, math_verify_reward
-from gacbench.llm.task import ArithmeticTask, exact_reward
+from gacbench.llm.task import ArithmeticTask, ScratchpadTask, exact_reward, final_line_reward
+from gacbench.usage import UsageError
 
 
 @dataclass
 class TaskConfig:
-    """name: a registered task (``arithmetic``, ``math``, ...). reward: a registered reward; None = the task's
-    default. max_ops, max_operand: the arithmetic task's size. path, template, eval_fraction: the ``math``
-    task's file (JSONL or Parquet), prompt template (``str.format`` with ``problem=``) and held-out share.
-    options: further keyword arguments for a third-party task's factory."""
+    """name: a registered task (``arithmetic``, ``scratchpad``, ``math``, ...). reward: a registered reward; None =
+    the task's default. max_ops, max_operand: the arithmetic task's size; the scratchpad task takes them from
+    ``options`` (``min_ops``, ``max_ops``, ``max_operand``; default 3, 3, 9), since its defaults differ. path,
+    template: the ``math`` task's file (JSONL or Parquet) and prompt template (``str.format`` with ``problem=``).
+    eval_fraction: the held-out share of the ``math`` and ``scratchpad`` tasks. options: further keyword
+    arguments for a third-party task's factory."""
 
     name: str = "arithmetic"
     reward: str | None = None
@@ -87,6 +92,15 @@ def _arithmetic(cfg: TaskConfig, seed: int) -> ArithmeticTask:
     return ArithmeticTask(max_ops=cfg.max_ops, max_operand=cfg.max_operand, seed=seed)
 
 
+@register_task("scratchpad")
+def _scratchpad(cfg: TaskConfig, seed: int) -> ScratchpadTask:
+    unknown = sorted(set(cfg.options) - {"min_ops", "max_ops", "max_operand"})
+    if unknown:
+        raise UsageError(f"task 'scratchpad': unknown task.options {', '.join(unknown)}; it takes min_ops, max_ops "
+                         "and max_operand")
+    return ScratchpadTask(**cfg.options, eval_fraction=cfg.eval_fraction, seed=seed)
+
+
 @register_task("math")
 def _math(cfg: TaskConfig, seed: int) -> MathDataset:
     if cfg.path is None:
@@ -96,4 +110,5 @@ def _math(cfg: TaskConfig, seed: int) -> MathDataset:
 
 
 register_reward("exact", exact_reward)
+register_reward("final-line", final_line_reward)
 register_reward("math-verify", math_verify_reward)
