@@ -149,7 +149,8 @@ def test_hf_engine_generates_every_prompt_in_one_padded_batch_with_exact_log_pro
             assert ids[-1] == tok.eos_token_id or len(ids) == 6
             lengths.add(len(ids))
             ref = sequence_logprobs_unpadded(model, r)
-            assert (ref - torch.tensor(r.logprobs)).abs().max() < 1e-5
+            # float32 sums of a padded batch and of one row round apart (up to 1.05e-5 seen with some CPUs' kernels)
+            assert (ref - torch.tensor(r.logprobs)).abs().max() < 5e-5
     assert len(lengths) > 1
     assert any(r.completion_ids[-1] == tok.eos_token_id for g in groups for r in g)
     assert _flat(engine.generate(prompts, n=5, max_tokens=6, seed=11)) == _flat(groups)  # seeded

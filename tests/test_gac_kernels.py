@@ -269,7 +269,7 @@ def test_auto_compiles_only_where_parameters_times_steps_reach_the_crossover():
 def test_auto_picks_eager_for_every_model_and_run_length_the_shipped_suites_use():
     """The shipped suites' cells stay on the eager path, so their published results do not move."""
     transformers = pytest.importorskip("transformers")
-    from gacbench.bench.runner import load_suite, suite_path
+    from gacbench.bench.validate import load_suite, suite_path
     from gacbench.functional.kernels import choose_kernels
     from gacbench.llm.model import sized_config
     from gacbench.objectives.registry import objective_class

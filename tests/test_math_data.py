@@ -130,7 +130,7 @@ def test_file_errors(tmp_path):
 
 def test_reward_registry():
     assert reward_fn("exact") is exact_reward and reward_fn("math-verify") is math_verify_reward
-    with pytest.raises(ValueError, match="registered rewards: exact, math-verify"):
+    with pytest.raises(ValueError, match="registered rewards: exact, final-line, math-verify"):
         reward_fn("f1")
 
 

@@ -193,15 +193,19 @@ def test_three_concurrent_runners_on_one_out_run_every_cell_exactly_once(tmp_pat
 
 # -- provenance -----------------------------------------------------------------------------------------
 def test_a_cell_records_its_provenance_with_the_thread_count_it_ran_with(tmp_path):
-    before = torch.get_num_threads()
-    try:
-        run_cell(CELL, tmp_path, threads=1)
-        config = json.loads((cell_dir(tmp_path, CELL) / "config.json").read_text())
-        assert config["provenance"] == provenance() and config["provenance"]["threads"] == 1
-        assert {k: config[k] for k in CELL} == CELL
-        assert "provenance" not in cell_mod.IDENTITY_KEYS
-    finally:
-        torch.set_num_threads(before)
+    """In a fresh process (a process that has loaded vLLM may keep its own thread count), a cell run with one
+    thread records one thread, and otherwise this process's provenance."""
+    script = ("import json, sys; from gacbench.bench.cell import run_cell; from gacbench.provenance import provenance; "
+              "run_cell(json.loads(sys.argv[1]), sys.argv[2], threads=1); print(json.dumps(provenance()))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(CELL), str(tmp_path)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    config = json.loads((cell_dir(tmp_path, CELL) / "config.json").read_text())
+    assert config["provenance"] == json.loads(res.stdout.splitlines()[-1]) and config["provenance"]["threads"] == 1
+    assert config["provenance"]["source_sha256"] == provenance()["source_sha256"]
+    assert {k: config[k] for k in CELL} == CELL
+    assert "provenance" not in cell_mod.IDENTITY_KEYS
 
 
 def test_cells_from_another_environment_are_counted_kept_and_recomputed_on_request(tmp_path, capsys):
