@@ -42,6 +42,18 @@ ON_BAD_GRAD = ("skip", "raise")
 TARGETS = ("grad", "step")
 
 
+def run_steps(trainer: "pl.Trainer") -> float:
+    """The run's optimizer steps from the Trainer's own settings, with no collective (``estimated_stepping_batches``
+    can enter one under DDP at ``on_train_start``): ``max_steps``, else the epochs' batches over
+    ``accumulate_grad_batches``, else inf."""
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return float(trainer.max_steps)
+    batches = trainer.num_training_batches
+    if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(batches):
+        return float(trainer.max_epochs * math.ceil(batches / trainer.accumulate_grad_batches))
+    return math.inf
+
+
 class GAC(Callback):
     """Gradient Alignment Control.
 
@@ -203,8 +215,8 @@ class GAC(Callback):
         if self.transform.requested_kernels == "auto":
             # the run's total steps, not those left: a resumed run makes the same choice as the uninterrupted one
             n_params = sum(p.numel() for p in self._params)  # the global count (a DTensor counts every shard)
-            steps = float(trainer.estimated_stepping_batches)
-            self.transform.choose_kernels_for(n_params, steps, self._params[0].device.type if self._params else "cpu")
+            self.transform.choose_kernels_for(n_params, run_steps(trainer),
+                                              self._params[0].device.type if self._params else "cpu")
 
     def _check_gradient(self, trainer: "pl.Trainer") -> None:
         """``target="step"``: a non-finite gradient would reach AdamW's moments and make every later step

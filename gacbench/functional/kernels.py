@@ -309,7 +309,7 @@ def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str
     ``"eager"``.
 
     ``n_params``: the elements GAC reads (the optimizer's parameters); ``steps``: the run's optimizer steps,
-    known when fit starts (``trainer.estimated_stepping_batches``; inf for a run without an end). The compile
+    known when fit starts (the Trainer's ``max_steps``, or its epochs' batches; inf for a run without an end). The compile
     costs a fixed time per process and saves a time per step that grows with the model: it pays back when
     ``n_params >= AUTO_MIN_PARAMS`` and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps
     are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured."""
