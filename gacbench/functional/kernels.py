@@ -309,8 +309,8 @@ def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str
     ``"eager"``.
 
     ``n_params``: the elements GAC reads (the optimizer's parameters); ``steps``: the run's optimizer steps,
-    known when fit starts (the Trainer's ``max_steps``, or its epochs' batches; inf for a run without an end). The compile
-    costs a fixed time per process and saves a time per step that grows with the model: it pays back when
+    known when fit starts (the Trainer's ``max_steps``, or its epochs' batches; inf for a run without an end). The
+    compile costs a fixed time per process and saves a time per step that grows with the model: it pays back when
     ``n_params >= AUTO_MIN_PARAMS`` and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps
     are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured."""
     if device_type != "cpu" or not (0 < steps < math.inf) or n_params < AUTO_MIN_PARAMS:
