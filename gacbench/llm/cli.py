@@ -36,7 +36,7 @@ it. The summary of an async or uniform run records under ``rollout`` its mode, b
 counters of the whole run (``dropped``, ``regenerated``, ``worker_restarts``); a plain method (sync, stale)
 there is recorded as the mode (``"method": "async"``).
 
-SIGTERM (a scheduler's pre-emption, ``kill``) stops the fit at the end of the step in progress (Lightning's
+SIGTERM (a scheduler's pre-emption, ``kill``) stops the fit at the end of the current step (Lightning's
 signal handling); the run then writes ``summary.json`` with ``"status": "interrupted"``, the steps done and no
 final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM). It resumes with ``--ckpt_path
 last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal).
@@ -391,7 +391,7 @@ def run(argv: list[str]) -> int:
     terminated = False
     try:
         trainer.fit(model, ckpt_path=ckpt)
-    except SIGTERMException:  # Lightning stops the fit at the end of the step in progress
+    except SIGTERMException:  # Lightning stops the fit at the end of the current step
         terminated = True
     finally:  # also when the session fails: the earlier rows go back into metrics.csv
         if keeper is not None:
