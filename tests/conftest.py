@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -80,3 +82,47 @@ def tiny_llm_dir(tmp_path_factory):
 
     cfg = tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128)
     return str(warm_started_dir(cfg, ArithmeticTask(**TINY_TASK), steps=60, cache_dir=tmp_path_factory.mktemp("llm")))
+
+
+def quadratic_suite(tmp_path: Path, name: str = "tiny.yaml", **over) -> Path:
+    """A small bench suite on the noisy quadratic (sync, stale and gac at s = 0 and 4, 30 steps), written to
+    ``tmp_path / name``; ``over`` replaces top-level keys."""
+    suite = {
+        "name": "tiny", "steps": 30, "warmup": 5,
+        "tasks": {"quadratic": {"objective": "quadratic",
+                                "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}}},
+        "methods": ["sync", "stale", "gac"], "staleness": [0, 4], "seeds": [0],
+    }
+    suite.update(over)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def bench(suite: Path, out: Path, *extra: str) -> int:
+    """``gacbench bench --suite SUITE --out OUT --workers 1 EXTRA...`` in this process; its exit status."""
+    from gacbench.cli import main
+
+    return main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", *extra])

@@ -11,26 +11,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import bench, quadratic_suite
 
 from gacbench.bench.cell import cell_dir
 from gacbench.cli import UsageError, main
 
 
 def tiny_suite(tmp_path: Path, name: str = "tiny.yaml", **over) -> Path:
-    suite = {
-        "name": "tiny", "steps": 30, "warmup": 5,
-        "tasks": {"quadratic": {"objective": "quadratic",
-                                "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}}},
-        "methods": ["sync", "stale", "gac"], "staleness": [0, 4], "seeds": [0],
-    }
-    suite.update(over)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(suite))
-    return path
+    return quadratic_suite(tmp_path, name, **over)
 
 
-def bench(suite: Path, out: Path, *extra: str) -> int:
-    return main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", *extra])
 
 
 def one_error_line(capsys, command: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import alive, child_pids
 
 from gacbench.bench import cell as cell_mod
 from gacbench.bench.cell import CellMismatchError, cell_dir, identity_diff, run_cell, show_change
@@ -270,24 +271,8 @@ def test_run_cell_refuses_a_done_cell_with_other_settings(tmp_path):
 
 
 # -- workers die with the runner -------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -303,13 +288,13 @@ def test_pool_workers_die_when_the_runner_is_killed(tmp_path):
         while time.time() < deadline and len(list(out.glob("cells/**/config.json"))) < 2:
             time.sleep(0.2)
         assert len(list(out.glob("cells/**/config.json"))) == 2, "the workers did not start their cells"
-        workers = [p for p in _children(proc.pid)
+        workers = [p for p in child_pids(proc.pid)
                    if "spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
         assert len(workers) >= 2
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the runner only, not its process group
         proc.wait()
     deadline = time.time() + 30
-    while time.time() < deadline and any(_alive(p) for p in workers):
+    while time.time() < deadline and any(alive(p) for p in workers):
         time.sleep(0.2)
-    assert not any(_alive(p) for p in workers)
+    assert not any(alive(p) for p in workers)

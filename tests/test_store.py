@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from conftest import alive, bench, child_pids, quadratic_suite
 
 from gacbench.bench import cell as cell_mod
 from gacbench.bench.cell import (
@@ -37,21 +37,12 @@ CELL = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 6
         "seed": 0}
 
 
+
+
+
+
 def tiny_suite(tmp_path: Path, name: str = "tiny.yaml", **over) -> Path:
-    suite = {
-        "name": "tiny", "steps": 30, "warmup": 5,
-        "tasks": {"quadratic": {"objective": "quadratic",
-                                "params": {"optimizer": "sgd", "lr": 0.1, "sigma2": 10.0, "kappa": 10.0}}},
-        "methods": ["sync", "stale"], "staleness": [0, 4], "seeds": [0],
-    }
-    suite.update(over)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(suite))
-    return path
-
-
-def bench(suite: Path, out: Path, *extra: str) -> int:
-    return main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", *extra])
+    return quadratic_suite(tmp_path, name, **{"methods": ["sync", "stale"], **over})
 
 
 def squash(text: str) -> str:
@@ -68,24 +59,8 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "400", **extra}
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def dead_pid() -> int:
@@ -259,7 +234,7 @@ def test_a_signal_stops_the_grid_promptly_writes_the_summary_and_the_rerun_resum
     while time.time() < deadline and len(list(out.glob("cells/**/config.json"))) <= \
             len(list(out.glob("cells/**/status.json"))):
         time.sleep(0.05)  # a cell in flight
-    workers_before = _children(proc.pid)
+    workers_before = child_pids(proc.pid)
     t0 = time.time()
     proc.send_signal(signum)
     stdout, _ = proc.communicate(timeout=60)
@@ -274,7 +249,7 @@ def test_a_signal_stops_the_grid_promptly_writes_the_summary_and_the_rerun_resum
     assert f"resume with: gacbench bench --suite {suite} --out {out}" in said and "Traceback" not in stdout
     assert len(json.loads((out / "summary.json").read_text())["cells"]) >= done
     time.sleep(0.5)
-    assert not [p for p in workers_before if _alive(p)]
+    assert not [p for p in workers_before if alive(p)]
     kept = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
     assert rerun.returncode == 0, rerun.stderr[-3000:]
