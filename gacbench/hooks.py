@@ -32,7 +32,7 @@ from gacbench.functional.alignment import (
     full_vector_scalars,
 )
 from gacbench.functional.buffer import LazyFlatBuffer
-from gacbench.functional.collective import agree_scalars
+from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import GACTransform, check_choice, local, parse_dtype
 from gacbench.functional.stats import alignment_summary
 from gacbench.usage import UsageError
@@ -83,6 +83,8 @@ class _Reducer:
         initialized = _initialized()
         self.active = initialized and dist.get_world_size() > 1 and distributed is not False
         self.sharded = sharded
+        if self.active:
+            release_process_group_at_exit()
 
     def __call__(self, scalars: Tensor) -> Tensor:
         return agree_scalars(scalars, self.sharded) if self.active else scalars

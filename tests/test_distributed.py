@@ -79,3 +79,27 @@ def test_sharded_scalars_match_the_full_vector():
     assert out.decision.changed
     torch.testing.assert_close(torch.tensor(results[0][2] + results[1][2]), q.grad)
     assert cosine_from_scalars(alignment_scalars([cur], [prev])) == pytest.approx(out.decision.cos, rel=1e-6)
+
+
+_RELEASE_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+from gacbench.functional.collective import release_process_group_at_exit
+
+atexit.register(lambda: print("initialized at exit:", dist.is_available() and dist.is_initialized(), flush=True))
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+release_process_group_at_exit()
+release_process_group_at_exit()  # registered once
+if sys.argv[2] == "destroyed-by-user":
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("case", ["left-open", "destroyed-by-user"])
+def test_the_process_group_is_destroyed_at_exit_while_the_interpreter_is_whole(tmp_path, case):
+    """A gloo group left open at exit can abort a finished DDP run (SIGABRT in finalization); the atexit
+    handler destroys it first, and is a no-op when the user already did."""
+    proc = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT, str(tmp_path / "store"), case], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "initialized at exit: False"

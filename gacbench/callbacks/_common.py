@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import (
 )
 from torch import Tensor
 
-from gacbench.functional.collective import agree_scalars
+from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import local  # noqa: F401  (re-exported for the callbacks)
 from gacbench.functional.stats import alignment_summary
 
@@ -64,6 +64,8 @@ def check_strategy(trainer: "pl.Trainer", who: str, allow_sharded: bool) -> None
     if not isinstance(strategy, allowed):
         names = ", ".join(cls.__name__ for cls in allowed)
         raise RuntimeError(f"{who} supports the strategies {names}; got {type(strategy).__name__}.")
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        release_process_group_at_exit()
 
 
 def check_automatic_optimization(pl_module: "pl.LightningModule", who: str) -> None:

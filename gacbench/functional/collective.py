@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+
 import torch.distributed as dist
 from torch import Tensor
+
+_RELEASE_REGISTERED = False
 
 
 def agree_scalars(scalars: Tensor, sharded: bool) -> Tensor:
@@ -20,3 +24,24 @@ def agree_scalars(scalars: Tensor, sharded: bool) -> Tensor:
     else:
         dist.broadcast(scalars, src=0)
     return scalars
+
+
+def release_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if it is still there then.
+
+    A gloo process group left to the interpreter's finalization can abort the process (SIGABRT, "terminate
+    called without an active exception") after a run has finished and stored everything: its C++ worker
+    threads still hold work objects whose tensors need the GIL, which is being torn down. An ``atexit``
+    handler runs while the interpreter is whole. It is registered once per process, and does nothing when the
+    group was already destroyed (by the user or by Lightning). The gacbench callbacks and hooks call this when
+    they find a multi-process group, so a DDP script that uses them exits with its own status.
+    """
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        atexit.register(_release)
+        _RELEASE_REGISTERED = True
+
+
+def _release() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import torch
 
 from gacbench.callbacks._common import log_metrics
+from gacbench.functional.collective import release_process_group_at_exit
 from gacbench.llm.data_parallel import data_parallel_loss, rank_share
 from gacbench.llm.model import load
 from gacbench.llm.tasks import TaskConfig, build_task, reward_fn
@@ -293,6 +294,8 @@ class GRPOModule(Objective):
 
     def setup(self, stage: str) -> None:
         self.loss_stabilizer = resolve_loss_stabilizer(self.trainer, self)
+        if self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            release_process_group_at_exit()
 
     # -- the engine --------------------------------------------------------------------------------
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones
