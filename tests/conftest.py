@@ -60,6 +60,46 @@ def make_trainer(callbacks=(), max_steps=20, logger=None, **kwargs) -> pl.Traine
     return pl.Trainer(**defaults)
 
 
+def gac_oracle(reference, raw, theta, c_low, c_high, decay, masks=None):
+    """docs/callbacks.md's rule and references on the full vectors, in float64, written out by hand: (c_t, g~_t)
+    per step.
+
+    References: "grad" r = g_{t-1}; "applied" r = g~_{t-1}; "update" r = theta_{t-1} - theta_t;
+    "ema" r = decay r + (1 - decay) g_{t-1} (starting from g_0). No reference at t = 0: the gradient is kept.
+    ``masks`` (one bool vector per step) marks the parameters with a gradient: a missing gradient is zero in
+    ``raw``, and the applied gradient is g - alpha r where there is one and zero (still no gradient) elsewhere."""
+    r, cos, applied = None, [], []
+    for t, g in enumerate(raw):
+        if reference == "update" and t > 0:
+            r = theta[t - 1] - theta[t]
+        c = float("nan") if r is None else float(g @ r / (g.norm() * r.norm()))
+        k = 0.0 if r is None or c <= c_low else (1.0 - c_low / c if c < c_high else 1.0)
+        g_tilde = g
+        if k:
+            g_tilde = g - k * (g @ r) / (r @ r) * r
+            if masks is not None:
+                g_tilde = torch.where(masks[t], g_tilde, 0.0)
+        cos.append(c)
+        applied.append(g_tilde)
+        if reference == "grad":
+            r = g
+        elif reference == "applied":
+            r = g_tilde
+        elif reference == "ema":
+            r = g if r is None else decay * r + (1 - decay) * g
+    return cos, applied
+
+
+def report_cell(task, method, s, seed, final, reward=None, hib=True):
+    """A done cell's record as the report reads it: ``final`` metric, and a GRPO reward trace when ``reward``."""
+    rec = {"task": task, "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+           "metric": "reward", "higher_is_better": hib, "initial": 0.0, "final": final, "diverged": False,
+           "cos_median": 0.0, "cos_abs_q90": 0.1, "cos_abs_le_005": 0.5, "cos_max_abs": 0.2}
+    if reward is not None:
+        rec.update({"reward_first": 0.0, "reward_last": reward, "reward_drop": 0.0, "degraded": False})
+    return rec
+
+
 def flat_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 

@@ -7,7 +7,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import UserRegressor, flat_params, make_trainer
+from conftest import UserRegressor, flat_params, gac_oracle, make_trainer
 
 from gacbench import GAC, AlignmentMonitor, StalenessSimulator
 from gacbench.functional import gac_project
@@ -107,32 +107,6 @@ class ThetaTap(pl.Callback):
         self.grads.append(_flat([p.grad for p in ps]))
 
 
-def oracle(reference, raw, theta, c_low, c_high, decay):
-    """docs/callbacks.md's rule and references, in float64, written out by hand: (c_t, g~_t) per step.
-
-    References: "grad" r = g_{t-1}; "applied" r = g~_{t-1}; "update" r = theta_{t-1} - theta_t;
-    "ema" r = decay r + (1 - decay) g_{t-1} (starting from g_0). No reference at t = 0: the gradient is kept."""
-    r, cos, applied = None, [], []
-    for t, g in enumerate(raw):
-        if reference == "update" and t > 0:
-            r = theta[t - 1] - theta[t]
-        if r is None:
-            c, k = float("nan"), 0.0
-        else:
-            c = float(g @ r / (g.norm() * r.norm()))
-            k = 0.0 if c <= c_low else (1.0 - c_low / c if c < c_high else 1.0)
-        g_tilde = g - k * (g @ r) / (r @ r) * r if k else g
-        cos.append(c)
-        applied.append(g_tilde)
-        if reference == "grad":
-            r = g
-        elif reference == "applied":
-            r = g_tilde
-        elif reference == "ema":
-            r = g if r is None else decay * r + (1 - decay) * g
-    return cos, applied
-
-
 @pytest.mark.parametrize("reference", ["grad", "applied", "update", "ema"])
 def test_each_reference_matches_the_hand_written_oracle(reference):
     """Over 16 stale steps of AdamW, the logged cosine and the gradient handed to the optimizer equal the
@@ -144,7 +118,7 @@ def test_each_reference_matches_the_hand_written_oracle(reference):
     trainer = make_trainer([StalenessSimulator(3), before, gac, after], max_steps=16)
     trainer.fit(UserRegressor(optimizer="adamw"))
     raw = [_flat(g) for g in before.grads]
-    cos, applied = oracle(reference, raw, after.theta, c_low, c_high, decay)
+    cos, applied = gac_oracle(reference, raw, after.theta, c_low, c_high, decay)
     key = "align/cos" if reference == "grad" else "align/ref_cos"
     assert trainer.logger.values(key) == pytest.approx(cos[1:], abs=1e-5)
     for t, (got, want) in enumerate(zip(after.grads, applied)):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import UserRegressor, flat_params, make_trainer  # noqa: E402
+from conftest import UserRegressor, flat_params, gac_oracle, make_trainer  # noqa: E402
 from test_gac_callback import StepAudit  # noqa: E402
 
 from gacbench import GAC, AlignmentMonitor, StalenessSimulator  # noqa: E402
@@ -215,27 +215,6 @@ class MaskedTap(pl.Callback):
         self.theta.append(torch.cat([p.detach().double().reshape(-1) for p in ps]))
 
 
-def branch_oracle(reference, raw, masks, theta, c_low, c_high, decay):
-    """The rule on the full vectors, by hand, in float64: (c_t, g~_t) per step. A missing gradient is zero; the
-    applied gradient is g - alpha r on the parameters with a gradient and zero (no gradient) elsewhere."""
-    r, cos, applied = None, [], []
-    for t, (g, live) in enumerate(zip(raw, masks)):
-        if reference == "update" and t > 0:
-            r = theta[t - 1] - theta[t]
-        c = float("nan") if r is None else float(g @ r / (g.norm() * r.norm()))
-        k = 0.0 if r is None or c <= c_low else (1.0 - c_low / c if c < c_high else 1.0)
-        g_tilde = torch.where(live, g - k * (g @ r) / (r @ r) * r, 0.0) if k else g
-        cos.append(c)
-        applied.append(g_tilde)
-        if reference == "grad":
-            r = g
-        elif reference == "applied":
-            r = g_tilde
-        elif reference == "ema":
-            r = g if r is None else decay * r + (1 - decay) * g
-    return cos, applied
-
-
 @pytest.mark.parametrize("reference,kernels", [("grad", "eager"), ("applied", "eager"), ("update", "eager"),
                                                ("ema", "eager"), ("grad", "compiled"), ("grad", "fused-adamw")])
 def test_a_parameter_without_a_gradient_counts_as_zero_in_the_full_vector(reference, kernels):
@@ -249,7 +228,7 @@ def test_a_parameter_without_a_gradient_counts_as_zero_in_the_full_vector(refere
     trainer.fit(BranchRegressor(lr=0.05))
     masks = before.masks
     assert not all(bool(m.all()) for m in masks) and any(bool(m.all()) for m in masks)
-    cos, applied = branch_oracle(reference, before.grads, masks, after.theta, c_low, c_high, decay)
+    cos, applied = gac_oracle(reference, before.grads, after.theta, c_low, c_high, decay, masks=masks)
     key = "align/cos" if reference == "grad" else "align/ref_cos"
     assert trainer.logger.values(key) == pytest.approx(cos[1:], abs=1e-5)
     for t, (got, want, live, seen) in enumerate(zip(after.grads, applied, masks, after.masks)):

@@ -57,13 +57,10 @@ def test_auto_kernels_choose_from_the_parameters_and_the_runs_steps():
         hook.remove()
 
 
-@pytest.mark.parametrize("opt,reference", [("adamw", "grad"), ("sgd", "grad"), ("adamw", "update"),
-                                           ("adamw", "ema")])
-def test_plain_loop_with_attach_gac_equals_the_lightning_callback(opt, reference):
-    steps = 60
-    model = regressor(opt)
+def _hooked_loop(model, steps, **settings):
+    """A plain training loop over ``model``'s batches with ``attach_gac``: (model, hook, actions, metrics per step)."""
     optimizer = model.configure_optimizers()
-    hook = attach_gac(optimizer, reference=reference, **SETTINGS)
+    hook = attach_gac(optimizer, **SETTINGS, **settings)
     actions, logged = [], []
     batches = list(model.train_dataloader())
     for t in range(steps):
@@ -72,6 +69,14 @@ def test_plain_loop_with_attach_gac_equals_the_lightning_callback(opt, reference
         optimizer.step()
         actions.append(hook.action)
         logged.append(hook.metrics)
+    return model, hook, actions, logged
+
+
+@pytest.mark.parametrize("opt,reference", [("adamw", "grad"), ("sgd", "grad"), ("adamw", "update"),
+                                           ("adamw", "ema")])
+def test_plain_loop_with_attach_gac_equals_the_lightning_callback(opt, reference):
+    steps = 60
+    model, hook, actions, logged = _hooked_loop(regressor(opt), steps, reference=reference)
 
     lit = regressor(opt)
     gac = GAC(reference=reference, **SETTINGS)
@@ -407,17 +412,8 @@ def test_two_ranks_agree_and_match_one_process(wrap, collective):
     assert a0 == a1 and c0 == c1 and p0 == p1  # every rank took the same decision from the same scalars
     assert n0 == n1 == [collective] * steps  # one collective per optimizer step
 
-    model = regressor()
-    optimizer = model.configure_optimizers()
-    hook = attach_gac(optimizer, **SETTINGS)
-    actions, cos = [], []
-    batches = list(model.train_dataloader())
-    for t in range(steps):
-        optimizer.zero_grad()
-        model.loss_fn(batches[t % len(batches)]).backward()
-        optimizer.step()
-        actions.append(hook.action)
-        cos.append(hook.metrics.get("align/cos"))
+    model, _, actions, logged = _hooked_loop(regressor(), steps)
+    cos = [m.get("align/cos") for m in logged]
     assert a0 == actions and {"keep", "project"} <= set(actions)
     assert c0[1:] == pytest.approx(cos[1:], abs=1e-5)
     torch.testing.assert_close(torch.tensor(p0), flat_params(model), rtol=1e-4, atol=1e-5)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import report_cell
 from scipy import stats
 
 from gacbench.bench.cell import cell_dir
@@ -76,20 +77,11 @@ def test_paired_difference_against_a_direct_computation():
     assert one["diff"] == 1.0 and math.isnan(one["ci_low"]) and math.isnan(one["p"])
 
 
-def _cell(task, method, s, seed, final, reward=None, hib=True):
-    rec = {"task": task, "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
-           "metric": "reward", "higher_is_better": hib, "initial": 0.0, "final": final, "diverged": False,
-           "cos_median": 0.0, "cos_abs_q90": 0.1, "cos_abs_le_005": 0.5, "cos_max_abs": 0.2}
-    if reward is not None:
-        rec.update({"reward_first": 0.0, "reward_last": reward, "reward_drop": 0.0, "degraded": False})
-    return rec
-
-
 def test_n_counts_distinct_shared_seeds_and_missing_groups_give_null():
-    cells = ([_cell("t", "sync", 0, k, 1.0 + 0.1 * k) for k in (0, 1, 2)]
-             + [_cell("t", "stale", 8, k, 0.5 - 0.1 * k) for k in (0, 1, 2)]
-             + [_cell("t", "gac", 8, k, 0.8) for k in (0, 1)]  # two seeds only
-             + [_cell("t", "gac", 16, k, 0.8) for k in (0, 1)])  # no stale cells at s = 16
+    cells = ([report_cell("t", "sync", 0, k, 1.0 + 0.1 * k) for k in (0, 1, 2)]
+             + [report_cell("t", "stale", 8, k, 0.5 - 0.1 * k) for k in (0, 1, 2)]
+             + [report_cell("t", "gac", 8, k, 0.8) for k in (0, 1)]  # two seeds only
+             + [report_cell("t", "gac", 16, k, 0.8) for k in (0, 1)])  # no stale cells at s = 16
     rows = {r["staleness"]: r for r in recovered_shares(group_records(cells), cells=cells)}
     r8 = rows[8]
     assert r8["n"] == 2 and r8["vs_stale_n"] == 2
@@ -105,10 +97,11 @@ def test_n_counts_distinct_shared_seeds_and_missing_groups_give_null():
 def test_share_table_across_s_by_hand():
     # sync 1.0; stale 0.4 at s = 8 and 0.2 at s = 16 on every seed; gac at s = 8 only
     stale = {8: 0.4, 16: 0.2}
-    cells = ([_cell("t", "sync", 0, k, 1.0) for k in (0, 1, 2)]
-             + [_cell("t", "stale", s, k, stale[s]) for s in (8, 16) for k in (0, 1, 2)]
-             + [_cell("t", "gac", 8, k, 0.7 + 0.03 * k) for k in (0, 1, 2)]
-             + [_cell("t", "m2po", s, k, stale[s] + (0.02 if k == 1 else -0.01)) for s in (8, 16) for k in (0, 1, 2)])
+    cells = ([report_cell("t", "sync", 0, k, 1.0) for k in (0, 1, 2)]
+             + [report_cell("t", "stale", s, k, stale[s]) for s in (8, 16) for k in (0, 1, 2)]
+             + [report_cell("t", "gac", 8, k, 0.7 + 0.03 * k) for k in (0, 1, 2)]
+             + [report_cell("t", "m2po", s, k, stale[s] + (0.02 if k == 1 else -0.01))
+                for s in (8, 16) for k in (0, 1, 2)])
     groups = group_records(cells)
     md = markdown(cells, groups, recovered_shares(groups, cells=cells), Path("x"))
     table = md[md.index("### t: recovered share across s, final metric"):].split("\n\n")[1].splitlines()
@@ -123,18 +116,18 @@ def test_share_table_across_s_by_hand():
 
 
 def test_lower_is_better_difference_is_signed_so_positive_means_better():
-    cells = ([_cell("q", "sync", 0, k, 1.0, hib=False) for k in (0, 1)]
-             + [_cell("q", "stale", 4, k, 5.0 + k, hib=False) for k in (0, 1)]
-             + [_cell("q", "gac", 4, k, 2.0 + k, hib=False) for k in (0, 1)])
+    cells = ([report_cell("q", "sync", 0, k, 1.0, hib=False) for k in (0, 1)]
+             + [report_cell("q", "stale", 4, k, 5.0 + k, hib=False) for k in (0, 1)]
+             + [report_cell("q", "gac", 4, k, 2.0 + k, hib=False) for k in (0, 1)])
     (row,) = recovered_shares(group_records(cells), cells=cells)
     assert row["vs_stale_diff"] == pytest.approx(3.0) and row["share"] == pytest.approx((5.5 - 2.5) / (5.5 - 1.0))
 
 
 def test_ablation_shares_against_a_hand_computation():
-    cells = ([_cell("t", "sync", 0, k, 1.0, reward=0.3 + 0.01 * k) for k in (0, 1, 2)]
-             + [_cell("t", "stale", 16, k, 0.5, reward=0.1 + 0.01 * k) for k in (0, 1, 2)]
-             + [_cell("t", "gac", 16, k, 0.5, reward=0.12 + 0.01 * k) for k in (0, 1, 2)])
-    abl = [dict(_cell("t", "gac(c_low=0.05,c_high=0.3)", 16, k, 0.5, reward=0.15 + 0.01 * k), ablation=True)
+    cells = ([report_cell("t", "sync", 0, k, 1.0, reward=0.3 + 0.01 * k) for k in (0, 1, 2)]
+             + [report_cell("t", "stale", 16, k, 0.5, reward=0.1 + 0.01 * k) for k in (0, 1, 2)]
+             + [report_cell("t", "gac", 16, k, 0.5, reward=0.12 + 0.01 * k) for k in (0, 1, 2)])
+    abl = [dict(report_cell("t", "gac(c_low=0.05,c_high=0.3)", 16, k, 0.5, reward=0.15 + 0.01 * k), ablation=True)
            for k in (0, 1, 2)]
     groups = group_records(cells + abl)
     (row,) = recovered_shares(groups, "reward_last", cells=cells + abl, ablation=True)
@@ -183,8 +176,8 @@ def test_regime_points_by_hand():
     cells = []
     for spec in specs:
         t = spec["task"]
-        cells += [_cell(t, "sync", 0, k, 0.5, reward=0.4 + 0.01 * k) for k in (0, 1)]
-        cells += [_cell(t, "stale", 8, k, 0.4, reward=0.3 + 0.02 * k) for k in (0, 1)]
+        cells += [report_cell(t, "sync", 0, k, 0.5, reward=0.4 + 0.01 * k) for k in (0, 1)]
+        cells += [report_cell(t, "stale", 8, k, 0.4, reward=0.3 + 0.02 * k) for k in (0, 1)]
     cells[-1]["degraded"] = True
     points = {(p["model"], p["lr"], p["staleness"]): p for p in regime_points(cells, specs)}
     assert len(points) == 4

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import report_cell
 from scipy import stats
 
 from gacbench.bench import figures as figs
@@ -15,15 +16,6 @@ from gacbench.bench.figures import Canvas, law_figure, method_panels
 from gacbench.bench.regime import law_points
 from gacbench.bench.report import build_report, group_records, holm_adjust, markdown, recovered_shares
 from gacbench.jsonio import write_json
-
-
-def _cell(task, method, s, seed, final, reward=None):
-    rec = {"task": task, "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
-           "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
-           "cos_median": 0.0, "cos_abs_q90": 0.1, "cos_abs_le_005": 0.5, "cos_max_abs": 0.2}
-    if reward is not None:
-        rec.update({"reward_first": 0.0, "reward_last": reward, "reward_drop": 0.0, "degraded": False})
-    return rec
 
 
 def test_holm_adjusted_p_values_by_hand():
@@ -41,9 +33,9 @@ STALE, SYNC = [0.0, 0.1, 0.05], [1.0, 1.05, 0.95]
 
 
 def _family_cells(methods=tuple(DIFFS)):
-    return ([_cell("t", "sync", 0, k, SYNC[k]) for k in range(3)]
-            + [_cell("t", "stale", 8, k, STALE[k]) for k in range(3)]
-            + [_cell("t", m, 8, k, STALE[k] + DIFFS[m][k]) for m in methods for k in range(3)])
+    return ([report_cell("t", "sync", 0, k, SYNC[k]) for k in range(3)]
+            + [report_cell("t", "stale", 8, k, STALE[k]) for k in range(3)]
+            + [report_cell("t", m, 8, k, STALE[k] + DIFFS[m][k]) for m in methods for k in range(3)])
 
 
 def test_the_table_marks_only_the_entries_significant_after_adjustment():
@@ -225,7 +217,7 @@ def test_law_points_by_hand():
 def test_law_section_and_figure(tmp_path, monkeypatch):
     grid = [(0.1, 2), (0.1, 4), (0.3, 2), (0.3, 4)]
     points = [_point("small", lr, s, g, healthy=lr < 0.2) for (lr, s), g in zip(grid, (-0.02, -0.03, 0.01, -0.01))]
-    cells = [_cell("t", "sync", 0, 0, 1.0), _cell("t", "stale", 2, 0, 0.5)]
+    cells = [report_cell("t", "sync", 0, 0, 1.0), report_cell("t", "stale", 2, 0, 0.5)]
     groups = group_records(cells)
     md = markdown(cells, groups, recovered_shares(groups, cells=cells), Path("x"), regime=points)
     section = md[md.index("### Staleness × learning rate"):]
