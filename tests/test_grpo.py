@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from gacbench import GAC  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
 from gacbench.rollout.engines import sequence_logprobs  # noqa: E402
+from gacbench.rollout.queue import StaleRolloutQueue  # noqa: E402
 from gacbench.stabilizers import M2PO  # noqa: E402
 
 TASK = TINY_TASK
@@ -96,9 +97,32 @@ def test_resume_in_the_middle_of_a_stale_run_is_exact(model_dir, tmp_path):
     assert trainer.logger.values("stale/lag") == [2, 2, 2, 2]
     for a, b in zip(full.policy.parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b)
-    assert resumed.queue.versions == full.queue.versions == [6, 7]  # same queue
-    for (_, a), (_, b) in zip(full.queue.state_dict()["items"], resumed.queue.state_dict()["items"]):
-        assert torch.equal(a["packed"]["ids"], b["packed"]["ids"]) and torch.equal(a["logp_behav"], b["logp_behav"])
+    # the checkpointing run makes the batches a longer resume would need; the resumed one (no checkpoints) does not
+    assert full.queue.versions == [6, 7] and full.rollouts_made == 10
+    assert resumed.queue.versions == [] and resumed.rollouts_made == 8
+
+
+def test_no_rollout_is_made_past_the_last_step_and_the_run_is_the_same(model_dir, monkeypatch):
+    """The queue told the run's last step skips the s rollouts no step would consume; every logged value and
+    the final weights equal those of the run that makes them."""
+    def fit(cut):
+        m = module(model_dir, staleness=3)
+        trainer = make_trainer([], max_steps=6)
+        if not cut:
+            step = StaleRolloutQueue.step
+            monkeypatch.setattr(StaleRolloutQueue, "step", lambda q, t, produce, last_step=None: step(q, t, produce))
+        trainer.fit(m)
+        monkeypatch.undo()
+        return m, trainer.logger
+
+    (cut, cut_log), (full, full_log) = fit(True), fit(False)
+    assert (cut.rollouts_made, full.rollouts_made) == (6, 9)
+    keys = [k for k in full_log.series if not k.startswith("time/")]
+    assert "reward/mean" in keys and "is/ratio_mean" in keys and set(keys) <= set(cut_log.series)
+    for k in keys:  # equal bit for bit (repr: a NaN equals a NaN)
+        assert [repr(v) for v in cut_log.values(k)] == [repr(v) for v in full_log.values(k)], k
+    for a, b in zip(cut.policy.parameters(), full.policy.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_bad_settings_are_refused(model_dir, tmp_path):
@@ -128,6 +152,13 @@ def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tm
     summary = build_report(tmp_path, cells)["summary"]
     assert {c["engine"] for c in summary["cells"]} == {"hf"}
     assert all(c["metric"] == "acc" and 0.0 <= c["final"] <= 1.0 for c in summary["cells"])
+    import csv
+
+    from gacbench.bench.cell import cell_dir
+
+    rows = list(csv.DictReader((cell_dir(tmp_path, cells[1]) / "metrics.csv").open()))
+    generate = [float(r["time/generate_s"]) for r in rows if r.get("time/generate_s")]
+    assert len(generate) == 4 and min(generate[:2]) > 0 and generate[2:] == [0.0, 0.0]  # no batch past the end
 
 
 def test_grpo_loss_with_kl_equals_a_hand_computation(model_dir):
@@ -201,7 +232,8 @@ def test_step_times_split_generation_from_training(model_dir):
     trainer = make_trainer([], max_steps=3)
     trainer.fit(m)
     gen = trainer.logger.values("time/generate_s")
-    assert len(gen) == 3 and min(gen) > 0.0 and m.rollouts_made == 4  # step 0 also fills the pipeline
+    assert len(gen) == 3 and min(gen[:2]) > 0.0 and m.rollouts_made == 3  # step 0 fills the pipeline
+    assert gen[2] == 0.0  # step 2 is the last: the batch it would make (for step 3) is not made
     stats = m.run_stats
     assert 0.0 < stats["generate_share"] < 1.0 and stats["generated_tokens"] > 0
 

@@ -32,6 +32,51 @@ def test_queue_lags_are_min_t_s_and_versions_stay_in_the_bound():
     assert q.versions == [5, 6, 7]
 
 
+def _consumed(s, steps, last_step, resume_at=None):
+    """Run a queue of staleness s for ``steps`` steps with a counting producer (optionally through a state_dict
+    round trip at ``resume_at``): (the batches consumed with their lags, the number of batches produced)."""
+    q, made, out = StaleRolloutQueue(s), [0], []
+
+    def produce(k):
+        made[0] += 1
+        return made[0]  # the producer's n-th batch: what a seeded engine's k-th rollout is
+
+    for t in range(steps):
+        if t == resume_at:
+            fresh = StaleRolloutQueue(s)
+            fresh.load_state_dict(q.state_dict())
+            q = fresh
+        out.append(q.step(t, produce, last_step=last_step))
+    return out, made[0]
+
+
+@pytest.mark.parametrize("s,steps", [(0, 5), (1, 2), (3, 8), (5, 6), (16, 40), (32, 100)])
+def test_a_queue_given_the_last_step_produces_no_batch_past_it_and_consumes_the_same_ones(s, steps):
+    full, made_full = _consumed(s, steps, None)
+    cut, made_cut = _consumed(s, steps, steps - 1)
+    assert cut == full  # the same batches (the producer's same call numbers), with the same lags
+    assert made_full == steps + s and made_cut == steps
+    assert [lag for _, lag in cut] == [min(t, s) for t in range(steps)]
+    for at in range(1, steps):  # a resume anywhere, the cut included, consumes the same batches
+        assert _consumed(s, steps, steps - 1, resume_at=at) == (full, steps)
+
+
+def test_a_queue_cut_for_a_run_refuses_to_serve_steps_past_it():
+    q = StaleRolloutQueue(3)
+    for t in range(6):
+        q.step(t, lambda k: t, last_step=5)
+    assert len(q) == 0
+    with pytest.raises(RuntimeError, match="stopped producing at step 3 .* original number of steps"):
+        q.step(6, lambda k: 6, last_step=9)  # a resume asked for more steps than the queue was cut for
+    q = StaleRolloutQueue(3)
+    for t in range(4):
+        q.step(t, lambda k: t, last_step=5)
+    r = StaleRolloutQueue(3)
+    r.load_state_dict(q.state_dict())
+    with pytest.raises(RuntimeError, match="holds 2 batches at step 4, fewer than the 3"):
+        r.step(4, lambda k: 4, last_step=9)
+
+
 def test_queue_refuses_versions_outside_the_bound_and_going_backwards():
     q = StaleRolloutQueue(2)
     q.push("old", version=0)

@@ -374,7 +374,7 @@ class GRPOModule(Objective):
         if self.rollout_source is not None:
             data, lag = self.rollout_source.next_batch(self.global_step)
         else:
-            data, lag = self.queue.step(self.global_step, lambda k: self.rollout())
+            data, lag = self.queue.step(self.global_step, lambda k: self.rollout(), last_step=self._last_step())
         loss, metrics = self.policy_loss(data)
         self._consumed = {k: v for k, v in self._consumed.items() if k == self.global_step - 1}
         self._consumed[self.global_step] = data
@@ -387,6 +387,14 @@ class GRPOModule(Objective):
             metrics.update(self.rollout_source.step_metrics())
         log_metrics(self.trainer, metrics)
         return loss
+
+    def _last_step(self) -> int | None:
+        """The run's last step when no later run can continue it (a fixed ``max_steps`` and no checkpoint
+        callback, as in a benchmark cell): the queue then makes no batch that no step would consume. A run that
+        saves checkpoints may be resumed with a larger ``max_steps``, which needs those batches: None."""
+        if self.trainer.max_steps > 0 and not self.trainer.checkpoint_callbacks:
+            return self.trainer.max_steps - 1
+        return None
 
     def policy_loss(self, data: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of one rollout batch at the current parameters: the run's loss-side stabilizer (else the

@@ -12,6 +12,10 @@ trainer, then pushes one batch of the current version per step and pops the olde
     queue = StaleRolloutQueue(staleness=s)
     batch, lag = queue.step(t, produce)   # produce(k): k = 1..s fill the pipeline, k = 0 is step t's own
 
+Given the run's last step (``queue.step(t, produce, last_step=N - 1)``, as GRPO does), the producer is not
+asked for the s batches that no step would consume: a run of N steps generates N batches instead of N + s,
+and consumes exactly the same ones.
+
 The queue's state (the waiting batches and their versions) goes into the checkpoint through
 ``state_dict()`` / ``load_state_dict()``, so a resumed run consumes exactly the batches the
 uninterrupted run would have.
@@ -31,6 +35,7 @@ class StaleRolloutQueue:
             raise ValueError(f"StaleRolloutQueue: staleness={staleness!r} must be an integer >= 0 (0 is synchronous)")
         self.staleness = staleness
         self._items: deque[tuple[int, Any]] = deque()
+        self._cut_at: int | None = None  # the first step that left its batch out (a run's last s steps)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -59,17 +64,39 @@ class StaleRolloutQueue:
         self._items.popleft()
         return batch, step - version
 
-    def step(self, step: int, produce: Callable[[int], Any]) -> tuple[Any, int]:
+    def step(self, step: int, produce: Callable[[int], Any], last_step: int | None = None) -> tuple[Any, int]:
         """One step of the simulated producer: fill an empty pipeline with ``produce(1..s)``, push
-        ``produce(0)``, all of version ``step``; pop the oldest batch. Returns (batch, lag)."""
+        ``produce(0)``, all of version ``step``; pop the oldest batch. Returns (batch, lag).
+
+        ``last_step``: the run's last step. A batch at position i of the queue is consumed at step ``step + i``,
+        so a batch that would wait past ``last_step`` is not produced: a run of N steps then generates N batches,
+        not N + s, and every batch it consumes is the one it would have consumed otherwise (the producer is
+        called for the same batches, in the same order, and only the s that no step reads are left out). A
+        queue cut that way cannot serve steps beyond the ``last_step`` it was cut for: a later step that finds
+        it shorter than s (a resume with more steps) is refused rather than served batches less stale than s."""
         if not self._items:
+            if step > 0 and self._cut_at is not None:
+                self._refuse_extension(step)
             for k in range(1, self.staleness + 1):
-                self.push(produce(k), step)
-        self.push(produce(0), step)
+                if last_step is None or step + k - 1 <= last_step:
+                    self.push(produce(k), step)
+        elif len(self._items) < self.staleness and self._cut_at is not None and (
+                last_step is None or step + len(self._items) <= last_step):
+            self._refuse_extension(step)
+        if last_step is None or step + len(self._items) <= last_step:
+            self.push(produce(0), step)
+        elif self._cut_at is None:
+            self._cut_at = step
         return self.pop(step)
 
+    def _refuse_extension(self, step: int) -> None:
+        raise RuntimeError(f"StaleRolloutQueue: the queue holds {len(self._items)} batches at step {step}, fewer than "
+                           f"the {self.staleness} that staleness {self.staleness} needs: it stopped producing at step "
+                           f"{self._cut_at} because the run it was made for ended earlier. Resume with the run's "
+                           "original number of steps (max_steps), or start a new run for more steps")
+
     def state_dict(self) -> dict[str, Any]:
-        return {"staleness": self.staleness, "items": list(self._items)}
+        return {"staleness": self.staleness, "items": list(self._items), "cut_at": self._cut_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["staleness"] != self.staleness:
@@ -79,3 +106,4 @@ class StaleRolloutQueue:
                              "the staleness the run was started with")
 
         self._items = deque((int(v), b) for v, b in state["items"])
+        self._cut_at = state.get("cut_at")
