@@ -6,11 +6,12 @@ under runs/async/study/seed{S}/{async,fixed,uniform}/ (record.json, metrics.csv)
 - ``uniform``: the simulator with s_t uniform on the async run's lag range after its first s_max steps
   (rollout.mode uniform, min_staleness..max_staleness = that range).
 
-Every run has the same model (the tiny warm-started Qwen3), task, prompts, seeds, learning rate and steps, and an
-AlignmentMonitor (c_t). A run already stored is not rerun. Then ``python paper/async/make.py`` builds the table
-and figure.
+Every run has the same model (the tiny warm-started Qwen3; ``--size``, ``--warm-steps`` or ``--model`` another),
+task (``--task``, default arithmetic), prompts, seeds, learning rate and steps, and an AlignmentMonitor (c_t).
+A run already stored is not rerun. Then ``python paper/async/make.py`` builds the table and figure.
 
-    python paper/async/run.py [--steps 100] [--seeds 0,1,2] [--max-staleness 4] [--engine vllm|hf]
+    python paper/async/run.py [--steps 100] [--seeds 0,1,2] [--max-staleness 4] [--engine vllm|hf] [--root DIR]
+        [--task scratchpad --size small --warm-steps 500 --max-tokens 48]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from gacbench.llm.async_bench import add_arguments, default_engine, run_settings, run_spec
+from gacbench.llm.async_bench import add_arguments, default_engine, default_model, run_settings, run_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=str(ROOT / "runs" / "async" / "study"))
     args = parser.parse_args(argv)
     args.engine = args.engine or default_engine()
-    from gacbench.llm.warmstart import warm_started_dir
-
-    warm_started_dir()
+    args.model = args.model or default_model(args)  # built once, before any run
     root = Path(args.root)
     for seed in [int(s) for s in args.seeds.split(",")]:
         args.seed = seed
