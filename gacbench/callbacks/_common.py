@@ -64,8 +64,7 @@ def check_strategy(trainer: "pl.Trainer", who: str, allow_sharded: bool) -> None
     if not isinstance(strategy, allowed):
         names = ", ".join(cls.__name__ for cls in allowed)
         raise RuntimeError(f"{who} supports the strategies {names}; got {type(strategy).__name__}.")
-    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-        release_process_group_at_exit()
+    release_process_group_at_exit()
 
 
 def check_automatic_optimization(pl_module: "pl.LightningModule", who: str) -> None:

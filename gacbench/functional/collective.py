@@ -32,12 +32,13 @@ def release_process_group_at_exit() -> None:
     A gloo process group left to the interpreter's finalization can abort the process (SIGABRT, "terminate
     called without an active exception") after a run has finished and stored everything: its C++ worker
     threads still hold work objects whose tensors need the GIL, which is being torn down. An ``atexit``
-    handler runs while the interpreter is whole. It is registered once per process, and does nothing when the
-    group was already destroyed (by the user or by Lightning). The gacbench callbacks and hooks call this when
-    they find a multi-process group, so a DDP script that uses them exits with its own status.
+    handler runs while the interpreter is whole. It is registered once per process, when a process group
+    exists (a call without one does nothing), and does nothing at exit when the group was already destroyed
+    (by the user or by Lightning). The gacbench callbacks, hooks and GRPO module call this when they set up,
+    so a DDP script that uses them exits with its own status.
     """
     global _RELEASE_REGISTERED
-    if not _RELEASE_REGISTERED:
+    if not _RELEASE_REGISTERED and dist.is_available() and dist.is_initialized():
         atexit.register(_release)
         _RELEASE_REGISTERED = True
 

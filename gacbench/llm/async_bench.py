@@ -72,13 +72,11 @@ def run_settings(mode: str, args) -> dict:
 def default_model(args) -> str:
     """The built-in model of ``--size`` warm-started for ``--warm-steps`` steps for ``--task`` (the arithmetic
     task, or the run's own task where it warm-starts on itself: the scratchpad task), built once and cached."""
-    from gacbench.llm.model import sized_config
-    from gacbench.llm.tasks import TaskConfig, build_task
-    from gacbench.llm.warmstart import warm_started_dir, warm_task
+    from gacbench.llm.tasks import TaskConfig
+    from gacbench.llm.warmstart import built_in_model_dir
 
-    cfg = TaskConfig(name=getattr(args, "task", "arithmetic"))
-    return str(warm_started_dir(sized_config(getattr(args, "size", "tiny")), task=warm_task(cfg, build_task(cfg, 0)),
-                                steps=getattr(args, "warm_steps", 400)))
+    return str(built_in_model_dir(getattr(args, "size", "tiny"), getattr(args, "warm_steps", 400),
+                                  TaskConfig(name=getattr(args, "task", "arithmetic"))))
 
 
 def ideal_speedup(sync_record: dict) -> dict:

@@ -209,12 +209,10 @@ class GRPOModule(Objective):
                 raise ValueError(f"GRPOModule: task {self.task_cfg.name!r} is text; the tiny model's tokenizer knows "
                                  "only digits and +-*=. Set model.path to a local checkpoint directory "
                                  "(e.g. Qwen3-1.7B).")
-            from gacbench.llm.model import sized_config
-            from gacbench.llm.warmstart import warm_started_dir, warm_task
+            from gacbench.llm.warmstart import built_in_model_dir
 
-            model_path = str(warm_started_dir(sized_config(self.model_cfg.size),
-                                              task=warm_task(self.task_cfg, self.task),
-                                              steps=self.model_cfg.warm_steps))
+            model_path = str(built_in_model_dir(self.model_cfg.size, self.model_cfg.warm_steps, self.task_cfg,
+                                                self.task))
         self.model_path = model_path
         self.policy, self.tok = load(model_path)
         self.policy.train()  # from_pretrained returns eval mode
@@ -294,8 +292,7 @@ class GRPOModule(Objective):
 
     def setup(self, stage: str) -> None:
         self.loss_stabilizer = resolve_loss_stabilizer(self.trainer, self)
-        if self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            release_process_group_at_exit()
+        release_process_group_at_exit()
 
     # -- the engine --------------------------------------------------------------------------------
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones

@@ -90,6 +90,15 @@ def warm_task(cfg: TaskConfig, task) -> ArithmeticTask:
     return ArithmeticTask(max_ops=cfg.max_ops, max_operand=cfg.max_operand)
 
 
+def built_in_model_dir(size: str, warm_steps: int, cfg: TaskConfig, task=None) -> Path:
+    """The built-in model of ``size`` warm-started for ``warm_steps`` steps for a run on the task of ``cfg``
+    (``task``: that task, built at seed 0 when not given): :func:`warm_task`'s task, cached."""
+    from gacbench.llm.model import sized_config
+
+    return warm_started_dir(sized_config(size), task=warm_task(cfg, task if task is not None else build_task(cfg, 0)),
+                            steps=warm_steps)
+
+
 def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int = 400, cache_dir=None,
                      seed: int = 0) -> Path:
 

@@ -74,15 +74,13 @@ class StaleRolloutQueue:
         called for the same batches, in the same order, and only the s that no step reads are left out). A
         queue cut that way cannot serve steps beyond the ``last_step`` it was cut for: a later step that finds
         it shorter than s (a resume with more steps) is refused rather than served batches less stale than s."""
+        if self._cut_at is not None and len(self._items) < self.staleness and (
+                last_step is None or step + len(self._items) <= last_step):
+            self._refuse_extension(step)  # a step the cut queue was not made for
         if not self._items:
-            if step > 0 and self._cut_at is not None:
-                self._refuse_extension(step)
             for k in range(1, self.staleness + 1):
                 if last_step is None or step + k - 1 <= last_step:
                     self.push(produce(k), step)
-        elif len(self._items) < self.staleness and self._cut_at is not None and (
-                last_step is None or step + len(self._items) <= last_step):
-            self._refuse_extension(step)
         if last_step is None or step + len(self._items) <= last_step:
             self.push(produce(0), step)
         elif self._cut_at is None:
