@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_async_bench_arguments(p)
 
+    p = sub.add_parser("step-profile", help="where one GRPO step's time goes at a model and task shape: weight sync, "
+                       "generation, behaviour log-probs, forward, backward, optimizer (medians of repeats)")
+    from gacbench.llm.step_profile import add_arguments as add_step_profile_arguments
+
+    add_step_profile_arguments(p)
+
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its "
                        "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
@@ -187,6 +193,10 @@ def _run(argv: list[str]) -> int:
         return run(args)
     if args.command == "async-bench":
         from gacbench.llm.async_bench import main as run
+
+        return run(args)
+    if args.command == "step-profile":
+        from gacbench.llm.step_profile import main as run
 
         return run(args)
     if args.command == "report":

