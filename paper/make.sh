@@ -4,7 +4,7 @@
 # a run already stored there is reused, so a second call only rebuilds the summary, and a grid that
 # spans several sessions resumes cell by cell.
 #   bash paper/make.sh                 # every suite below, then the rollout benchmark
-#   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence llm-regime)
+#   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence bandit-baselines)
 #   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
 # Only single-version grids are published: a grid whose summary.json lists more than one code version
 # (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
@@ -22,7 +22,7 @@ GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-runs}
-ALL=(synthetic-smoke synthetic synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline)
+ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline)
 SUITES=()
 for arg in "$@"; do
     if [ "$arg" = --allow-mixed-versions ]; then ALLOW_MIXED=1; else SUITES+=("$arg"); fi
@@ -48,22 +48,23 @@ if len(versions) > 1 and not allow:
 PY
 }
 
+# bandit-baselines: every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells,
+# about 2 min), a part of the synthetic suite stored on its own
+bandit_baselines() {
+    "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out "$RUNS/bandit-baselines" \
+        --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
+}
+
 for suite in "${SUITES[@]}"; do
-    "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite"
+    if [ "$suite" = bandit-baselines ]; then bandit_baselines; else "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite"; fi
     single_version "$RUNS/$suite"
     mkdir -p "paper/$suite"
     cp "$RUNS/$suite/summary.md" "$RUNS/$suite/summary.json" "$RUNS/$suite"/fig_*.png "paper/$suite/"
 done
 if [ "$EVERYTHING" -eq 1 ]; then
-    # every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells, about 2 min)
-    "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out "$RUNS/bandit-baselines" \
-        --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
-    single_version "$RUNS/bandit-baselines"
-    mkdir -p paper/bandit-baselines
-    cp "$RUNS/bandit-baselines/summary.md" "$RUNS/bandit-baselines"/fig_*.png paper/bandit-baselines/
-    # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in runs/async/
+    # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in $RUNS/async/
     # (paper/async/run.py produces them, about 20 min), rebuilt into paper/async/summary.md and its figures
-    if [ -d runs/async ]; then "$PYTHON" paper/async/make.py; fi
+    if [ -d "$RUNS/async" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async"; fi
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
 fi
