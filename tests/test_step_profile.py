@@ -1,5 +1,5 @@
 """gacbench step-profile: every phase of a GRPO step timed, the totals and shares consistent, the row-chunked
-training log-probs equal to the whole-batch ones, strict JSON, and bad options refused in one line."""
+training log-probs equal to those of one pass, strict JSON, and bad options refused in one line."""
 
 import json
 
@@ -25,8 +25,10 @@ def test_step_profile_times_every_phase_and_the_row_chunks_compute_the_same_logp
     assert rec["sync_step_s"] == pytest.approx(rec["stale_step_s"] - rec["phases_s"]["behaviour"])
     assert sum(rec["share"].values()) == pytest.approx(1.0)
     # 12 sequences in chunks of 5 (5, 5, 2): the same log-probs as one pass over the batch
-    assert rec["rows"]["logprob_rows"] == 5
-    assert rec["rows"]["rows_logp_max_diff"] < 1e-5
+    assert rec["logprob_rows"] == 5
+    assert rec["one_pass"]["logp_max_diff"] < 1e-5
+    assert rec["one_pass"]["saved_s"] == pytest.approx(rec["one_pass"]["forward_s"] + rec["one_pass"]["backward_s"]
+                                                       - rec["phases_s"]["forward"] - rec["phases_s"]["backward"])
     assert rec["threads"] == 1 and rec["prompts"] == 3 and rec["group"] == 4 and rec["params"] > 0
     assert 0 < rec["tokens_per_response"] <= 6
     assert "step-profile: weight_sync" in capsys.readouterr().err

@@ -9,17 +9,17 @@ in the order the trainer runs them, on the batch each repeat generates:
 - ``pack``: the rest of ``GRPOModule.rollout``: decoding, rewards, packing, advantages;
 - ``behaviour``: the trainer's log-probs of the batch at generation time, without gradients, ``rollout.logprob_rows``
   sequences per pass (only stale steps need it: a synchronous step's behaviour log-probs are its forward's);
-- ``forward``: the loss at the current parameters (``GRPOModule.policy_loss``: the training forward over the
-  whole batch, the loss and its diagnostics);
+- ``forward``: the loss at the current parameters (``GRPOModule.policy_loss``: the training forward,
+  ``rollout.logprob_rows`` sequences per pass, the loss and its diagnostics);
 - ``backward``: ``loss.backward()``;
 - ``optimizer``: the module's own optimizer step (``configure_optimizers``: fused AdamW).
 
 ``stale_step_s`` is their sum, ``sync_step_s`` the same without ``behaviour``; each phase's ``share`` is of the
-stale step. Side by side, and on the same batch, the training forward and backward run again with the batch split
-into ``rollout.logprob_rows`` row chunks (``forward_rows``, ``backward_rows``), the way the behaviour pass runs:
-the same loss up to float summation order (``rows_logp_max_diff``), which the trainer does not use, so that what
-the split would save is a measured figure. Medians over the repeats; the evaluations and Lightning's own loop
-are not timed (``gacbench bench --verbose`` splits a whole cell's wall time).
+stale step. Side by side, and on the same batch, the training log-probs and their backward run again over the
+whole batch in one forward pass (``one_pass``: ``forward_s``, ``backward_s``, ``saved_s`` = what the row chunks
+save, ``logp_max_diff`` = the largest difference between the two log-probs). Medians over the repeats; the
+evaluations and Lightning's own loop are not timed (``gacbench bench --verbose`` splits a whole cell's wall
+time).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ def build_module(args):
 
 def time_phases(module, repeats: int) -> dict:
     """Each phase's seconds per repeat (lists), the generated tokens per repeat, and the largest difference between
-    the whole-batch and the row-chunked training log-probs."""
+    the row-chunked training log-probs and those of one pass over the whole batch."""
     import torch
 
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    seconds: dict[str, list[float]] = {k: [] for k in (*PHASES, "forward_rows", "backward_rows")}
+    seconds: dict[str, list[float]] = {k: [] for k in (*PHASES, "forward_one_pass", "backward_one_pass")}
     tokens, diffs = [], []
 
     def clock(key, fn, *a):
@@ -81,22 +81,17 @@ def time_phases(module, repeats: int) -> dict:
         clock("optimizer", optimizer.step)
         optimizer.zero_grad(set_to_none=True)
 
-        packed, rows = data["packed"], module.rollout_cfg.logprob_rows
-
-        def forward_rows():
-            return torch.cat([module.token_logprobs({k: v[i:i + rows] for k, v in packed.items()})
-                              for i in range(0, packed["ids"].shape[0], rows)])
-
-        logp = clock("forward_rows", forward_rows)
-        clock("backward_rows", logp.sum().backward)
+        packed = data["packed"]
+        logp = clock("forward_one_pass", module.token_logprobs, packed, None, packed["ids"].shape[0])
+        clock("backward_one_pass", logp.sum().backward)
         module.policy.zero_grad(set_to_none=True)
         with torch.no_grad():
             diffs.append(float((logp - module.token_logprobs(packed)).abs().max()))
-    return {"seconds": seconds, "tokens": tokens, "rows_logp_max_diff": max(diffs)}
+    return {"seconds": seconds, "tokens": tokens, "logp_max_diff": max(diffs)}
 
 
 def summarise(timed: dict, module, args) -> dict:
-    """The record: medians per phase, the two step totals, shares, and the row-chunked alternative."""
+    """The record: medians per phase, the two step totals, shares, and the one-pass alternative."""
     import torch
 
     med = {k: statistics.median(v) for k, v in timed["seconds"].items()}
@@ -106,10 +101,10 @@ def summarise(timed: dict, module, args) -> dict:
         "phases_s": {k: med[k] for k in PHASES},
         "share": {k: med[k] / stale for k in PHASES},
         "stale_step_s": stale, "sync_step_s": sync,
-        "rows": {"logprob_rows": module.rollout_cfg.logprob_rows, "forward_rows_s": med["forward_rows"],
-                 "backward_rows_s": med["backward_rows"],
-                 "saved_s": med["forward"] + med["backward"] - med["forward_rows"] - med["backward_rows"],
-                 "rows_logp_max_diff": timed["rows_logp_max_diff"]},
+        "logprob_rows": module.rollout_cfg.logprob_rows,
+        "one_pass": {"forward_s": med["forward_one_pass"], "backward_s": med["backward_one_pass"],
+                     "saved_s": med["forward_one_pass"] + med["backward_one_pass"] - med["forward"] - med["backward"],
+                     "logp_max_diff": timed["logp_max_diff"]},
         "all_s": timed["seconds"],
         "tokens_median": statistics.median(timed["tokens"]),
         "tokens_per_response": statistics.median(timed["tokens"]) / (args.prompts * args.group),
@@ -129,12 +124,13 @@ def main(args) -> int:
 
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats} must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads {args.threads} must be >= 1")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads} must be >= 1")
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
     resolve_engine_and_model(args)
     module = build_module(args)
+    torch.set_num_threads(threads)  # what the timed phases use, also where the engine's or trainer's set-up changed it
     record = summarise(time_phases(module, args.repeats), module, args)
     from gacbench.jsonio import write_json
 
@@ -157,8 +153,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=6,
                    help="new tokens per sample (default 6; 48 for --task scratchpad)")
     p.add_argument("--logprob-rows", type=int, default=None,
-                   help="rollout.logprob_rows: sequences per pass of the behaviour pass and of the row-chunked "
-                        "alternative (default: GRPO's, 64)")
+                   help="rollout.logprob_rows: sequences per forward pass of the trainer's log-probs (default: "
+                        "GRPO's, 64)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of every phase; medians reported (default 5)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is what each of 2 bench workers gets on 2 cores)")
