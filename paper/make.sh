@@ -67,4 +67,11 @@ if [ "$EVERYTHING" -eq 1 ]; then
     if [ -d "$RUNS/async" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async"; fi
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
+    # where a GRPO step's time goes, at the shapes of llm-headline, llm-length and llm-size (docs/llm.md; one
+    # thread, as a bench worker; run on an otherwise idle machine, about 3 min)
+    mkdir -p paper/profile
+    "$GACBENCH" step-profile --size small --task arithmetic --max-tokens 6 --threads 1 --json paper/profile/small-arithmetic.json
+    "$GACBENCH" step-profile --size small --warm-steps 500 --task scratchpad --max-tokens 48 --threads 1 \
+        --json paper/profile/small-scratchpad.json
+    "$GACBENCH" step-profile --size medium --task arithmetic --max-tokens 6 --threads 1 --json paper/profile/medium-arithmetic.json
 fi

@@ -71,28 +71,6 @@ def test_behaviour_log_probs_are_the_trainers_at_generation_time(model_dir):
         assert torch.allclose(data["engine_logp"][i, :n], ref, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_training_log_probs_in_row_chunks_equal_one_pass_and_so_do_their_gradients(model_dir, rows):
-    """The trainer's log-probs run logprob_rows sequences per forward pass: the same log-probs, and the same
-    gradient up to float summation order, as one pass over the batch (16 rows: one chunk)."""
-    m = module(model_dir, staleness=1)
-    m.rollout_cfg.logprob_rows = rows
-    make_trainer([], max_steps=1).fit(m)
-    packed = m.rollout()["packed"]
-
-    def grads(logp):
-        m.policy.zero_grad(set_to_none=True)
-        (logp * torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)).sum().backward()
-        return torch.cat([p.grad.flatten() for p in m.policy.parameters() if p.grad is not None])
-
-    chunked = m.token_logprobs(packed)
-    whole = m.token_logprobs(packed, rows=packed["ids"].shape[0])
-    assert torch.allclose(chunked, whole, atol=1e-6, rtol=0)
-    g_chunked, g_whole = grads(chunked), grads(whole)
-    assert torch.allclose(g_chunked, g_whole, atol=1e-6, rtol=1e-5)
-    assert torch.equal(m.frozen_logprobs(packed), chunked.detach())  # behaviour pass: the same chunks, bit for bit
-
-
 def test_synchronous_ratio_is_one_and_nothing_is_clipped(model_dir):
     trainer = make_trainer([], max_steps=4)
     trainer.fit(module(model_dir))

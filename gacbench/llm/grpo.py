@@ -84,8 +84,8 @@ class EngineConfig:
 @dataclass
 class RolloutConfig:
     """prompts per step, group (samples per prompt, >= 2), max_tokens per completion, advantage (a registered
-    estimator: grpo, grpo-population, dr-grpo, rloo), logprob_rows (sequences per forward pass of the trainer's
-    log-probs: the training forward, the behaviour and the reference passes)."""
+    estimator: grpo, grpo-population, dr-grpo, rloo), logprob_rows (sequences per forward pass of the behaviour
+    and reference log-probs)."""
 
     prompts: int = 8
     group: int = 8
@@ -541,20 +541,9 @@ class GRPOModule(Objective):
         return {k: v.to(self.device) for k, v in
                 {"ids": ids, "attention": attention, "mask": mask, "prompt_len": prompt_len}.items()}
 
-    def token_logprobs(self, packed: dict[str, torch.Tensor], model=None, rows: int | None = None) -> torch.Tensor:
-        """(B, T) log-probs of the completion tokens under ``model`` (default: the current policy; 0 where masked),
-        ``rows`` sequences per forward pass (default ``rollout.logprob_rows``). Only the B x T completion positions
-        are normalised (in fp32), not the whole (B, L, V) logits. Row chunks give the same log-probs as one pass
-        over the batch, and a chunk's activations stay in cache: on 2 CPU cores the training forward of 256
-        sequences takes 35-40% less time in chunks of 64 (``gacbench step-profile``, docs/llm.md)."""
-        rows = rows or self.rollout_cfg.logprob_rows
-        n = packed["ids"].shape[0]
-        if n <= rows:
-            return self._token_logprobs(packed, model)
-        return torch.cat([self._token_logprobs({k: v[i : i + rows] for k, v in packed.items()}, model)
-                          for i in range(0, n, rows)])
-
-    def _token_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+    def token_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+        """(B, T) log-probs of the completion tokens under ``model`` (default: the current policy; 0 where masked).
+        Only the B x T completion positions are normalised (in fp32), not the whole (B, L, V) logits."""
         ids, mask = packed["ids"], packed["mask"]
         logits = (model or self.policy)(input_ids=ids, attention_mask=packed["attention"]).logits  # (B, L, V)
         B, T = mask.shape
@@ -568,8 +557,12 @@ class GRPOModule(Objective):
 
     @torch.no_grad()
     def frozen_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:
-        """``token_logprobs`` without gradients (behaviour and reference passes)."""
-        return self.token_logprobs(packed, model)
+        """``token_logprobs`` without gradients, ``logprob_rows`` sequences at a time (behaviour and reference
+        passes)."""
+        rows = self.rollout_cfg.logprob_rows
+        parts = [self.token_logprobs({k: v[i : i + rows] for k, v in packed.items()}, model)
+                 for i in range(0, packed["ids"].shape[0], rows)]
+        return torch.cat(parts)
 
     @torch.no_grad()
     def metric(self) -> float:

@@ -9,17 +9,14 @@ in the order the trainer runs them, on the batch each repeat generates:
 - ``pack``: the rest of ``GRPOModule.rollout``: decoding, rewards, packing, advantages;
 - ``behaviour``: the trainer's log-probs of the batch at generation time, without gradients, ``rollout.logprob_rows``
   sequences per pass (only stale steps need it: a synchronous step's behaviour log-probs are its forward's);
-- ``forward``: the loss at the current parameters (``GRPOModule.policy_loss``: the training forward,
-  ``rollout.logprob_rows`` sequences per pass, the loss and its diagnostics);
+- ``forward``: the loss at the current parameters (``GRPOModule.policy_loss``: the training forward over the
+  whole batch, the loss and its diagnostics);
 - ``backward``: ``loss.backward()``;
 - ``optimizer``: the module's own optimizer step (``configure_optimizers``: fused AdamW).
 
 ``stale_step_s`` is their sum, ``sync_step_s`` the same without ``behaviour``; each phase's ``share`` is of the
-stale step. Side by side, and on the same batch, the training log-probs and their backward run again over the
-whole batch in one forward pass (``one_pass``: ``forward_s``, ``backward_s``, ``saved_s`` = what the row chunks
-save, ``logp_max_diff`` = the largest difference between the two log-probs). Medians over the repeats; the
-evaluations and Lightning's own loop are not timed (``gacbench bench --verbose`` splits a whole cell's wall
-time).
+stale step. Medians over the repeats; the evaluations and Lightning's own loop are not timed (``gacbench bench
+--verbose`` splits a whole cell's wall time). Run it with nothing else on the machine: the figures are seconds.
 """
 
 from __future__ import annotations
@@ -52,14 +49,11 @@ def build_module(args):
 
 
 def time_phases(module, repeats: int) -> dict:
-    """Each phase's seconds per repeat (lists), the generated tokens per repeat, and the largest difference between
-    the row-chunked training log-probs and those of one pass over the whole batch."""
-    import torch
-
+    """Each phase's seconds per repeat (lists) and the generated tokens per repeat."""
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    seconds: dict[str, list[float]] = {k: [] for k in (*PHASES, "forward_one_pass", "backward_one_pass")}
-    tokens, diffs = [], []
+    seconds: dict[str, list[float]] = {k: [] for k in PHASES}
+    tokens = []
 
     def clock(key, fn, *a):
         t0 = time.perf_counter()
@@ -80,36 +74,24 @@ def time_phases(module, repeats: int) -> dict:
         clock("backward", loss.backward)
         clock("optimizer", optimizer.step)
         optimizer.zero_grad(set_to_none=True)
-
-        packed = data["packed"]
-        logp = clock("forward_one_pass", module.token_logprobs, packed, None, packed["ids"].shape[0])
-        clock("backward_one_pass", logp.sum().backward)
-        module.policy.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            diffs.append(float((logp - module.token_logprobs(packed)).abs().max()))
-    return {"seconds": seconds, "tokens": tokens, "logp_max_diff": max(diffs)}
+    return {"seconds": seconds, "tokens": tokens}
 
 
 def summarise(timed: dict, module, args) -> dict:
-    """The record: medians per phase, the two step totals, shares, and the one-pass alternative."""
+    """The record: medians per phase, the two step totals and the shares."""
     import torch
 
     med = {k: statistics.median(v) for k, v in timed["seconds"].items()}
-    stale = sum(med[k] for k in PHASES)
-    sync = stale - med["behaviour"]
+    stale = sum(med.values())
     return {
-        "phases_s": {k: med[k] for k in PHASES},
-        "share": {k: med[k] / stale for k in PHASES},
-        "stale_step_s": stale, "sync_step_s": sync,
-        "logprob_rows": module.rollout_cfg.logprob_rows,
-        "one_pass": {"forward_s": med["forward_one_pass"], "backward_s": med["backward_one_pass"],
-                     "saved_s": med["forward_one_pass"] + med["backward_one_pass"] - med["forward"] - med["backward"],
-                     "logp_max_diff": timed["logp_max_diff"]},
+        "phases_s": med, "share": {k: v / stale for k, v in med.items()},
+        "stale_step_s": stale, "sync_step_s": stale - med["behaviour"],
         "all_s": timed["seconds"],
         "tokens_median": statistics.median(timed["tokens"]),
         "tokens_per_response": statistics.median(timed["tokens"]) / (args.prompts * args.group),
         "params": module.n_params, "model_path": args.model, "engine": args.engine, "task": args.task,
         "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "logprob_rows": module.rollout_cfg.logprob_rows,
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -153,9 +135,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=6,
                    help="new tokens per sample (default 6; 48 for --task scratchpad)")
     p.add_argument("--logprob-rows", type=int, default=None,
-                   help="rollout.logprob_rows: sequences per forward pass of the trainer's log-probs (default: "
-                        "GRPO's, 64)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats of every phase; medians reported (default 5)")
+                   help="rollout.logprob_rows: sequences per pass of the behaviour log-probs (default: GRPO's, 64)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians reported (default 5)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is what each of 2 bench workers gets on 2 cores)")
     p.add_argument("--lr", type=float, default=1e-9,
