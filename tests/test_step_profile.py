@@ -23,7 +23,10 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
     assert rec["stale_step_s"] == pytest.approx(sum(rec["phases_s"].values()))
     assert rec["sync_step_s"] == pytest.approx(rec["stale_step_s"] - rec["phases_s"]["behaviour"])
     assert sum(rec["share"].values()) == pytest.approx(1.0)
-    assert rec["threads"] == 1 and rec["prompts"] == 3 and rec["group"] == 4 and rec["params"] > 0
+    # the thread count used; 1 as asked unless a vLLM engine built earlier in this process fixed it
+    import torch
+
+    assert rec["threads"] == torch.get_num_threads() and rec["prompts"] == 3 and rec["group"] == 4 and rec["params"] > 0
     assert 0 < rec["tokens_per_response"] <= 6
     assert "step-profile: weight_sync" in capsys.readouterr().err
 

@@ -113,6 +113,10 @@ def main(args) -> int:
     resolve_engine_and_model(args)
     module = build_module(args)
     torch.set_num_threads(threads)  # what the timed phases use, also where the engine's or trainer's set-up changed it
+    if torch.get_num_threads() != threads:  # vLLM's CPU worker replaces torch.set_num_threads in its process
+        print(f"step-profile: asked for {threads} torch thread(s), running with {torch.get_num_threads()} (a vLLM "
+              "engine built earlier in this process fixed the count); the record gives the count used",
+              file=sys.stderr)
     record = summarise(time_phases(module, args.repeats), module, args)
     from gacbench.jsonio import write_json
 
