@@ -102,7 +102,7 @@ def resolve_engine_and_model(args) -> None:
         raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json)")
 
 
-def add_model_arguments(p, size_default: str = "tiny") -> None:
+def add_model_arguments(p) -> None:
     """The options that choose the engine, model and task (shared by ``async-bench`` and ``step-profile``)."""
     p.add_argument("--engine", choices=["hf", "vllm"], default=None,
                    help="rollout engine (default: vllm where installed, else hf)")
@@ -112,8 +112,8 @@ def add_model_arguments(p, size_default: str = "tiny") -> None:
     p.add_argument("--task", default="arithmetic",
                    help="a registered task whose prompts the runs train on (default arithmetic; scratchpad: the "
                         "long-answer task, with --max-tokens 48)")
-    p.add_argument("--size", default=size_default, help="the built-in model's size when --model is not given (tiny, "
-                                                        f"small, medium; default {size_default})")
+    p.add_argument("--size", default="tiny", help="the built-in model's size when --model is not given (tiny, small, "
+                                                 "medium; default tiny)")
     p.add_argument("--warm-steps", type=int, default=400,
                    help="supervised warm-start steps of the built-in model (default 400)")
 

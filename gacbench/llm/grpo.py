@@ -365,9 +365,13 @@ class GRPOModule(Objective):
                 "generate_tokens_per_s": sum(tok) / max(sum(gen), 1e-12)}
 
     # -- one step ------------------------------------------------------------------------------------
-    def training_step(self, batch, batch_idx):
+    def start_step_counters(self) -> None:
+        """Zero the step's time split (``time/generate_s``, ``time/behav_s``) and generated-token count."""
         self._times = dict.fromkeys(self._times, 0.0)
         self._tokens = 0
+
+    def training_step(self, batch, batch_idx):
+        self.start_step_counters()
         if self.rollout_source is not None:
             data, lag = self.rollout_source.next_batch(self.global_step)
         else:

@@ -51,7 +51,6 @@ def build_module(args):
 def time_phases(module, repeats: int) -> dict:
     """Each phase's seconds per repeat (lists) and the generated tokens per repeat."""
     optimizer = module.configure_optimizers()
-    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     seconds: dict[str, list[float]] = {k: [] for k in PHASES}
     tokens = []
 
@@ -63,8 +62,7 @@ def time_phases(module, repeats: int) -> dict:
 
     for _ in range(repeats):
         clock("weight_sync", module.sync_engine, module.global_step)
-        module._times = dict.fromkeys(module._times, 0.0)
-        module._tokens = 0
+        module.start_step_counters()
         data = clock("pack", module.rollout)
         seconds["generate"].append(module._times["time/generate_s"])
         seconds["behaviour"].append(module._times["time/behav_s"])
@@ -108,14 +106,13 @@ def main(args) -> int:
         raise UsageError(f"--repeats {args.repeats} must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads} must be >= 1")
-    threads = args.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     resolve_engine_and_model(args)
     module = build_module(args)
-    torch.set_num_threads(threads)  # what the timed phases use, also where the engine's or trainer's set-up changed it
-    if torch.get_num_threads() != threads:  # vLLM's CPU worker replaces torch.set_num_threads in its process
-        print(f"step-profile: asked for {threads} torch thread(s), running with {torch.get_num_threads()} (a vLLM "
-              "engine built earlier in this process fixed the count); the record gives the count used",
+    if args.threads and torch.get_num_threads() != args.threads:  # vLLM's CPU worker replaces set_num_threads
+        print(f"step-profile: asked for {args.threads} torch thread(s), running with {torch.get_num_threads()} (a "
+              "vLLM engine built earlier in this process fixed the count); the record gives the count used",
               file=sys.stderr)
     record = summarise(time_phases(module, args.repeats), module, args)
     from gacbench.jsonio import write_json
