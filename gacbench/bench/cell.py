@@ -41,7 +41,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
 from gacbench.bench.timing import cell_parts
-from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, StalenessSimulator
+from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, DriftMonitor, StalenessSimulator
 from gacbench.jsonio import DISK_FULL, json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
@@ -483,6 +483,7 @@ def _run(cell: dict, out: Path) -> dict:
     # align/step_cos too: the trace the step reading (gac-step-calibrated) calibrates from
     callbacks.append(AlignmentMonitor(warmup=cell.get("warmup", 0), step_cos=True))
     callbacks += method_callbacks(cell["method"], cell)  # a method with a reference reads cell["calibration"]
+    callbacks.append(DriftMonitor())  # param/drift, param/step_norm: the parameters after every edit of the step
     timer = StepTimer()
     callbacks += [timer, DivergenceStop()]
     evals = EvalTimer(model)

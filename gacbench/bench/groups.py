@@ -121,7 +121,7 @@ def group_records(cells: list[dict]) -> list[dict]:
             "cos_median": nanmean([r["cos_median"] for r in recs]),
             "cos_abs_q90": nanmean([r["cos_abs_q90"] for r in recs]),
             "cos_abs_le_005": nanmean([r["cos_abs_le_005"] for r in recs]),
-            **{f"{k}_mean": float(np.mean([r[k] for r in recs])) for k in (*DIAGNOSTICS, "gac_changed")
+            **{f"{k}_mean": float(np.mean([r[k] for r in recs])) for k in (*DIAGNOSTICS, "gac_changed", "drift")
                if all(k in r for r in recs)},
             **({"response_tokens_mean": nanmean([r["response_tokens"] for r in recs]), "params": recs[0]["params"]}
                if all("response_tokens" in r for r in recs) else {}),

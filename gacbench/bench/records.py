@@ -24,6 +24,7 @@ DIAGNOSTICS = {
     "clipfrac": ("pg/clipfrac", "clipped-token share"),
     "clipfrac_dual": ("pg/clipfrac_dual", "dual-clipped-token share"),
     "ess_frac": ("is/ess_frac", "ESS fraction of the token weights"),
+    "step_norm": ("param/step_norm", "applied parameter step ‖θ_k − θ_{k−1}‖"),
 }
 
 
@@ -91,6 +92,8 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     if series.get("response/tokens_mean"):  # GRPO: generated tokens per response (mean over steps), model size
         rec["response_tokens"] = float(np.mean([v for _, v in series["response/tokens_mean"]]))
         rec["params"] = int(series["model/params"][-1][1]) if series.get("model/params") else None
+    if series.get("param/drift"):  # DriftMonitor: the distance the run travelled, ||theta_T - theta_0||
+        rec["drift"] = float(series["param/drift"][-1][1])
     if series.get("align/proj_frac"):  # GAC: the share of its steps it shrank, projected or skipped
         rec["gac_changed"] = float(series["align/proj_frac"][-1][1])
     reward = [v for _, v in series.get("reward/mean", [])]

@@ -39,6 +39,10 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   :func:`~gacbench.bench.tables.table1_staleness`), paper Table 3 with the calibrated thresholds
   (``tables._table3``) and the regime map (:func:`~gacbench.bench.regime.regime_points`, also ``regime`` in
   summary.json) with its points against s * lr (:func:`~gacbench.bench.regime.law_points`, ``regime_law``);
+- ``on_policy`` / ``on_policy_reward`` (a suite task's ``on_policy`` methods, run at s = 0): each such
+  stabilizer against sync on the final metric / the training reward, the paired difference method - sync (> 0:
+  better) with its t-interval and p-value, and ``vs_sync_p_adj`` (Holm over each table;
+  :func:`~gacbench.bench.stats.on_policy_controls`);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``
   (:mod:`gacbench.bench.versions`), and the groups that mix keys;
@@ -86,6 +90,7 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     headline_shares,
     holm_adjust,
     mean_bootstrap_ci,
+    on_policy_controls,
     paired_difference,
     recovered_shares,
     share_bootstrap_ci,
@@ -122,6 +127,12 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     mixed = mixed_version_groups(cells_g)
     summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares,
                "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {})}
+    on_policy = {"final metric": on_policy_controls(groups, cells_g)}
+    if any("reward_last_mean" in g for g in groups):
+        on_policy["training reward (last 20% of steps)"] = on_policy_controls(groups, cells_g, "reward_last")
+    if on_policy["final metric"]:
+        summary["on_policy"] = on_policy["final metric"]
+        summary["on_policy_reward"] = on_policy.get("training reward (last 20% of steps)", [])
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
@@ -138,7 +149,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
-                                                  ablation_rows, versions, mixed))
+                                                  ablation_rows, versions, mixed, on_policy))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares))
             if groups else [])

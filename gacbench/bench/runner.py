@@ -103,7 +103,9 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     ``methods``. A task may narrow the grid for itself: ``methods`` (its methods instead of the suite's, and no
     ablation cells),
     ``staleness`` (its staleness values, within the grid's) and ``extra_staleness`` (the staleness values of its
-    ``extra_methods``, within its own)."""
+    ``extra_methods``, within its own); and ``on_policy`` lists stale methods that also run at s = 0 (synchronous
+    rollouts with the method's callbacks: the on-policy control of a stabilizer), when the grid has s = 0 and,
+    with an explicit ``methods``, only those it names."""
     explicit = methods is not None
     methods = methods or suite["methods"]
     with_ablation = methods == suite["methods"] or ABLATION in methods
@@ -147,6 +149,10 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                     continue
                 for seed in seeds:
                     cells.append({**base(task), "method": m, "staleness": s, "seed": seed})
+        if 0 in task_s:
+            for m in spec.get("on_policy", []):
+                if not explicit or m in methods:
+                    cells += [{**base(task), "method": m, "staleness": 0, "seed": seed} for seed in seeds]
     ablation = suite.get("ablation")
     if ablation and with_ablation:
         for task in [t for t in tasks if "methods" not in suite["tasks"][t]]:  # own methods: those cells only

@@ -155,6 +155,34 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
     return rows
 
 
+def on_policy_controls(groups: list[dict], cells: list[dict], key: str = "final") -> list[dict]:
+    """The on-policy controls: every stabilizer run at s = 0 (a suite task's ``on_policy``) against sync on the same
+    task, on ``{key}_mean``. Per row: ``value`` and ``sync`` (the group means), and over the seeds both share
+    (``n``) the paired difference method - sync, signed so that > 0 is better (``vs_sync_diff``, its t-interval
+    ``vs_sync_ci_low/high``, the paired t-test's ``vs_sync_p``), and ``vs_sync_p_adj``, Holm-adjusted over the rows
+    returned (one family). A stabilizer that only acts against staleness leaves the on-policy run where it was: a
+    difference here is an effect that does not need staleness."""
+    mean = f"{key}_mean"
+    by = {(g["task"], g["method"], g["staleness"]): g for g in groups if mean in g}
+    seeds = per_seed(cells, key)
+    rows = []
+    for g in groups:
+        if mean not in g or g["staleness"] != 0 or g["method"] in REFERENCE_METHODS or g["ablation"]:
+            continue
+        sync = by.get((g["task"], "sync", 0))
+        higher = key == "reward_last" or bool(g["higher_is_better"])
+        ref, meth = seeds.get((g["task"], "sync", 0), {}), seeds.get((g["task"], g["method"], 0), {})
+        paired = sorted(set(ref) & set(meth))
+        a, b = np.array([meth[k] for k in paired]), np.array([ref[k] for k in paired])
+        d = paired_difference(a, b) if higher else paired_difference(b, a)
+        rows.append({"task": g["task"], "method": g["method"], "staleness": 0, "value": g[mean],
+                     "sync": sync[mean] if sync else math.nan, "n": len(paired), "vs_sync_diff": d["diff"],
+                     "vs_sync_ci_low": d["ci_low"], "vs_sync_ci_high": d["ci_high"], "vs_sync_p": d["p"]})
+    for row, adj in zip(rows, holm_adjust([r["vs_sync_p"] for r in rows])):
+        row["vs_sync_p_adj"] = adj
+    return rows
+
+
 def significant(row: dict, alpha: float = 0.05) -> bool:
     """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment over
     its table (``vs_stale_p_adj``)."""

@@ -67,17 +67,37 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _on_policy_table(measure: str, rows: list[dict]) -> list[str]:
+    """The on-policy controls on one measure: each stabilizer at s = 0 against sync, paired over seeds."""
+    if not rows:
+        return []
+    lines = ["", f"## On-policy controls: stabilizers at s = 0 against sync, {measure}", "",
+             "The paired difference method − sync over the seeds both ran (> 0: the method is better), its 95% "
+             "t-interval and paired t-test; p_adj: Holm over this table; * where p_adj < 0.05. An effect here "
+             "does not need staleness.", "",
+             "| task | method | sync | method | difference [95% CI] | p | p_adj | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        star = " *" if r.get("vs_sync_p_adj") is not None and r["vs_sync_p_adj"] < 0.05 else ""
+        lines.append(f"| {r['task']} | {r['method']} | {fmt(r['sync'], 4)} | {fmt(r['value'], 4)} | "
+                     f"{fmt(r['vs_sync_diff'], 3)} {fmt_ci(r['vs_sync_ci_low'], r['vs_sync_ci_high'], 3)}{star} | "
+                     f"{fmt(r['vs_sync_p'], 2)} | {fmt(r.get('vs_sync_p_adj'), 2)} | {r['n']} |")
+    return lines + [""]
+
+
 def _diagnostics_table(groups: list[dict]) -> list[str]:
     """Per group, the update diagnostics its cells logged (``DIAGNOSTICS``, means over seeds of each cell's mean
     after the warm-up) and GAC's share of changed steps; nothing when no group logged any."""
-    keys = [k for k in (*DIAGNOSTICS, "gac_changed") if any(f"{k}_mean" in g for g in groups)]
+    keys = [k for k in (*DIAGNOSTICS, "gac_changed", "drift") if any(f"{k}_mean" in g for g in groups)]
     rows = [g for g in groups if any(f"{k}_mean" in g for k in keys)]
     if not rows:
         return []
-    titles = [DIAGNOSTICS[k][1] if k in DIAGNOSTICS else "GAC: steps changed" for k in keys]
+    named = {"gac_changed": "GAC: steps changed", "drift": "drift ‖θ_T − θ_0‖"}
+    titles = [DIAGNOSTICS[k][1] if k in DIAGNOSTICS else named[k] for k in keys]
     lines = ["", "## Update diagnostics, after the warm-up", "",
              "Each cell's mean over its steps after the warm-up, then the mean over seeds; GAC: the share of its "
-             "steps it shrank, projected or skipped. — where the method does not log the value.", "",
+             "steps it shrank, projected or skipped; drift: the distance from the starting parameters after the "
+             "last step. — where the method does not log the value.", "",
              "| task | method | s | " + " | ".join(titles) + " | seeds |", "|---|---|---|" + "---|" * (len(keys) + 1)]
     for g in rows:
         vals = [fmt(g.get(f"{k}_mean"), 3) for k in keys]
@@ -88,11 +108,13 @@ def _diagnostics_table(groups: list[dict]) -> list[str]:
 def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Path,
              reward_shares: list[dict] | None = None, timing: dict | None = None,
              regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
-             versions: list[dict] | None = None, mixed: list[dict] | None = None) -> str:
+             versions: list[dict] | None = None, mixed: list[dict] | None = None,
+             on_policy: dict[str, list[dict]] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
-    more than one version."""
+    more than one version. ``on_policy``: the on-policy controls (:func:`~gacbench.bench.stats.on_policy_controls`)
+    per measure name."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     if versions and len(versions) > 1:
@@ -122,6 +144,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     if reward_shares:
         lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)",
                               reward_shares)
+    for measure, rows in (on_policy or {}).items():
+        lines += _on_policy_table(measure, rows)
     lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
               "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |",
               "|---|---|---|---|---|---|---|"]

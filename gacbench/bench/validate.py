@@ -169,6 +169,15 @@ def load_suite(name: str) -> dict[str, Any]:
                     within = "the suite's staleness" if key == "staleness" else "the task's staleness"
                     raise UsageError(f"{at}: {key}: {outside} not in {within}; a task's {key} narrows the grid, "
                                      f"so list values of {within} only")
+        if "on_policy" in spec:
+            spec["on_policy"] = _check_methods(f"{at}: on_policy:", spec["on_policy"])
+            sync_like = [m for m in spec["on_policy"] if not parse_method(m)[0].stale]
+            if sync_like:
+                raise UsageError(f"{at}: on_policy: {sync_like[0]!r} runs at s = 0 already; on_policy lists stale "
+                                 "methods to run at s = 0 as well (e.g. on_policy: [gac-step])")
+            if 0 not in spec.get("staleness", suite["staleness"]):
+                raise UsageError(f"{at}: on_policy: runs its methods at s = 0, and the task's staleness has no 0; "
+                                 "add 0 to the staleness or drop on_policy:")
         if "extra_staleness" in spec and "extra_methods" not in spec:
             raise UsageError(f"{at}: extra_staleness: is the staleness of the task's extra_methods, and the task has "
                              "none; add extra_methods: or drop extra_staleness:")
