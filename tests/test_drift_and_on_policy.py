@@ -171,6 +171,7 @@ def test_a_grid_with_on_policy_cells_reports_them_and_the_drift(tmp_path):
     build_report(out, cells)
     summary = json.loads((out / "summary.json").read_text())
     assert [(r["method"], r["n"]) for r in summary["on_policy"]] == [("gac", 2)]
+    assert [(r["method"], r["staleness"], r["n"]) for r in summary["staleness_cost"]] == [("gac", 4, 2)]
     groups = {(g["method"], g["staleness"]): g for g in summary["groups"]}
     assert set(groups) == {("sync", 0), ("gac", 0), ("stale", 4), ("gac", 4)}
     assert all(g["drift_mean"] > 0 and g["step_norm_mean"] > 0 for g in groups.values())
@@ -178,3 +179,28 @@ def test_a_grid_with_on_policy_cells_reports_them_and_the_drift(tmp_path):
     assert "## On-policy controls: stabilizers at s = 0 against sync, final metric" in md
     assert "drift ‖θ_T − θ_0‖" in md
     assert all(r["staleness"] != 0 for r in summary["recovered"])  # an on-policy cell is not a recovered share
+
+
+def test_staleness_costs_equal_a_hand_computation():
+    """A method's cost of staleness against its own on-policy run (m at 0 minus m at s), beside sync minus stale,
+    paired over the seeds each pair shares; a method without an s = 0 run gets no row."""
+    from gacbench.bench.groups import group_records
+    from gacbench.bench.stats import staleness_costs
+
+    values = {("sync", 0): [0.30, 0.28, 0.29], ("stale", 16): [0.20, 0.21, 0.17],
+              ("gac-step", 0): [0.40, 0.38, 0.41], ("gac-step", 16): [0.34, 0.35, 0.33, 0.30],
+              ("gac", 16): [0.2, 0.2, 0.2]}
+    cells = [{"task": "a", "method": m, "staleness": s, "seed": seed, "status": "done", "final": v, "initial": 0.2,
+              "diverged": False, "metric": "acc", "higher_is_better": True, "ablation": False, "cos_median": 0.0,
+              "cos_abs_q90": 0.1, "cos_abs_le_005": 0.5}
+             for (m, s), vs in values.items() for seed, v in enumerate(vs)]
+    rows = staleness_costs(group_records(cells), cells)
+    assert [(r["method"], r["staleness"]) for r in rows] == [("gac-step", 16)]
+    r = rows[0]
+    own = np.array(values[("gac-step", 0)]) - np.array(values[("gac-step", 16)][:3])  # seed 3 has no s = 0 run
+    ref = np.array(values[("sync", 0)]) - np.array(values[("stale", 16)])
+    assert r["n"] == 3 and r["cost"] == pytest.approx(own.mean()) and r["stale_cost"] == pytest.approx(ref.mean())
+    from scipy import stats
+    half = stats.t.ppf(0.975, 2) * own.std(ddof=1) / math.sqrt(3)
+    assert (r["cost_ci_low"], r["cost_ci_high"]) == pytest.approx((own.mean() - half, own.mean() + half))
+    assert r["cost_p"] == pytest.approx(stats.ttest_rel(values[("gac-step", 0)], values[("gac-step", 16)][:3]).pvalue)

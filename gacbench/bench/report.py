@@ -42,7 +42,10 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 - ``on_policy`` / ``on_policy_reward`` (a suite task's ``on_policy`` methods, run at s = 0): each such
   stabilizer against sync on the final metric / the training reward, the paired difference method - sync (> 0:
   better) with its t-interval and p-value, and ``vs_sync_p_adj`` (Holm over each table;
-  :func:`~gacbench.bench.stats.on_policy_controls`);
+  :func:`~gacbench.bench.stats.on_policy_controls`); and ``staleness_cost`` / ``staleness_cost_reward``: for each
+  such method at each s > 0, what staleness costs it against its own on-policy run (m at s = 0 minus m at s,
+  paired over seeds, > 0: staleness hurts) beside what it costs plain GRPO (sync minus stale at s)
+  (:func:`~gacbench.bench.stats.staleness_costs`);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``
   (:mod:`gacbench.bench.versions`), and the groups that mix keys;
@@ -94,6 +97,7 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     paired_difference,
     recovered_shares,
     share_bootstrap_ci,
+    staleness_costs,
 )
 from gacbench.bench.tables import markdown, table1_staleness  # noqa: F401  (re-exported)
 from gacbench.bench.versions import code_versions, mixed_version_groups
@@ -133,6 +137,9 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     if on_policy["final metric"]:
         summary["on_policy"] = on_policy["final metric"]
         summary["on_policy_reward"] = on_policy.get("training reward (last 20% of steps)", [])
+        summary["staleness_cost"] = staleness_costs(groups, cells_g)
+        summary["staleness_cost_reward"] = (staleness_costs(groups, cells_g, "reward_last")
+                                            if "on_policy_reward" in summary and summary["on_policy_reward"] else [])
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
@@ -149,7 +156,10 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
-                                                  ablation_rows, versions, mixed, on_policy))
+                                                  ablation_rows, versions, mixed, on_policy,
+                                                  {"final metric": summary.get("staleness_cost", []),
+                                                   "training reward (last 20% of steps)":
+                                                       summary.get("staleness_cost_reward", [])}))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares))
             if groups else [])

@@ -183,6 +183,37 @@ def on_policy_controls(groups: list[dict], cells: list[dict], key: str = "final"
     return rows
 
 
+def staleness_costs(groups: list[dict], cells: list[dict], key: str = "final") -> list[dict]:
+    """What staleness costs a method that also ran at s = 0 (a task's ``on_policy``), measured against its own
+    on-policy run, beside what it costs plain GRPO: per such method m and each s > 0 it ran at, over paired seeds,
+    ``cost`` = m at s = 0 minus m at s (signed so that > 0 means staleness hurts; ``cost_ci_low/high``, ``cost_p``,
+    ``n``) and ``stale_cost`` = sync minus stale at s (``stale_cost_ci_low/high``, ``stale_n``). A stabilizer that
+    removes staleness's harm has cost 0 while stale_cost stays; one that only moves the on-policy run has cost
+    equal to stale_cost."""
+    mean = f"{key}_mean"
+    seeds = per_seed(cells, key)
+    have = {(g["task"], g["method"], g["staleness"]) for g in groups if mean in g and not g["ablation"]}
+    rows = []
+    for g in groups:
+        task, m, s = g["task"], g["method"], g["staleness"]
+        if mean not in g or g["ablation"] or s == 0 or m in REFERENCE_METHODS or (task, m, 0) not in have:
+            continue
+        higher = key == "reward_last" or bool(g["higher_is_better"])
+
+        def cost(on: dict, off: dict) -> tuple[dict, int]:
+            paired = sorted(set(on) & set(off))
+            a, b = np.array([on[k] for k in paired]), np.array([off[k] for k in paired])
+            return (paired_difference(a, b) if higher else paired_difference(b, a)), len(paired)
+
+        own, n = cost(seeds.get((task, m, 0), {}), seeds.get((task, m, s), {}))
+        ref, n_ref = cost(seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", s), {}))
+        rows.append({"task": task, "method": m, "staleness": s, "n": n, "cost": own["diff"],
+                     "cost_ci_low": own["ci_low"], "cost_ci_high": own["ci_high"], "cost_p": own["p"],
+                     "stale_n": n_ref, "stale_cost": ref["diff"], "stale_cost_ci_low": ref["ci_low"],
+                     "stale_cost_ci_high": ref["ci_high"]})
+    return rows
+
+
 def significant(row: dict, alpha: float = 0.05) -> bool:
     """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment over
     its table (``vs_stale_p_adj``)."""

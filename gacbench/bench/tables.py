@@ -85,6 +85,24 @@ def _on_policy_table(measure: str, rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _cost_table(measure: str, rows: list[dict]) -> list[str]:
+    """What staleness costs each on-policy method against its own s = 0 run, beside sync − stale."""
+    if not rows:
+        return []
+    lines = ["", f"## What staleness costs a method against its own on-policy run, {measure}", "",
+             "cost: the method at s = 0 minus the method at s, paired over seeds (> 0: staleness hurts), with its "
+             "95% t-interval and p; beside it sync − stale at the same s. A method that removes staleness's harm "
+             "has cost 0 while sync − stale stays.", "",
+             "| task | method | s | cost [95% CI] | p | seeds | sync − stale [95% CI] | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['task']} | {r['method']} | {r['staleness']} | {fmt(r['cost'], 3)} "
+                     f"{fmt_ci(r['cost_ci_low'], r['cost_ci_high'], 3)} | {fmt(r['cost_p'], 2)} | {r['n']} | "
+                     f"{fmt(r['stale_cost'], 3)} {fmt_ci(r['stale_cost_ci_low'], r['stale_cost_ci_high'], 3)} | "
+                     f"{r['stale_n']} |")
+    return lines + [""]
+
+
 def _diagnostics_table(groups: list[dict]) -> list[str]:
     """Per group, the update diagnostics its cells logged (``DIAGNOSTICS``, means over seeds of each cell's mean
     after the warm-up) and GAC's share of changed steps; nothing when no group logged any."""
@@ -109,11 +127,12 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              reward_shares: list[dict] | None = None, timing: dict | None = None,
              regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
              versions: list[dict] | None = None, mixed: list[dict] | None = None,
-             on_policy: dict[str, list[dict]] | None = None) -> str:
+             on_policy: dict[str, list[dict]] | None = None, costs: dict[str, list[dict]] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
     more than one version. ``on_policy``: the on-policy controls (:func:`~gacbench.bench.stats.on_policy_controls`)
+    per measure name; ``costs``: what staleness costs each of them (:func:`~gacbench.bench.stats.staleness_costs`)
     per measure name."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
@@ -146,6 +165,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
                               reward_shares)
     for measure, rows in (on_policy or {}).items():
         lines += _on_policy_table(measure, rows)
+    for measure, rows in (costs or {}).items():
+        lines += _cost_table(measure, rows)
     lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
               "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |",
               "|---|---|---|---|---|---|---|"]
