@@ -204,3 +204,21 @@ def test_staleness_costs_equal_a_hand_computation():
     half = stats.t.ppf(0.975, 2) * own.std(ddof=1) / math.sqrt(3)
     assert (r["cost_ci_low"], r["cost_ci_high"]) == pytest.approx((own.mean() - half, own.mean() + half))
     assert r["cost_p"] == pytest.approx(stats.ttest_rel(values[("gac-step", 0)], values[("gac-step", 16)][:3]).pvalue)
+
+
+def test_the_curve_figures_get_an_on_policy_column_and_a_drift_figure(tmp_path):
+    """With an on-policy method, the per-method figures draw an s = 0 column beside the stale ones, and cells
+    that log param/drift get fig_drift."""
+    from gacbench.bench.figures import on_policy_panel
+    from gacbench.bench.report import build_report
+    from gacbench.bench.runner import expand_cells, run_grid
+
+    suite = {"name": "x", "steps": 30, "methods": ["sync", "stale", "gac"], "staleness": [0, 4], "seeds": [0],
+             "tasks": {"q": {"objective": "quadratic", "params": {"lr": 0.05}, "on_policy": ["gac"]}}}
+    cells = expand_cells(suite)
+    run_grid(cells, tmp_path / "out")
+    rep = build_report(tmp_path / "out", cells)
+    names = {os.path.basename(str(f)) for f in rep["figures"]}
+    assert {"fig_drift_q.png", "fig_cos_methods_q.png"} <= names
+    assert on_policy_panel(cells) and not on_policy_panel([c for c in cells if c["staleness"] > 0 or
+                                                           c["method"] == "sync"])

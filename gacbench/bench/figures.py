@@ -124,6 +124,12 @@ def method_panels(methods: list[str], recovering: set[str]) -> list[tuple[str, l
     return rows
 
 
+def on_policy_panel(cells: list[dict]) -> bool:
+    """Whether a task's curve figures get an s = 0 column: a method other than sync and stale ran at s = 0 (a
+    suite task's ``on_policy``), drawn there beside sync."""
+    return any(c["staleness"] == 0 and c["method"] not in REFERENCE_METHODS for c in cells)
+
+
 def curves_figures(cv: Canvas) -> None:
     """Figures 1 and 4: metric curves across staleness, mean over seeds (``fig_curves_TASK.png``): one column
     per staleness, one row per method group (:func:`method_panels`), sync and stale in every panel."""
@@ -131,7 +137,7 @@ def curves_figures(cv: Canvas) -> None:
     for task in cv.tasks:
         tc = [c for c in cv.main if c["task"] == task]
         metric = tc[0]["metric"]
-        cols = sorted({c["staleness"] for c in tc if c["staleness"] > 0}) or [0]
+        cols = [0] * on_policy_panel(tc) + sorted({c["staleness"] for c in tc if c["staleness"] > 0}) or [0]
         panels = method_panels([c["method"] for c in tc], cv.recovering.get(task, set()))
         fig, axes = plt.subplots(len(panels), len(cols), figsize=(4 * len(cols), 3.2 * len(panels)), squeeze=False,
                                  sharey=True)
@@ -248,20 +254,24 @@ def staleness_figures(cv: Canvas) -> None:
 def method_figures(cv: Canvas) -> None:
     """Figure 3 (paper): c_t per method at each staleness, mean over seeds of 10-step moving averages
     (``fig_cos_methods_TASK.png``); Figure 4 (paper): training-reward trajectories per method at each staleness,
-    mean ± std over seeds (rollout objectives, ``fig_reward_TASK.png``). One column per staleness, one row per
-    method group (:func:`method_panels`), sync and stale in every panel."""
+    mean ± std over seeds (rollout objectives, ``fig_reward_TASK.png``); the distance travelled ``param/drift``
+    per method (``fig_drift_TASK.png``, where cells log it). One column per staleness (and one at s = 0 for
+    on-policy methods, :func:`on_policy_panel`), one row per method group (:func:`method_panels`), sync and stale
+    in every panel."""
     plt = cv.plt
     for task in cv.tasks:
         tc = [c for c in cv.main if c["task"] == task]
         svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
         if not svals:
             continue
+        svals = [0] * on_policy_panel(tc) + svals
         sync = [c for c in tc if c["method"] == "sync"]
-        has_reward = any(cv.series(c, "reward/mean") for c in tc)
+        logged = {key: any(cv.series(c, key) for c in tc) for key in ("reward/mean", "param/drift")}
         panels = method_panels([c["method"] for c in tc], cv.recovering.get(task, set()))
         for key, name, ylabel in (("align/cos", "fig_cos_methods", "c_t (10-step mean)"),
-                                  ("reward/mean", "fig_reward", "training reward (10-step mean)")):
-            if key == "reward/mean" and not has_reward:
+                                  ("reward/mean", "fig_reward", "training reward (10-step mean)"),
+                                  ("param/drift", "fig_drift", "drift ‖θ_k − θ_0‖ (10-step mean)")):
+            if key in logged and not logged[key]:
                 continue
             fig, axes = plt.subplots(len(panels), len(svals), figsize=(4 * len(svals), 3.2 * len(panels)),
                                      squeeze=False, sharey=True)
@@ -277,7 +287,8 @@ def method_figures(cv: Canvas) -> None:
                             ax.plot(steps, mean, color=cv.colors[m], lw=1.4 if m == "stale" else 1.0, label=m)
                             if key == "reward/mean":
                                 ax.fill_between(steps, mean - std, mean + std, color=cv.colors[m], alpha=0.1, lw=0)
-                    ax.set_title(f"{task}, s={sv}" + (f": {title}" if title else ""), fontsize=9)
+                    head = f"{task}, s={sv}" + (" (on-policy)" if sv == 0 else "")
+                    ax.set_title(head + (f": {title}" if title else ""), fontsize=9)
                     ax.set_xlabel("step")
                     if key == "align/cos":
                         ax.axhline(0, color="gray", lw=0.5)
