@@ -24,6 +24,7 @@ DIAGNOSTICS = {
     "clipfrac": ("pg/clipfrac", "clipped-token share"),
     "clipfrac_dual": ("pg/clipfrac_dual", "dual-clipped-token share"),
     "ess_frac": ("is/ess_frac", "ESS fraction of the token weights"),
+    "step_cos": ("align/step_cos", "cos of consecutive optimizer steps"),
     "step_norm": ("param/step_norm", "applied parameter step ‖θ_k − θ_{k−1}‖"),
 }
 
