@@ -174,7 +174,8 @@ def test_a_grid_with_on_policy_cells_reports_them_and_the_drift(tmp_path):
     assert [(r["method"], r["staleness"], r["n"]) for r in summary["staleness_cost"]] == [("gac", 4, 2)]
     groups = {(g["method"], g["staleness"]): g for g in summary["groups"]}
     assert set(groups) == {("sync", 0), ("gac", 0), ("stale", 4), ("gac", 4)}
-    assert all(g["drift_mean"] > 0 and g["step_norm_mean"] > 0 for g in groups.values())
+    assert all(g["drift_mean"] > 0 and g["step_norm_mean"] > 0 and -1 <= g["step_cos_mean"] <= 1
+               for g in groups.values())
     md = (out / "summary.md").read_text()
     assert "## On-policy controls: stabilizers at s = 0 against sync, final metric" in md
     assert "drift ‖θ_T − θ_0‖" in md
