@@ -22,7 +22,8 @@ GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-runs}
-ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-step-control)
+ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-step-control
+     llm-step-control-lr3e-4)
 SUITES=()
 for arg in "$@"; do
     if [ "$arg" = --allow-mixed-versions ]; then ALLOW_MIXED=1; else SUITES+=("$arg"); fi
@@ -55,8 +56,19 @@ bandit_baselines() {
         --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
 }
 
+# llm-step-control-lr3e-4: llm-step-control's sync, stale and gac-step (at s = 0 and 16) at lr 3e-4, where llm-regime
+# finds synchronous GRPO healthy (20 cells, about 40 min)
+step_control_lr3e4() {
+    "$GACBENCH" bench --suite llm-step-control --methods sync,stale,gac-step --staleness 0,16 --param lr=3e-4 \
+        --out "$RUNS/llm-step-control-lr3e-4"
+}
+
 for suite in "${SUITES[@]}"; do
-    if [ "$suite" = bandit-baselines ]; then bandit_baselines; else "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite"; fi
+    case "$suite" in
+        bandit-baselines) bandit_baselines ;;
+        llm-step-control-lr3e-4) step_control_lr3e4 ;;
+        *) "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite" ;;
+    esac
     single_version "$RUNS/$suite"
     mkdir -p "paper/$suite"
     cp "$RUNS/$suite/summary.md" "$RUNS/$suite/summary.json" "$RUNS/$suite"/fig_*.png "paper/$suite/"
