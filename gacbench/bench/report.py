@@ -131,15 +131,14 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     mixed = mixed_version_groups(cells_g)
     summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares,
                "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {})}
-    on_policy = {"final metric": on_policy_controls(groups, cells_g)}
-    if any("reward_last_mean" in g for g in groups):
-        on_policy["training reward (last 20% of steps)"] = on_policy_controls(groups, cells_g, "reward_last")
-    if on_policy["final metric"]:
-        summary["on_policy"] = on_policy["final metric"]
-        summary["on_policy_reward"] = on_policy.get("training reward (last 20% of steps)", [])
-        summary["staleness_cost"] = staleness_costs(groups, cells_g)
-        summary["staleness_cost_reward"] = (staleness_costs(groups, cells_g, "reward_last")
-                                            if "on_policy_reward" in summary and summary["on_policy_reward"] else [])
+    # the on-policy controls and their staleness costs, per measure: (summary key suffix, cell key, md title)
+    measures = [("", "final", "final metric")] + ([("_reward", "reward_last", "training reward (last 20% of steps)")]
+                                                  if any("reward_last_mean" in g for g in groups) else [])
+    on_policy, costs = {}, {}
+    if on_policy_controls(groups, cells_g):
+        for suffix, key, title in measures:
+            on_policy[title] = summary[f"on_policy{suffix}"] = on_policy_controls(groups, cells_g, key)
+            costs[title] = summary[f"staleness_cost{suffix}"] = staleness_costs(groups, cells_g, key)
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
@@ -156,10 +155,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
-                                                  ablation_rows, versions, mixed, on_policy,
-                                                  {"final metric": summary.get("staleness_cost", []),
-                                                   "training reward (last 20% of steps)":
-                                                       summary.get("staleness_cost_reward", [])}))
+                                                  ablation_rows, versions, mixed, on_policy, costs))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares))
             if groups else [])

@@ -89,6 +89,14 @@ def holm_adjust(ps: list[float | None]) -> list[float | None]:
     return out
 
 
+def oriented_difference(a: dict[int, float], b: dict[int, float], higher: bool) -> tuple[dict[str, float], int]:
+    """:func:`paired_difference` of a - b over the seeds both hold, signed so that > 0 means a is better
+    (``higher``: larger values are better), and that seed count."""
+    paired = sorted(set(a) & set(b))
+    x, y = np.array([a[k] for k in paired]), np.array([b[k] for k in paired])
+    return (paired_difference(x, y) if higher else paired_difference(y, x)), len(paired)
+
+
 def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: bool) -> dict:
     """``row`` (a recovered-share row) with ``n`` (the distinct seeds sync, stale and the method share),
     ``share_ci_low/high`` and the paired comparison to stale (``vs_stale_*``, over the seeds stale and the method
@@ -100,8 +108,7 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
     row.update({"n": len(common), "share_ci_low": None, "share_ci_high": None, "vs_stale_diff": None,
                 "vs_stale_ci_low": None, "vs_stale_ci_high": None, "vs_stale_p": None, "vs_stale_n": len(paired)})
     if paired:
-        a, b = np.array([meth[k] for k in paired]), np.array([stale[k] for k in paired])
-        d = paired_difference(a, b) if higher else paired_difference(b, a)  # > 0: the method is better
+        d, _ = oriented_difference(meth, stale, higher)  # > 0: the method is better
         row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
                     "vs_stale_p": d["p"]})
     if not row.get("missing") and not row["no_gap"]:
@@ -171,12 +178,10 @@ def on_policy_controls(groups: list[dict], cells: list[dict], key: str = "final"
             continue
         sync = by.get((g["task"], "sync", 0))
         higher = key == "reward_last" or bool(g["higher_is_better"])
-        ref, meth = seeds.get((g["task"], "sync", 0), {}), seeds.get((g["task"], g["method"], 0), {})
-        paired = sorted(set(ref) & set(meth))
-        a, b = np.array([meth[k] for k in paired]), np.array([ref[k] for k in paired])
-        d = paired_difference(a, b) if higher else paired_difference(b, a)
+        d, n = oriented_difference(seeds.get((g["task"], g["method"], 0), {}), seeds.get((g["task"], "sync", 0), {}),
+                                   higher)
         rows.append({"task": g["task"], "method": g["method"], "staleness": 0, "value": g[mean],
-                     "sync": sync[mean] if sync else math.nan, "n": len(paired), "vs_sync_diff": d["diff"],
+                     "sync": sync[mean] if sync else math.nan, "n": n, "vs_sync_diff": d["diff"],
                      "vs_sync_ci_low": d["ci_low"], "vs_sync_ci_high": d["ci_high"], "vs_sync_p": d["p"]})
     for row, adj in zip(rows, holm_adjust([r["vs_sync_p"] for r in rows])):
         row["vs_sync_p_adj"] = adj
@@ -199,14 +204,8 @@ def staleness_costs(groups: list[dict], cells: list[dict], key: str = "final") -
         if mean not in g or g["ablation"] or s == 0 or m in REFERENCE_METHODS or (task, m, 0) not in have:
             continue
         higher = key == "reward_last" or bool(g["higher_is_better"])
-
-        def cost(on: dict, off: dict) -> tuple[dict, int]:
-            paired = sorted(set(on) & set(off))
-            a, b = np.array([on[k] for k in paired]), np.array([off[k] for k in paired])
-            return (paired_difference(a, b) if higher else paired_difference(b, a)), len(paired)
-
-        own, n = cost(seeds.get((task, m, 0), {}), seeds.get((task, m, s), {}))
-        ref, n_ref = cost(seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", s), {}))
+        own, n = oriented_difference(seeds.get((task, m, 0), {}), seeds.get((task, m, s), {}), higher)
+        ref, n_ref = oriented_difference(seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", s), {}), higher)
         rows.append({"task": task, "method": m, "staleness": s, "n": n, "cost": own["diff"],
                      "cost_ci_low": own["ci_low"], "cost_ci_high": own["ci_high"], "cost_p": own["p"],
                      "stale_n": n_ref, "stale_cost": ref["diff"], "stale_cost_ci_low": ref["ci_low"],
