@@ -138,6 +138,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     if on_policy_controls(groups, cells_g):
         for suffix, key, title in measures:
             on_policy[title] = summary[f"on_policy{suffix}"] = on_policy_controls(groups, cells_g, key)
+        for suffix, key, title in measures:
             costs[title] = summary[f"staleness_cost{suffix}"] = staleness_costs(groups, cells_g, key)
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
