@@ -22,8 +22,8 @@ GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-runs}
-ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-step-control
-     llm-step-control-lr3e-4)
+ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-readings
+     llm-step-control llm-step-control-lr3e-4)
 SUITES=()
 for arg in "$@"; do
     if [ "$arg" = --allow-mixed-versions ]; then ALLOW_MIXED=1; else SUITES+=("$arg"); fi
@@ -56,6 +56,30 @@ bandit_baselines() {
         --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
 }
 
+# llm-readings: the part of llm-headline that compares every reading of GAC: sync, and stale, gac, gac-calibrated,
+# gac-skip, gac-cosine, gac-applied, gac-update, gac-ema, gac-step and gac-step-calibrated at s = 16 and 32, 5 seeds
+# (105 cells, about 4 h on 2 workers). Its cells are llm-headline's (the same identities): the finished ones
+# stored in $RUNS/llm-headline are copied first, so that neither grid computes a cell the other holds.
+READINGS=(sync stale gac gac-calibrated gac-skip gac-cosine gac-applied gac-update gac-ema gac-step gac-step-calibrated)
+readings() {
+    local m s seed
+    for m in "${READINGS[@]}"; do
+        for s in s0 s16 s32; do
+            for seed in "$RUNS/llm-headline/cells/arithmetic/$m/$s"/seed*; do
+                local dst="$RUNS/llm-readings/cells/arithmetic/$m/$s/${seed##*/}"
+                if [ -f "$seed/status.json" ] && grep -q '"status": "done"' "$seed/status.json" && [ ! -e "$dst" ]; then
+                    mkdir -p "$(dirname "$dst")"
+                    cp -r "$seed" "$dst"
+                fi
+            done
+        done
+    done
+    local methods
+    methods=$(IFS=,; echo "${READINGS[*]}")
+    "$GACBENCH" bench --suite llm-headline --tasks arithmetic --methods "$methods" --staleness 0,16,32 \
+        --out "$RUNS/llm-readings"
+}
+
 # llm-step-control-lr3e-4: llm-step-control's sync, stale and gac-step (at s = 0 and 16) at lr 3e-4, where llm-regime
 # finds synchronous GRPO healthy (20 cells, about 40 min)
 step_control_lr3e4() {
@@ -66,6 +90,7 @@ step_control_lr3e4() {
 for suite in "${SUITES[@]}"; do
     case "$suite" in
         bandit-baselines) bandit_baselines ;;
+        llm-readings) readings ;;
         llm-step-control-lr3e-4) step_control_lr3e4 ;;
         *) "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite" ;;
     esac

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from gacbench.bench.records import read_metrics
-from gacbench.bench.regime import law_points
+from gacbench.bench.regime import PAPER_TABLE3, law_points
 from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows, significant
 
 #: At most this many methods besides sync and stale share a panel of a curve figure; a task with more gets one
@@ -390,6 +390,61 @@ def law_figure(cv: Canvas, law: list[dict]) -> None:
     cv.save(fig, "fig_law.png", outside=True)
 
 
+def size_figure(cv: Canvas, points: list[dict], trend: dict | None) -> None:
+    """The model-size axis (``fig_size.png``; ``points``: :func:`~gacbench.bench.regime.size_points`). Left: sync's
+    q0.9(|c_t|) against the parameter count (log axis), each seed a small dot and each task's mean a large one, the
+    paper's Table 3 models as stars, and the least-squares trend (:func:`~gacbench.bench.regime.size_trend`) solid
+    over the grid's sizes and dashed where it is extended to the paper's. Right: the stale run's median c_t over
+    sync's, per s, against the parameter count (1: no stale signature)."""
+    plt = cv.plt
+    if not points:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    palette = plt.cm.tab10.colors
+    tasks = {p["task"] for p in points}
+    for i, p in enumerate(points):
+        color = palette[i % len(palette)]
+        seeds = [c["cos_abs_q90"] for c in cv.main if c["task"] == p["task"] and c["method"] == "sync"
+                 and c["staleness"] == 0 and c.get("cos_abs_q90") is not None]
+        left.plot([p["params"]] * len(seeds), seeds, ls="", marker="o", ms=3, color=color, alpha=0.5)
+        left.plot([p["params"]], [p["sync_cos_abs_q90"]], ls="", marker="o", ms=8, color=color,
+                  label=f"{p['task']} ({p['params'] / 1e6:.1f}M)")
+    left.plot([r["params"] for r in PAPER_TABLE3], [r["cos_abs_q90"] for r in PAPER_TABLE3], ls="", marker="*",
+              ms=11, color="black", label="paper Table 3 (" + ", ".join(r["model"] for r in PAPER_TABLE3) + ")")
+    if trend is not None:
+        lo, hi = min(trend["sizes"]), max(trend["sizes"])
+        far = max(r["params"] for r in PAPER_TABLE3)
+
+        def line(a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
+            x = np.logspace(math.log10(a), math.log10(b), 50)
+            return x, trend["intercept"] + trend["slope_per_decade"] * np.log10(x)
+
+        left.plot(*line(lo, hi), color="0.3", lw=1.2,
+                  label=f"trend {trend['slope_per_decade']:+.3f} per 10× parameters "
+                        f"[{trend['slope_ci_low']:+.3f}, {trend['slope_ci_high']:+.3f}]")
+        left.plot(*line(hi, far), color="0.3", lw=1.0, ls="--", label="trend extended (extrapolation)")
+    left.set_xscale("log")
+    left.set_xlabel("parameters")
+    left.set_ylabel("sync q0.9(|c_t|)")
+    left.set_title("On-policy c_t spread against model size", fontsize=9)
+    left.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.22), ncol=2, frameon=False)
+    svals = sorted({e["staleness"] for p in points for e in p["stale"]})
+    for j, s in enumerate(svals):
+        xs = [(p["params"], e["cos_median_ratio"]) for p in points for e in p["stale"]
+              if e["staleness"] == s and math.isfinite(e["cos_median_ratio"])]
+        if xs:
+            px, ys = zip(*sorted(xs))
+            right.plot(px, ys, marker="o", color=palette[(len(tasks) + j) % len(palette)], label=f"s = {s}")
+    right.axhline(1.0, color="gray", lw=0.6)
+    right.set_xscale("log")
+    right.set_xlabel("parameters")
+    right.set_ylabel("stale / sync, median c_t")
+    right.set_title("Stale signature against model size (1: none)", fontsize=9)
+    if svals:
+        right.legend(fontsize=7, frameon=False)
+    cv.save(fig, "fig_size.png", outside=True)
+
+
 def regime_figure(cv: Canvas, regime: list[dict]) -> None:
     """The regime map: stale - sync gap and the c_t difference against (learning rate, staleness), per model
     (``fig_regime.png``)."""
@@ -486,7 +541,8 @@ def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] 
 
 def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups: list[dict],
             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
-            share_rows: list[dict] | None = None) -> list[Path]:
+            share_rows: list[dict] | None = None, sizes: list[dict] | None = None,
+            size_trend: dict | None = None) -> list[Path]:
     """Write every figure of ``root`` that its cells support (``cells`` as grouped, ``cell_dirs`` as in
     :class:`Canvas`; ``share_rows``: the recovered shares on the measure the summary reads,
     :func:`~gacbench.bench.stats.headline_shares`); returns their paths."""
@@ -504,4 +560,5 @@ def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups:
     thresholds_figure(cv, groups, ablation_rows)
     shares_figure(cv, share_rows)
     law_figure(cv, law_points(regime or []))
+    size_figure(cv, sizes or [], size_trend)
     return cv.out

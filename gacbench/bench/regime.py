@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from gacbench.bench.groups import capped_final, nanmean, per_seed
-from gacbench.bench.stats import mean_bootstrap_ci
+from gacbench.bench.stats import CI_LEVEL, mean_bootstrap_ci
 
 
 def _model_label(objective: str | None, params: dict) -> str:
@@ -130,3 +130,73 @@ def law_points(points: list[dict]) -> list[dict]:
                     "spearman_rho": rho, "spearman_p": pval,
                     "sync_unhealthy_lrs": sorted({p["lr"] for p in pts if not p["sync_healthy"]})})
     return out
+
+
+#: The paper's Table 3 (on-policy c_t statistics after step 50), with each model's nominal parameter count as its
+#: name gives it: the reference rows of the model-size table (:func:`size_points`) and of fig_size.png
+PAPER_TABLE3 = (
+    {"model": "Qwen3-1.7B", "params": 1.7e9, "cos_abs_q90": 0.0471, "cos_max_abs": 0.0924, "cos_abs_le_005": 0.91},
+    {"model": "Llama-3.2-3B-Instruct", "params": 3.0e9, "cos_abs_q90": 0.0687, "cos_max_abs": 0.1276,
+     "cos_abs_le_005": 0.83},
+    {"model": "Qwen3-4B", "params": 4.0e9, "cos_abs_q90": 0.0296, "cos_max_abs": 0.0645, "cos_abs_le_005": 0.99},
+    {"model": "Qwen3-8B", "params": 8.0e9, "cos_abs_q90": 0.0317, "cos_max_abs": 0.0625, "cos_abs_le_005": 0.98},
+)
+
+
+def size_points(cells: list[dict], specs: list[dict]) -> list[dict]:
+    """The model-size axis: for every task whose synchronous cells record the model's parameter count (GRPO's
+    ``model/params``), the on-policy c_t statistics of paper Table 3 (means over the sync cells' seeds: median c_t,
+    q0.9(|c_t|), max |c_t|, Pr(|c_t| <= 0.05)), the task's ``lr``, and per staleness s of ``stale`` the stale
+    run's median c_t and its ratio to sync's (``stale``: one entry per s). Sorted by parameter count, then lr;
+    empty unless the tasks span at least two parameter counts (a grid of one model has no size axis)."""
+    lr_of = {c["task"]: (c.get("params") or {}).get("lr") for c in specs}
+    done = [c for c in cells if c["status"] == "done" and not c.get("ablation")]
+    rows = []
+    for task in sorted({c["task"] for c in done}):
+        sync = [c for c in done if c["task"] == task and c["method"] == "sync" and c["staleness"] == 0
+                and c.get("params") and c.get("cos_abs_q90") is not None and math.isfinite(c["cos_abs_q90"])]
+        if not sync:
+            continue
+        row = {"task": task, "params": int(sync[0]["params"]), "lr": lr_of.get(task), "n": len(sync),
+               **{f"sync_{k}": nanmean([c.get(k, math.nan) for c in sync])
+                  for k in ("cos_median", "cos_abs_q90", "cos_max_abs", "cos_abs_le_005")}, "stale": []}
+        for s in sorted({c["staleness"] for c in done if c["task"] == task and c["method"] == "stale"}):
+            stale = [c for c in done if c["task"] == task and c["method"] == "stale" and c["staleness"] == s]
+            med = nanmean([c["cos_median"] for c in stale])
+            ratio = med / row["sync_cos_median"] if row["sync_cos_median"] and math.isfinite(med) else math.nan
+            row["stale"].append({"staleness": s, "stale_cos_median": med, "cos_median_ratio": ratio, "n": len(stale)})
+        rows.append(row)
+    if len({r["params"] for r in rows}) < 2:
+        return []
+    return sorted(rows, key=lambda r: (r["params"], r["lr"] if isinstance(r["lr"], (int, float)) else math.inf))
+
+
+def size_trend(cells: list[dict], points: list[dict]) -> dict | None:
+    """How the synchronous q0.9(|c_t|) moves with model size: the least-squares slope of the per-seed values
+    against log10(parameter count) over the sync cells of the model-size table's tasks (:func:`size_points`),
+    with its 95% t-interval and p-value (scipy.stats.linregress; ``slope_per_decade``: the change of q0.9(|c_t|)
+    per tenfold parameters), and the line's value at each of the paper's Table 3 models (``at_paper``: where the
+    trend points, an extrapolation). None unless every parameter count has one task (one learning rate, so that
+    the slope is the size's and not the lr's) and there are at least three of them."""
+    by_params: dict[int, list[str]] = defaultdict(list)
+    for p in points:
+        by_params[p["params"]].append(p["task"])
+    if len(by_params) < 3 or any(len(t) > 1 for t in by_params.values()):
+        return None
+    from scipy import stats
+
+    tasks = {p["task"] for p in points}
+    sync = [c for c in cells if c["status"] == "done" and c["task"] in tasks and c["method"] == "sync"
+            and c["staleness"] == 0 and c.get("params") and c.get("cos_abs_q90") is not None
+            and math.isfinite(c["cos_abs_q90"])]
+    x = np.log10([float(c["params"]) for c in sync])
+    y = np.array([c["cos_abs_q90"] for c in sync])
+    fit = stats.linregress(x, y)
+    half = float(stats.t.ppf(0.5 + CI_LEVEL / 2, len(x) - 2) * fit.stderr) if len(x) > 2 else math.nan
+    return {"measure": "sync cos_abs_q90", "slope_per_decade": float(fit.slope),
+            "slope_ci_low": float(fit.slope) - half, "slope_ci_high": float(fit.slope) + half,
+            "p": float(fit.pvalue), "intercept": float(fit.intercept),
+            "n_cells": len(x), "sizes": sorted(by_params),
+            "at_paper": [{"model": r["model"], "params": r["params"],
+                          "fit": float(fit.intercept + fit.slope * math.log10(r["params"])),
+                          "paper": r["cos_abs_q90"]} for r in PAPER_TABLE3]}

@@ -39,6 +39,11 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   :func:`~gacbench.bench.tables.table1_staleness`), paper Table 3 with the calibrated thresholds
   (``tables._table3``) and the regime map (:func:`~gacbench.bench.regime.regime_points`, also ``regime`` in
   summary.json) with its points against s * lr (:func:`~gacbench.bench.regime.law_points`, ``regime_law``);
+- ``size`` (a grid whose GRPO tasks span two or more model sizes): per task, paper Table 3's on-policy statistics of
+  the sync cells, the parameter count and lr, and the stale / sync median c_t per s
+  (:func:`~gacbench.bench.regime.size_points`), beside the paper's rows in summary.md; ``size_trend``: the slope of
+  sync's q0.9(|c_t|) against log10 parameters with its interval, and where it points at the paper's sizes
+  (:func:`~gacbench.bench.regime.size_trend`; three sizes or more, one task each); fig_size.png plots both;
 - ``on_policy`` / ``on_policy_reward`` (a suite task's ``on_policy`` methods, run at s = 0): each such
   stabilizer against sync on the final metric / the training reward, the paired difference method - sync (> 0:
   better) with its t-interval and p-value, and ``vs_sync_p_adj`` (Holm over each table;
@@ -83,7 +88,7 @@ from gacbench.bench.records import (  # noqa: F401  (re-exported)
     running_max_drop,
     window_noise,
 )
-from gacbench.bench.regime import law_points, regime_points
+from gacbench.bench.regime import law_points, regime_points, size_points, size_trend
 from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     BOOT_RESAMPLES,
     BOOT_SEED,
@@ -152,14 +157,21 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
         law = law_points(regime)
         if law:
             summary["regime_law"] = law
+    sizes = size_points(cells_g, specs_g)
+    trend = size_trend(cells_g, sizes) if sizes else None
+    if sizes:
+        summary["size"] = sizes
+        if trend is not None:
+            summary["size_trend"] = trend
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
-                                                  ablation_rows, versions, mixed, on_policy, costs))
+                                                  ablation_rows, versions, mixed, on_policy, costs,
+                                                  sizes, trend))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
-    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares))
-            if groups else [])
+    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares),
+                    sizes, trend) if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from gacbench.bench.groups import nanmean, per_seed
 from gacbench.bench.records import DEGRADE_MARGIN, DEGRADE_SIGMAS, DEGRADE_WINDOW, DIAGNOSTICS
-from gacbench.bench.regime import law_points
+from gacbench.bench.regime import PAPER_TABLE3, law_points
 from gacbench.bench.stats import (
     BOOT_RESAMPLES,
     BOOT_SEED,
@@ -127,13 +127,15 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              reward_shares: list[dict] | None = None, timing: dict | None = None,
              regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
              versions: list[dict] | None = None, mixed: list[dict] | None = None,
-             on_policy: dict[str, list[dict]] | None = None, costs: dict[str, list[dict]] | None = None) -> str:
+             on_policy: dict[str, list[dict]] | None = None, costs: dict[str, list[dict]] | None = None,
+             sizes: list[dict] | None = None, size_trend: dict | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
     more than one version. ``on_policy``: the on-policy controls (:func:`~gacbench.bench.stats.on_policy_controls`)
     per measure name; ``costs``: what staleness costs each of them (:func:`~gacbench.bench.stats.staleness_costs`)
-    per measure name."""
+    per measure name. ``sizes`` and ``size_trend``: the model-size table (:func:`~gacbench.bench.regime.size_points`)
+    and its trend."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     if versions and len(versions) > 1:
@@ -217,6 +219,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _table3(cells)
     lines += _regime_section(regime or [])
     lines += _law_section(law_points(regime or []))
+    lines += _size_section(sizes or [], size_trend)
     lines += _versions_section(versions or [], mixed or [])
     return "\n".join(lines) + "\n"
 
@@ -454,6 +457,40 @@ def _law_section(law: list[dict]) -> list[str]:
                   f"{p['n']} |" for p in entry["points"]]
         lines.append("")
     return lines[:-1]
+
+
+def _size_section(points: list[dict], trend: dict | None) -> list[str]:
+    """Paper Table 3 across model sizes (:func:`~gacbench.bench.regime.size_points`), the paper's rows beside the
+    grid's, the stale / sync median c_t per s, and the trend of q0.9(|c_t|) with size
+    (:func:`~gacbench.bench.regime.size_trend`)."""
+    if not points:
+        return []
+    svals = sorted({e["staleness"] for p in points for e in p["stale"]})
+    lines = ["", "## On-policy alignment across model sizes (paper Table 3 by size)", "",
+             "Synchronous cells, means over seeds after the warm-up; the paper's rows (nominal parameter counts, "
+             "after step 50) below the grid's. Stale / sync: the stale run's median c_t over sync's at each s; "
+             "fig_size.png plots both.", "",
+             "| model | parameters | lr | median c_t | q0.9(|c_t|) | max |c_t| | Pr(|c_t| ≤ 0.05) | "
+             + "".join(f"stale / sync median c_t, s={s} | " for s in svals) + "seeds |",
+             "|" + "---|" * (8 + len(svals))]
+    for p in points:
+        ratios = {e["staleness"]: e for e in p["stale"]}
+        lr = f"{p['lr']:.3g}" if isinstance(p["lr"], (int, float)) else "—"
+        lines.append(f"| {p['task']} | {p['params'] / 1e6:.2f}M | {lr} | {fmt(p['sync_cos_median'])} | "
+                     f"{fmt(p['sync_cos_abs_q90'])} | {fmt(p['sync_cos_max_abs'])} | "
+                     f"{fmt(p['sync_cos_abs_le_005'], 2)} | "
+                     + "".join(f"{fmt(ratios[s]['cos_median_ratio'], 2)} | " if s in ratios else "— | " for s in svals)
+                     + f"{p['n']} |")
+    for r in PAPER_TABLE3:
+        lines.append(f"| {r['model']} (paper) | {r['params'] / 1e9:.1f}B | 1e-06 | — | {fmt(r['cos_abs_q90'])} | "
+                     f"{fmt(r['cos_max_abs'])} | {fmt(r['cos_abs_le_005'], 2)} | " + "— | " * len(svals) + "— |")
+    if trend is not None:
+        at = "; ".join(f"{a['model']} {fmt(a['fit'])} (paper {fmt(a['paper'])})" for a in trend["at_paper"])
+        lines += ["", f"Trend: q0.9(|c_t|) of sync changes by {trend['slope_per_decade']:+.3f} per tenfold parameters "
+                      f"[{CI_LEVEL:.0%} CI {trend['slope_ci_low']:+.3f}, {trend['slope_ci_high']:+.3f}] (least squares "
+                      f"on log10 parameters over {trend['n_cells']} sync cells, p = {fmt(trend['p'], 2)}). Extended "
+                      f"to the paper's sizes (an extrapolation over more than two decades): {at}."]
+    return lines
 
 
 def _step_share_note(timing: dict | None) -> str:
