@@ -57,27 +57,30 @@ bandit_baselines() {
 }
 
 # llm-readings: the part of llm-headline that compares every reading of GAC: sync, and stale, gac, gac-calibrated,
-# gac-skip, gac-cosine, gac-applied, gac-update, gac-ema, gac-step and gac-step-calibrated at s = 16 and 32, 5 seeds
-# (105 cells, about 4 h on 2 workers). Its cells are llm-headline's (the same identities): the finished ones
+# gac-skip, gac-cosine, gac-applied, gac-update, gac-ema, gac-step and gac-step-calibrated at s = 16 and 32, 5 seeds,
+# with the momentum-free control (task arithmetic-beta1-0: AdamW beta1 = 0, sync, and stale and gac at s = 16)
+# (120 cells, about 5 h on 2 workers). Its cells are llm-headline's (the same identities): the finished ones
 # stored in $RUNS/llm-headline are copied first, so that neither grid computes a cell the other holds.
 READINGS=(sync stale gac gac-calibrated gac-skip gac-cosine gac-applied gac-update gac-ema gac-step gac-step-calibrated)
 readings() {
-    local m s seed
-    for m in "${READINGS[@]}"; do
-        for s in s0 s16 s32; do
-            for seed in "$RUNS/llm-headline/cells/arithmetic/$m/$s"/seed*; do
-                local dst="$RUNS/llm-readings/cells/arithmetic/$m/$s/${seed##*/}"
-                if [ -f "$seed/status.json" ] && grep -q '"status": "done"' "$seed/status.json" && [ ! -e "$dst" ]; then
-                    mkdir -p "$(dirname "$dst")"
-                    cp -r "$seed" "$dst"
-                fi
+    local task m s seed dst methods
+    for task in arithmetic arithmetic-beta1-0; do
+        for m in "${READINGS[@]}"; do
+            for s in s0 s16 s32; do
+                for seed in "$RUNS/llm-headline/cells/$task/$m/$s"/seed*; do
+                    dst="$RUNS/llm-readings/cells/$task/$m/$s/${seed##*/}"
+                    if [ -f "$seed/status.json" ] && grep -q '"status": "done"' "$seed/status.json" && [ ! -e "$dst" ]
+                    then
+                        mkdir -p "$(dirname "$dst")"
+                        cp -r "$seed" "$dst"
+                    fi
+                done
             done
         done
     done
-    local methods
     methods=$(IFS=,; echo "${READINGS[*]}")
-    "$GACBENCH" bench --suite llm-headline --tasks arithmetic --methods "$methods" --staleness 0,16,32 \
-        --out "$RUNS/llm-readings"
+    "$GACBENCH" bench --suite llm-headline --tasks arithmetic,arithmetic-beta1-0 --methods "$methods" \
+        --staleness 0,16,32 --out "$RUNS/llm-readings"
 }
 
 # llm-step-control-lr3e-4: llm-step-control's sync, stale and gac-step (at s = 0 and 16) at lr 3e-4, where llm-regime

@@ -359,7 +359,7 @@ def test_the_headline_suite_adds_every_reading_at_16_and_32_and_keeps_its_cells(
     del core["tasks"]["arithmetic-beta1-0"], core["tasks"]["arithmetic"]["extra_methods"]
     del core["tasks"]["arithmetic"]["extra_staleness"]
     old = expand_cells(core)
-    assert len(old) == 260 and len(cells) == 340
+    assert len(old) == 260 and len(cells) == 345
     by_dir = {cell_dir(Path("R"), c): c for c in cells}
     assert all(by_dir.get(cell_dir(Path("R"), c)) == c for c in old)
     readings = {"gac-skip", "gac-cosine", "gac-applied", "gac-update", "gac-ema", "gac-step", "gac-step-calibrated"}
@@ -368,8 +368,8 @@ def test_the_headline_suite_adds_every_reading_at_16_and_32_and_keeps_its_cells(
         assert sorted({c["staleness"] for c in cells if c["method"] == m}) == [16, 32]
         assert len([c for c in cells if c["method"] == m]) == 10
     control = [c for c in cells if c["task"] == "arithmetic-beta1-0"]
-    assert sorted({(c["method"], c["staleness"]) for c in control}) == [("gac", 16), ("stale", 16)]
-    assert all(c["params"]["optimizer"] == {"betas": [0.0, 0.999]} for c in control) and len(control) == 10
+    assert sorted({(c["method"], c["staleness"]) for c in control}) == [("gac", 16), ("stale", 16), ("sync", 0)]
+    assert all(c["params"]["optimizer"] == {"betas": [0.0, 0.999]} for c in control) and len(control) == 15
     params = {k: v for k, v in control[0]["params"].items() if k != "optimizer"}
     assert params == suite["tasks"]["arithmetic"]["params"]  # the same regime, momentum off
 
