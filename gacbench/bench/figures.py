@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from gacbench.bench.records import read_metrics
-from gacbench.bench.regime import PAPER_TABLE3, law_points
+from gacbench.bench.regime import PAPER_TABLE3, law_points, size_sync_cells
 from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows, significant
 
 #: At most this many methods besides sync and stale share a panel of a curve figure; a task with more gets one
@@ -404,8 +404,7 @@ def size_figure(cv: Canvas, points: list[dict], trend: dict | None) -> None:
     tasks = {p["task"] for p in points}
     for i, p in enumerate(points):
         color = palette[i % len(palette)]
-        seeds = [c["cos_abs_q90"] for c in cv.main if c["task"] == p["task"] and c["method"] == "sync"
-                 and c["staleness"] == 0 and c.get("cos_abs_q90") is not None]
+        seeds = [c["cos_abs_q90"] for c in size_sync_cells(cv.main, {p["task"]})]
         left.plot([p["params"]] * len(seeds), seeds, ls="", marker="o", ms=3, color=color, alpha=0.5)
         left.plot([p["params"]], [p["sync_cos_abs_q90"]], ls="", marker="o", ms=8, color=color,
                   label=f"{p['task']} ({p['params'] / 1e6:.1f}M)")

@@ -143,6 +143,14 @@ PAPER_TABLE3 = (
 )
 
 
+def size_sync_cells(cells: list[dict], tasks: set[str]) -> list[dict]:
+    """The done synchronous cells of ``tasks`` that record the model's parameter count and a finite q0.9(|c_t|):
+    the cells the model-size table, its trend and fig_size.png read."""
+    return [c for c in cells if c["status"] == "done" and not c.get("ablation") and c["task"] in tasks
+            and c["method"] == "sync" and c["staleness"] == 0 and c.get("params")
+            and c.get("cos_abs_q90") is not None and math.isfinite(c["cos_abs_q90"])]
+
+
 def size_points(cells: list[dict], specs: list[dict]) -> list[dict]:
     """The model-size axis: for every task whose synchronous cells record the model's parameter count (GRPO's
     ``model/params``), the on-policy c_t statistics of paper Table 3 (means over the sync cells' seeds: median c_t,
@@ -153,8 +161,7 @@ def size_points(cells: list[dict], specs: list[dict]) -> list[dict]:
     done = [c for c in cells if c["status"] == "done" and not c.get("ablation")]
     rows = []
     for task in sorted({c["task"] for c in done}):
-        sync = [c for c in done if c["task"] == task and c["method"] == "sync" and c["staleness"] == 0
-                and c.get("params") and c.get("cos_abs_q90") is not None and math.isfinite(c["cos_abs_q90"])]
+        sync = size_sync_cells(done, {task})
         if not sync:
             continue
         row = {"task": task, "params": int(sync[0]["params"]), "lr": lr_of.get(task), "n": len(sync),
@@ -185,10 +192,7 @@ def size_trend(cells: list[dict], points: list[dict]) -> dict | None:
         return None
     from scipy import stats
 
-    tasks = {p["task"] for p in points}
-    sync = [c for c in cells if c["status"] == "done" and c["task"] in tasks and c["method"] == "sync"
-            and c["staleness"] == 0 and c.get("params") and c.get("cos_abs_q90") is not None
-            and math.isfinite(c["cos_abs_q90"])]
+    sync = size_sync_cells(cells, {p["task"] for p in points})
     x = np.log10([float(c["params"]) for c in sync])
     y = np.array([c["cos_abs_q90"] for c in sync])
     fit = stats.linregress(x, y)
