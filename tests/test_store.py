@@ -257,6 +257,35 @@ def test_a_signal_stops_the_grid_promptly_writes_the_summary_and_the_rerun_resum
     assert kept == {p: p.stat().st_mtime_ns for p in kept}
 
 
+def test_a_stop_whose_raise_python_drops_in_a_finalizer_is_raised_again_and_the_grid_checks_it(tmp_path):
+    """The signal handler's GridInterrupted, raised while the main thread runs a ``__del__`` (a profiler's, a
+    tensor's), is dropped by Python; the grid must stop all the same: at once, and before its next cell."""
+    from gacbench.bench import executors, runner
+
+    class Finalizer:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)  # the handler runs here, and its exception is dropped
+
+    restore = runner._stop_on_signals()
+    try:
+        with pytest.raises(executors.GridInterrupted) as stopped:
+            item = Finalizer()
+            del item
+            deadline = time.time() + 10
+            while time.time() < deadline:  # raised again after 1 ms of CPU time
+                sum(range(10_000))
+        assert stopped.value.signum == signal.SIGTERM and executors.stop_requested() == signal.SIGTERM
+        signal.raise_signal(signal.SIGINT)  # a second signal while the grid stops is ignored
+        out = tmp_path / "out"
+        cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))
+        with pytest.raises(executors.GridInterrupted):
+            run_grid(cells, out, 1, "local")
+        assert not list(out.glob("cells/**/config.json"))  # no cell started
+    finally:
+        restore()
+    assert executors.stop_requested() is None and signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)
+
+
 # -- a full disk ----------------------------------------------------------------------------------------
 def _fill_disk_on(monkeypatch, name: str) -> None:
     """Writes of ``name``'s temporary file put part of the text down, then fail as on a full disk."""

@@ -54,6 +54,27 @@ class GridInterrupted(BaseException):
         self.signum = signum
 
 
+_stop_requested: int | None = None  # the signal that stopped the grid, set by the runner's handler
+
+
+def request_stop(signum: int | None) -> None:
+    """Record that ``signum`` stopped the grid (None: clear it). The handler's own raise can be lost (Python
+    ignores an exception raised while the main thread runs a ``__del__``), so the record outlives it."""
+    global _stop_requested
+    _stop_requested = signum
+
+
+def stop_requested() -> int | None:
+    return _stop_requested
+
+
+def check_stop() -> None:
+    """Raise :class:`GridInterrupted` if a signal stopped the grid: each executor calls it between cells and
+    while it waits, so a stop whose raise was lost still ends the grid before its next cell."""
+    if _stop_requested is not None:
+        raise GridInterrupted(_stop_requested)
+
+
 def reference_calibration(root: Path, cell: dict) -> dict:
     """The calibration record of ``cell`` (a method with a reference, ``gac-calibrated``) from its reference
     cell's stored trace under ``root``: the metric the method names (``align/cos``; ``align/step_cos`` for
@@ -153,6 +174,7 @@ def wait_for_claims(root: Path, claimed: list[dict], deps: Dependencies, display
     left = list(claimed)
     results: list[dict] = []
     while left:
+        check_stop()
         released = [c for c in left if claim_released(cell_dir(root, c))]
         if not released:
             time.sleep(poll_s)
@@ -250,6 +272,7 @@ def run_local(deps: Dependencies, root: Path, threads: int, display: Display, re
     results: list[dict] = []
     queue = deps.take_ready()
     while queue:
+        check_stop()
         cell = queue.pop(0)
         display.update(running=1)
         results.append(run_cell(cell, root, threads, rerun_other_versions))
@@ -272,7 +295,8 @@ def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display
         futures = {pool.submit(run_cell, c, *args): c for c in deps.take_ready()}
         display.update(running=min(workers, len(futures)))
         while futures:
-            finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+            check_stop()
+            finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in finished:
                 cell = futures.pop(f)
                 try:
@@ -364,6 +388,7 @@ def run_ray(deps: Dependencies, root: Path, workers: int, threads: int, display:
                 idle.discard(i)
         display.update(running=len(inflight))
         while inflight:
+            check_stop()
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)  # a timeout lets a signal through
             if not ready:
                 continue

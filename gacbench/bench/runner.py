@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -64,11 +65,14 @@ from gacbench.bench.executors import (  # noqa: F401  (reference_calibration re-
     Dependencies,
     Display,
     GridInterrupted,
+    check_stop,
     reference_calibration,
     report_failed,
+    request_stop,
     run_local,
     run_pool,
     run_ray,
+    stop_requested,
     wait_for_claims,
 )
 from gacbench.bench.timing import timing_lines, timing_record  # noqa: F401  (timing_record re-exported)
@@ -369,6 +373,7 @@ def main(args) -> int:
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
                           rerun_other_versions=getattr(args, "rerun_other_versions", False))
+        check_stop()  # a stop whose raise was lost in the grid's last cell
     except CellMismatchError as exc:
         raise SystemExit(f"gacbench bench: {exc}") from None
     except GridInterrupted as stop:
@@ -452,21 +457,45 @@ def resume_command(args) -> str:
 
 
 def _stop_on_signals():
-    """Make SIGINT and SIGTERM raise :class:`GridInterrupted` in this (main) thread, once: a second signal while
-    the grid stops and its summary is written is ignored. Returns the function that puts the handlers back."""
+    """Make SIGINT and SIGTERM stop the grid from this (main) thread, once: the handler records the signal
+    (:func:`request_stop`) and raises :class:`GridInterrupted`; a second signal while the grid stops and its
+    summary is written is ignored. Python drops an exception raised while the main thread runs a ``__del__``
+    (it goes to ``sys.unraisablehook``): a dropped GridInterrupted is raised again once the process has run
+    1 ms of CPU time on (SIGVTALRM, which nothing else here uses), and the executors check the record between
+    cells (:func:`check_stop`). Returns the function that puts the handlers and the hook back."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     signums = (signal.SIGINT, signal.SIGTERM)
+    dropped: list[int] = []  # the signal of a GridInterrupted that Python dropped, to be raised again
 
     def stop(signum, frame):
-        for s in signums:
-            signal.signal(s, signal.SIG_IGN)
+        if stop_requested() is not None:
+            return  # a second signal while the grid stops
+        request_stop(signum)
         raise GridInterrupted(signum)
 
+    def again(signum, frame):
+        if dropped:
+            raise GridInterrupted(dropped.pop())
+
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if isinstance(info.exc_value, GridInterrupted):
+            dropped[:] = [info.exc_value.signum]
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0.001)  # a raise from here would be dropped too
+        else:
+            previous_hook(info)
+
     previous = {s: signal.signal(s, stop) for s in signums}
+    previous[signal.SIGVTALRM] = signal.signal(signal.SIGVTALRM, again)
+    sys.unraisablehook = unraisable
 
     def restore() -> None:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
+        request_stop(None)
 
     return restore
