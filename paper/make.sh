@@ -6,6 +6,7 @@
 #   bash paper/make.sh                 # every suite below, then the rollout benchmark
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence bandit-baselines)
 #   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
+#   bash paper/make.sh toward          # paper/toward.{md,json} from the published llm-size and llm-length summaries
 # Only single-version grids are published: a grid whose summary.json lists more than one code version
 # (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
 # provenance count as one version, `unrecorded`) stops the script before its files are copied, naming the
@@ -95,6 +96,7 @@ for suite in "${SUITES[@]}"; do
         bandit-baselines) bandit_baselines ;;
         llm-readings) readings ;;
         llm-step-control-lr3e-4) step_control_lr3e4 ;;
+        toward) "$PYTHON" paper/toward.py; continue ;;  # reads published summaries: nothing to run or copy
         *) "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite" ;;
     esac
     single_version "$RUNS/$suite"

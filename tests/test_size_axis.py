@@ -140,3 +140,66 @@ def test_stored_grid_of_three_sizes_gets_the_size_table(tmp_path):
     assert summary["size_trend"]["slope_per_decade"] < 0 and summary["size_trend"]["n_cells"] == 6
     assert (tmp_path / "fig_size.png").is_file()
     assert "## On-policy alignment across model sizes" in (tmp_path / "summary.md").read_text()
+
+
+# -- the table "toward the paper's regime" (paper/toward.py) ---------------------------------------------
+REWARDS = {("sync", 0): (0.30, 0.32, 0.34), ("stale", 16): (0.20, 0.25, 0.24), ("gac", 16): (0.25, 0.27, 0.26),
+           ("gspo", 16): (0.31, 0.30, 0.33)}
+
+
+def _toward_summary():
+    """A grid's summary.json as the report writes it, from three seeds of sync, stale, gac and gspo."""
+    cells = []
+    for (method, s), rewards in REWARDS.items():
+        for k, r in enumerate(rewards):
+            c = report_cell("small", method, s, k, 0.5, reward=r)
+            c.update({"cos_median": 0.04 if method == "sync" else 0.06, "cos_abs_q90": 0.2 + 0.01 * k,
+                      "response_tokens": 25.0 + k, "params": 4_700_000, "ratio_max": 10.0 * (k + 1)})
+            cells.append(c)
+    groups = group_records(cells)
+    return {"cells": cells, "groups": groups,
+            "recovered_reward": recovered_shares(groups, key="reward_last", cells=cells)}
+
+
+def test_toward_row_by_hand():
+    from gacbench.bench.regime import toward_row
+
+    row = toward_row(_toward_summary(), "small", 16, "small, long", "x/summary.json")
+    d = np.subtract(REWARDS[("sync", 0)], REWARDS[("stale", 16)])  # 0.10, 0.07, 0.10
+    half = stats.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3)
+    assert row["gap"] == pytest.approx(0.09) and row["gap_seeds"] == 3
+    assert (row["gap_ci_low"], row["gap_ci_high"]) == pytest.approx((0.09 - half, 0.09 + half))
+    assert row["gap_p"] == pytest.approx(stats.ttest_rel(REWARDS[("sync", 0)], REWARDS[("stale", 16)]).pvalue)
+    assert row["params"] == 4_700_000 and row["response_tokens"] == pytest.approx(26.0)
+    assert row["sync_cos_abs_q90"] == pytest.approx(0.21) and row["cos_median_ratio"] == pytest.approx(1.5)
+    assert row["ratio_max"] == pytest.approx(20.0) and (row["n_sync"], row["n_stale"]) == (3, 3)
+    stale, sync = np.mean(REWARDS[("stale", 16)]), np.mean(REWARDS[("sync", 0)])
+    assert row["gac"]["share"] == pytest.approx((np.mean(REWARDS[("gac", 16)]) - stale) / (sync - stale))
+    assert row["gspo"]["share"] == pytest.approx((np.mean(REWARDS[("gspo", 16)]) - stale) / (sync - stale))
+    assert row["gac"]["share_ci_low"] <= row["gac"]["share"] <= row["gac"]["share_ci_high"]
+    assert row["gac-calibrated"] is None and row["gac-step"] is None  # not in this grid
+    with pytest.raises(ValueError, match=r"x/summary.json: no group stale at s = 32 on task 'small' .*stale s=16"):
+        toward_row(_toward_summary(), "small", 32, "small", "x/summary.json")
+
+
+def test_toward_script_writes_the_table_beside_the_papers_rows(tmp_path):
+    import subprocess
+    import sys
+
+    from gacbench.jsonio import json_safe
+
+    write_json(tmp_path / "summary.json", json_safe(_toward_summary()))
+    script = Path(__file__).resolve().parents[1] / "paper" / "toward.py"
+    out = tmp_path / "toward"
+    done = subprocess.run([sys.executable, str(script), "--point", f"small, long={tmp_path / 'summary.json'}:small:16",
+                           "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "toward.md").read_text().splitlines()
+    assert lines[0].count("share |") == 2 and "gac share" in lines[0] and "gspo share" in lines[0]  # present methods
+    assert lines[2].startswith("| small, long | 4.70M | 26 | 16 | 0.21 | 1.5 | +0.090 [")
+    assert lines[2].endswith("| 20 | 3, 3 |")
+    assert lines[3] == "| Qwen3-1.7B (paper, Table 3) | 1.7B | — | — | 0.0471 | — | — | — | — | — | — |"
+    assert json.loads((tmp_path / "toward.json").read_text())["points"][0]["gap"] == pytest.approx(0.09)
+    bad = subprocess.run([sys.executable, str(script), "--point", f"x={tmp_path / 'none.json'}:small:16"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "none.json does not exist; publish that grid first" in bad.stderr

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from gacbench.bench.groups import capped_final, nanmean, per_seed
-from gacbench.bench.stats import CI_LEVEL, mean_bootstrap_ci
+from gacbench.bench.stats import CI_LEVEL, mean_bootstrap_ci, paired_difference
 
 
 def _model_label(objective: str | None, params: dict) -> str:
@@ -204,3 +204,53 @@ def size_trend(cells: list[dict], points: list[dict]) -> dict | None:
             "at_paper": [{"model": r["model"], "params": r["params"],
                           "fit": float(fit.intercept + fit.slope * math.log10(r["params"])),
                           "paper": r["cos_abs_q90"]} for r in PAPER_TABLE3]}
+
+
+#: the corrections whose recovered share the table "toward the paper's regime" gives (absent ones are shown as -)
+TOWARD_METHODS = ("gac", "gac-calibrated", "gspo", "gac-step")
+
+
+def toward_row(summary: dict, task: str, staleness: int, label: str, source: str = "summary.json") -> dict:
+    """One point of the table that places the grids on the way to the paper's regime, read from a grid's
+    ``summary.json`` (``summary``, loaded; ``source`` names it in errors): for ``task`` at ``staleness``, the
+    model's parameter count and sync's mean response length (generated tokens); sync's q0.9(|c_t|) (paper
+    Table 3's statistic); stale's median c_t over sync's; the sync - stale gap in training reward (last 20% of
+    steps) over the seeds both ran, with its 95% t-interval and paired t-test p (:func:`paired_difference`, from
+    the summary's cells); for each of :data:`TOWARD_METHODS` that the grid holds,
+    its recovered share with the 95% interval and the adjusted p of its paired test against stale (None where the
+    grid lacks the method); and ``ratio_max``, stale's largest token ratio pi_theta / pi_behav (each run's
+    maximum, mean over seeds). Raises ValueError naming ``source`` and the missing group."""
+    groups = {(g["task"], g["method"], g["staleness"]): g for g in summary.get("groups", []) if not g.get("ablation")}
+
+    def group(method: str, s: int) -> dict:
+        g = groups.get((task, method, s))
+        if g is None:
+            have = sorted({(t, m, st) for t, m, st in groups if t == task})
+            raise ValueError(f"{source}: no group {method} at s = {s} on task {task!r} (its groups there: "
+                             f"{', '.join(f'{m} s={st}' for _, m, st in have) or 'none'}); name a task and "
+                             "staleness that the grid ran, or finish the grid")
+        return g
+
+    sync, stale = group("sync", 0), group("stale", staleness)
+    entries = {r["method"]: r for r in summary.get("recovered_reward", [])
+               if r["task"] == task and r["staleness"] == staleness}
+    seeds = per_seed(summary.get("cells", []), "reward_last")
+    a, b = seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", staleness), {})
+    shared = sorted(set(a) & set(b))
+    gap = paired_difference(np.array([a[k] for k in shared]), np.array([b[k] for k in shared]))
+    row: dict[str, Any] = {
+        "point": label, "source": source, "task": task, "staleness": staleness,
+        "params": sync.get("params"), "response_tokens": sync.get("response_tokens_mean"),
+        "n_sync": sync.get("n"), "n_stale": stale.get("n"),
+        "sync_cos_abs_q90": sync.get("cos_abs_q90"),
+        "cos_median_ratio": (stale["cos_median"] / sync["cos_median"]
+                             if sync.get("cos_median") and stale.get("cos_median") is not None else None),
+        "gap": gap["diff"], "gap_ci_low": gap["ci_low"], "gap_ci_high": gap["ci_high"], "gap_p": gap["p"],
+        "gap_seeds": len(shared),
+        "ratio_max": stale.get("ratio_max_mean"),
+    }
+    for m in TOWARD_METHODS:
+        r = entries.get(m)
+        row[m] = None if r is None else {k: r.get(k) for k in
+                                          ("share", "share_ci_low", "share_ci_high", "vs_stale_p_adj", "n", "no_gap")}
+    return row

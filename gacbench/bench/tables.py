@@ -498,3 +498,37 @@ def _step_share_note(timing: dict | None) -> str:
         return ""
     return (f" Last run: step share {timing['step_share']:.0%} ({timing['ran']} cells, {timing['workers']} worker(s), "
             f"{timing['wall_s']:.0f} s wall).")
+
+
+def toward_markdown(rows: list[dict]) -> list[str]:
+    """The table "toward the paper's regime": one row per point (:func:`gacbench.bench.regime.toward_row`),
+    then the paper's Table 3 rows (their q0.9(|c_t|) only). A share is shown with its 95% interval and ``*``
+    where the paired test against stale has a Holm-adjusted p < 0.05 within its grid; ``no gap`` where stale
+    is not below sync."""
+    from gacbench.bench.regime import TOWARD_METHODS
+
+    methods = [m for m in TOWARD_METHODS if any(r.get(m) for r in rows)]
+
+    def share(e: dict | None) -> str:
+        if e is None:
+            return "—"
+        if e.get("no_gap"):
+            return "no gap"
+        star = " *" if e.get("vs_stale_p_adj") is not None and e["vs_stale_p_adj"] < 0.05 else ""
+        return f"{round(e['share'], 2) + 0.0:.2f} {fmt_ci(e['share_ci_low'], e['share_ci_high'])}{star}"
+
+    lines = ["| point | parameters | tokens per response | s | sync q0.9(|c_t|) | stale / sync median c_t | "
+             "sync − stale reward [95% CI] (p) | " + "".join(f"{m} share | " for m in methods)
+             + "stale's largest token ratio | seeds (sync, stale) |",
+             "|" + "---|" * (9 + len(methods))]
+    for r in rows:
+        params = f"{r['params'] / 1e6:.2f}M" if r.get("params") else "—"
+        gap = f"{r['gap']:+.3f} {fmt_ci(r['gap_ci_low'], r['gap_ci_high'])} ({fmt(r['gap_p'], 2)})"
+        lines.append(f"| {r['point']} | {params} | {fmt(r['response_tokens'], 3)} | {r['staleness']} | "
+                     f"{fmt(r['sync_cos_abs_q90'])} | {fmt(r['cos_median_ratio'], 2)} | {gap} | "
+                     + "".join(f"{share(r.get(m))} | " for m in methods)
+                     + f"{fmt(r['ratio_max'], 3)} | {r['n_sync']}, {r['n_stale']} |")
+    for p in PAPER_TABLE3:
+        lines.append(f"| {p['model']} (paper, Table 3) | {p['params'] / 1e9:.1f}B | — | — | "
+                     f"{fmt(p['cos_abs_q90'])} | — | — | " + "— | " * len(methods) + "— | — |")
+    return lines
