@@ -480,19 +480,24 @@ def _stop_on_signals():
 
     previous_hook = sys.unraisablehook
 
+    timer = hasattr(signal, "SIGVTALRM")  # not on Windows: there the executors' checks alone stop the grid
+
     def unraisable(info) -> None:
         if isinstance(info.exc_value, GridInterrupted):
             dropped[:] = [info.exc_value.signum]
-            signal.setitimer(signal.ITIMER_VIRTUAL, 0.001)  # a raise from here would be dropped too
+            if timer:
+                signal.setitimer(signal.ITIMER_VIRTUAL, 0.001)  # a raise from here would be dropped too
         else:
             previous_hook(info)
 
     previous = {s: signal.signal(s, stop) for s in signums}
-    previous[signal.SIGVTALRM] = signal.signal(signal.SIGVTALRM, again)
+    if timer:
+        previous[signal.SIGVTALRM] = signal.signal(signal.SIGVTALRM, again)
     sys.unraisablehook = unraisable
 
     def restore() -> None:
-        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        if timer:
+            signal.setitimer(signal.ITIMER_VIRTUAL, 0)
         for s, handler in previous.items():
             signal.signal(s, handler)
         sys.unraisablehook = previous_hook
