@@ -101,6 +101,7 @@ for suite in "${SUITES[@]}"; do
     esac
     single_version "$RUNS/$suite"
     mkdir -p "paper/$suite"
+    rm -f "paper/$suite"/fig_*.png  # a figure the new summary no longer draws is not left behind
     cp "$RUNS/$suite/summary.md" "$RUNS/$suite/summary.json" "$RUNS/$suite"/fig_*.png "paper/$suite/"
 done
 if [ "$EVERYTHING" -eq 1 ]; then

@@ -166,7 +166,7 @@ if os.environ["FAKE_MIXED"] == "1":
 def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None):
     """Run a copy of paper/make.sh in ``tmp_path`` on the grid ``grid`` that FAKE_GACBENCH computes."""
     repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "paper").mkdir(parents=True)
+    (tmp_path / "paper").mkdir(parents=True, exist_ok=True)
     shutil.copy(repo / "paper" / "make.sh", tmp_path / "paper" / "make.sh")
     fake = tmp_path / "fake-gacbench"
     fake.write_text(FAKE_GACBENCH.format(python=sys.executable))
@@ -181,6 +181,8 @@ def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = No
 
 
 def test_make_sh_publishes_a_single_version_grid(tmp_path):
+    (tmp_path / "paper" / "grid").mkdir(parents=True)
+    (tmp_path / "paper" / "grid" / "fig_old.png").write_bytes(b"a figure the grid no longer draws")
     proc = _make_sh(tmp_path, mixed=False)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "paper" / "grid").iterdir()) == ["fig_x.png", "summary.json",
