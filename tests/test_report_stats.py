@@ -205,8 +205,17 @@ def test_law_points_by_hand():
     law = {e["model"]: e for e in law_points(mixed[::-1] + mono)}
     assert [p["s_lr"] for p in law["tiny"]["points"]] == pytest.approx([0.2, 0.4, 0.6, 1.2])
     assert law["tiny"]["spearman_rho"] == pytest.approx(-1.0) and law["tiny"]["sync_unhealthy_lrs"] == []
+    assert law["tiny"]["spearman_rho_healthy"] == pytest.approx(-1.0) and law["tiny"]["healthy_lr_max"] == 0.3
     assert law["small"]["spearman_rho"] == pytest.approx(0.6) and law["small"]["sync_unhealthy_lrs"] == [0.3]
-    assert law["small"]["measure"] == "reward_last"
+    assert math.isnan(law["small"]["spearman_rho_healthy"])  # two healthy points
+    assert law["small"]["measure"] == "reward_last" and law["small"]["healthy_lr_max"] == 0.1
+    # one curve below the healthy-sync limit, broken beyond it: s * lr 0.2, 0.4, 0.8 healthy (gaps falling), 0.6
+    # and 1.2 not (lr 0.3); over all five, x ranks 1..5 meet y ranks 3, 2, 5, 1, 4: rho = 1 - 6 * 18 / 120 = 0.1
+    cut = [_point("mid", lr, s, g, healthy=lr < 0.25) for (lr, s), g in
+           zip([(0.1, 2), (0.1, 4), (0.3, 2), (0.2, 4), (0.3, 4)], (-0.01, -0.02, 0.05, -0.04, 0.0))]
+    (mid,) = law_points(cut)
+    assert mid["spearman_rho_healthy"] == pytest.approx(-1.0) and mid["spearman_rho"] == pytest.approx(0.1)
+    assert mid["healthy_lr_max"] == 0.2 and mid["sync_unhealthy_lrs"] == [0.3]
     # one s * lr value over the map: no law
     assert law_points([_point("tiny", 0.1, 4, -0.1), _point("tiny", 0.2, 2, -0.2)]) == []
     # two points: a law to plot, too few for a rank correlation
@@ -221,7 +230,9 @@ def test_law_section_and_figure(tmp_path, monkeypatch):
     groups = group_records(cells)
     md = markdown(cells, groups, recovered_shares(groups, cells=cells), Path("x"), regime=points)
     section = md[md.index("### Staleness × learning rate"):]
-    assert "**small**: Spearman ρ(gap, s · lr) = +0.60 (p = " in section and "sync unhealthy at lr = 0.3" in section
+    assert ("**small**: Spearman ρ(gap, s · lr) where sync is healthy = — (2 points: needs three with a gap, at two "
+            "s · lr or more); over every point = +0.60 (p = ") in section
+    assert "sync unhealthy at lr = 0.3 (healthy up to lr = 0.1)" in section
     table = section[section.index("| s · lr |"):].split("\n\n")[0].splitlines()[2:]
     assert table == ["| 0.2 | 0.1 | 2 | -0.02 | [-0.03, -0.01] | yes | 2 |",
                      "| 0.4 | 0.1 | 4 | -0.03 | [-0.04, -0.02] | yes | 2 |",

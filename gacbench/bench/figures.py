@@ -360,8 +360,9 @@ def law_figure(cv: Canvas, law: list[dict]) -> None:
         color, pts = palette[i % len(palette)], [p for p in entry["points"] if math.isfinite(p["gap"])]
         if not pts:
             continue
-        rho = entry["spearman_rho"]
-        label = entry["model"] + ("" if rho is None or math.isnan(rho) else f" (Spearman ρ = {rho:+.2f})")
+        rho = entry.get("spearman_rho_healthy")
+        label = entry["model"] + ("" if rho is None or math.isnan(rho) else f" (Spearman ρ = {rho:+.2f} where sync "
+                                                                          "is healthy)")
         if entry["sync_unhealthy_lrs"]:
             label += f"; sync unhealthy at lr ≥ {min(entry['sync_unhealthy_lrs']):.3g}"
         ax.plot([p["s_lr"] for p in pts], [p["gap"] for p in pts], color=color, lw=0.8, alpha=0.6)

@@ -96,22 +96,35 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
     return points
 
 
+def _spearman(pts: list[dict]) -> tuple[float, float]:
+    """Spearman's rank correlation of gap against s * lr over ``pts`` (scipy.stats.spearmanr), and its p-value;
+    NaN with fewer than three points or a single s * lr value."""
+    if len(pts) < 3 or len({p["s_lr"] for p in pts}) < 2:
+        return math.nan, math.nan
+    import warnings
+
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a constant gap: NaN, reported as null
+        res = stats.spearmanr([p["s_lr"] for p in pts], [p["gap"] for p in pts])
+    return float(res.statistic), float(res.pvalue)
+
+
 def law_points(points: list[dict]) -> list[dict]:
     """The staleness x learning-rate law of the regime map: the per-step surrogate-gradient bias of stale training
     grows like s * lr, so per model the stale - sync gap should be one monotone function of s * lr. One entry per
     model: ``measure`` (the points' measure: ``reward_last`` or ``final``, ``mixed`` where they differ),
     ``points`` (``s_lr``, ``lr``, ``staleness``, ``gap``, its interval, ``n``, ``sync_healthy``) sorted by
-    s * lr; Spearman's rank correlation of gap against s * lr (``spearman_rho``, ``spearman_p``,
-    scipy.stats.spearmanr over the points with a finite gap; null with fewer than three such points or a single
-    s * lr value); and the learning rates whose sync run is not healthy (``sync_unhealthy_lrs``: the regime map's
-    ``sync_healthy``, beyond which the gap compares with a sync run that itself fails). Empty when the map has
-    fewer than two distinct s * lr values."""
+    s * lr; Spearman's rank correlation of gap against s * lr over the points with a finite gap
+    (``spearman_rho``, ``spearman_p``) and over those of them whose sync run is healthy (``spearman_rho_healthy``,
+    ``spearman_p_healthy``: the curve below the healthy-sync limit), each null with fewer than three points or a
+    single s * lr value; the learning rates whose sync run is not healthy (``sync_unhealthy_lrs``: the regime
+    map's ``sync_healthy``, beyond which the gap compares with a sync run that itself fails) and the largest
+    healthy one (``healthy_lr_max``, null when none is). Empty when the map has fewer than two distinct s * lr
+    values."""
     if len({p["staleness"] * p["lr"] for p in points}) < 2:
         return []
-    import warnings
-
-    from scipy import stats
-
     out = []
     for model in sorted({p["model"] for p in points}):
         pts = sorted(({"s_lr": p["staleness"] * p["lr"], "lr": p["lr"], "staleness": p["staleness"], "gap": p["gap"],
@@ -119,15 +132,13 @@ def law_points(points: list[dict]) -> list[dict]:
                        "sync_healthy": p["sync_healthy"]} for p in points if p["model"] == model),
                      key=lambda p: (p["s_lr"], p["lr"]))
         finite = [p for p in pts if p["gap"] is not None and math.isfinite(p["gap"])]
-        rho = pval = math.nan
-        if len(finite) >= 3 and len({p["s_lr"] for p in finite}) >= 2:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a constant gap: NaN, reported as null
-                res = stats.spearmanr([p["s_lr"] for p in finite], [p["gap"] for p in finite])
-            rho, pval = float(res.statistic), float(res.pvalue)
+        rho, pval = _spearman(finite)
+        rho_h, pval_h = _spearman([p for p in finite if p["sync_healthy"]])
         measures = {p["measure"] for p in points if p["model"] == model}
+        healthy = [p["lr"] for p in pts if p["sync_healthy"]]
         out.append({"model": model, "measure": measures.pop() if len(measures) == 1 else "mixed", "points": pts,
-                    "spearman_rho": rho, "spearman_p": pval,
+                    "spearman_rho": rho, "spearman_p": pval, "spearman_rho_healthy": rho_h,
+                    "spearman_p_healthy": pval_h, "healthy_lr_max": max(healthy) if healthy else None,
                     "sync_unhealthy_lrs": sorted({p["lr"] for p in pts if not p["sync_healthy"]})})
     return out
 

@@ -435,22 +435,32 @@ def _regime_section(points: list[dict]) -> list[str]:
 
 def _law_section(law: list[dict]) -> list[str]:
     """The regime map's points against s * lr per model (:func:`~gacbench.bench.regime.law_points`), with Spearman's
-    rank correlation of the gap against s * lr."""
+    rank correlation of the gap against s * lr over the points where sync is healthy, and over all of them."""
     if not law:
         return []
     lines = ["", "### Staleness × learning rate", "",
              "The per-step surrogate-gradient bias of stale training grows like s · lr, so the gap of one model should "
              "be one monotone function of s · lr: |ρ|, Spearman's rank correlation of gap against s · lr, near 1 says "
-             "the points fall on one monotone curve (ρ < 0 on a reward: stale loses more as s · lr grows). Gap as "
-             f"above, mean [{CI_LEVEL:.0%} bootstrap]; fig_law.png plots them.", ""]
+             "the points fall on one monotone curve (ρ < 0 on a reward: stale loses more as s · lr grows). It is "
+             "given over the points whose sync run is healthy (below the healthy-sync limit, where the gap compares "
+             "stale with a sync run that learns), then over every point. Gap as above, mean "
+             f"[{CI_LEVEL:.0%} bootstrap]; fig_law.png plots them (open markers: sync unhealthy).", ""]
+
+    def corr(rho: float | None, p: float | None, n: int) -> str:
+        if rho is None or math.isnan(rho):
+            return f"— ({n} points: needs three with a gap, at two s · lr or more)"
+        return f"{rho:+.2f} (p = {fmt(p, 2)}, {n} points)"
+
     for entry in law:
-        rho = entry["spearman_rho"]
-        finite = sum(math.isfinite(p["gap"]) for p in entry["points"])
-        corr = ("— (needs three points with a gap, at two s · lr or more)" if rho is None or math.isnan(rho) else
-                f"{rho:+.2f} (p = {fmt(entry['spearman_p'], 2)}, {finite} points)")
-        lines += [f"**{entry['model']}**: Spearman ρ(gap, s · lr) = {corr}"
-                  + (f"; sync unhealthy at lr = {', '.join(f'{x:.3g}' for x in entry['sync_unhealthy_lrs'])}"
-                     if entry["sync_unhealthy_lrs"] else ""), "",
+        finite = [p for p in entry["points"] if math.isfinite(p["gap"])]
+        healthy = [p for p in finite if p["sync_healthy"]]
+        limit = ("" if not entry["sync_unhealthy_lrs"] else
+                 f"; sync unhealthy at lr = {', '.join(f'{x:.3g}' for x in entry['sync_unhealthy_lrs'])}"
+                 + (f" (healthy up to lr = {entry['healthy_lr_max']:.3g})"
+                    if entry.get("healthy_lr_max") is not None else ""))
+        lines += [f"**{entry['model']}**: Spearman ρ(gap, s · lr) where sync is healthy = "
+                  f"{corr(entry.get('spearman_rho_healthy'), entry.get('spearman_p_healthy'), len(healthy))}; over "
+                  f"every point = {corr(entry['spearman_rho'], entry['spearman_p'], len(finite))}{limit}", "",
                   "| s · lr | lr | s | gap | 95% CI | sync healthy | seeds |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {p['s_lr']:.3g} | {p['lr']:.3g} | {p['staleness']} | {fmt(p['gap'], 2)} | "
                   f"{fmt_ci(p['gap_ci_low'], p['gap_ci_high'], 2)} | {'yes' if p['sync_healthy'] else 'no'} | "
