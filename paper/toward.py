@@ -12,13 +12,12 @@ recovered shares of gac, gac-calibrated, gspo and gac-step, and stale's largest 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from gacbench.bench.regime import toward_row
 from gacbench.bench.tables import toward_markdown
-from gacbench.jsonio import json_safe, write_json
+from gacbench.jsonio import json_safe, read_json, write_json
 
 PAPER = Path(__file__).resolve().parent
 DEFAULT_POINTS = (
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"paper/toward.py: {path} does not exist; publish that grid first (bash paper/make.sh "
                      f"{path.parent.name})")
         try:
-            rows.append(toward_row(json.loads(path.read_text()), task, s, label, str(path.relative_to(PAPER)
+            rows.append(toward_row(read_json(path), task, s, label, str(path.relative_to(PAPER)
                                                                                     if path.is_relative_to(PAPER)
                                                                                     else path)))
         except ValueError as exc:

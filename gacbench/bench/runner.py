@@ -466,7 +466,6 @@ def _stop_on_signals():
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     signums = (signal.SIGINT, signal.SIGTERM)
-    dropped: list[int] = []  # the signal of a GridInterrupted that Python dropped, to be raised again
 
     def stop(signum, frame):
         if stop_requested() is not None:
@@ -474,9 +473,8 @@ def _stop_on_signals():
         request_stop(signum)
         raise GridInterrupted(signum)
 
-    def again(signum, frame):
-        if dropped:
-            raise GridInterrupted(dropped.pop())
+    def again(signum, frame):  # SIGVTALRM, armed only by ``unraisable`` after a recorded stop
+        check_stop()
 
     previous_hook = sys.unraisablehook
 
@@ -484,7 +482,6 @@ def _stop_on_signals():
 
     def unraisable(info) -> None:
         if isinstance(info.exc_value, GridInterrupted):
-            dropped[:] = [info.exc_value.signum]
             if timer:
                 signal.setitimer(signal.ITIMER_VIRTUAL, 0.001)  # a raise from here would be dropped too
         else:

@@ -520,12 +520,7 @@ def toward_markdown(rows: list[dict]) -> list[str]:
     methods = [m for m in TOWARD_METHODS if any(r.get(m) for r in rows)]
 
     def share(e: dict | None) -> str:
-        if e is None:
-            return "—"
-        if e.get("no_gap"):
-            return "no gap"
-        star = " *" if e.get("vs_stale_p_adj") is not None and e["vs_stale_p_adj"] < 0.05 else ""
-        return f"{round(e['share'], 2) + 0.0:.2f} {fmt_ci(e['share_ci_low'], e['share_ci_high'])}{star}"
+        return "—" if e is None else "no gap" if e["no_gap"] else _share_cell(e)
 
     lines = ["| point | parameters | tokens per response | s | sync q0.9(|c_t|) | stale / sync median c_t | "
              "sync − stale reward [95% CI] (p) | " + "".join(f"{m} share | " for m in methods)
