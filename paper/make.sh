@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Regenerates the published tables and figures from stored runs. The runs live in runs/ (not in
-# git), or in GACBENCH_RUNS=DIR (a store outside the clone, which a new clone or a cleaned work tree keeps);
-# a run already stored there is reused, so a second call only rebuilds the summary, and a grid that
-# spans several sessions resumes cell by cell.
+# Regenerates the published tables and figures from stored runs. The runs live in grids/ (git tracks the
+# finished cells of each grid: grids/README.md, paper/keep_cells.py), or in GACBENCH_RUNS=DIR; a run already
+# stored there is reused, so a second call only rebuilds the summary, a grid that spans several sessions
+# resumes cell by cell, and a grid whose cells are all committed regenerates its published files exactly.
 #   bash paper/make.sh                 # every suite below, then the rollout benchmark
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence bandit-baselines)
 #   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
-RUNS=${GACBENCH_RUNS:-runs}
+RUNS=${GACBENCH_RUNS:-grids}
 ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-readings
      llm-step-control llm-step-control-lr3e-4)
 SUITES=()
