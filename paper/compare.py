@@ -1,0 +1,113 @@
+"""Compare two summaries of the same grid: which recovered shares and stale-sync gaps moved beyond their intervals.
+
+The use: a grid republished on one code version against the same grid stored earlier over several versions
+(or on another machine). For every (task, method, staleness) entry of ``recovered_reward`` in both summaries it
+prints the share with its 95% interval on each side, the difference, and whether each share lies outside the
+other's interval ("beyond both": each outside the other's), then whether the paired test against stale changed
+its verdict at 0.05 (the adjusted p-value where a summary has it, else the raw one). For the gaps (stale - sync
+per staleness) it does the same with gap +- 1.96 SE.
+
+    python paper/compare.py OLD/summary.json NEW/summary.json [--markdown out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def _entries(summary: dict, key: str = "recovered_reward") -> dict[tuple, dict]:
+    return {(e["task"], e["method"], e["staleness"]): e for e in summary.get(key) or []}
+
+
+def _outside(x: float, lo: float, hi: float) -> bool:
+    return not (lo <= x <= hi)
+
+
+def _p(e: dict) -> float | None:
+    p = e.get("vs_stale_p_adj", e.get("vs_stale_p"))
+    return None if p is None or (isinstance(p, float) and math.isnan(p)) else float(p)
+
+
+def share_rows(old: dict, new: dict) -> list[dict]:
+    """One row per entry in both summaries' ``recovered_reward``: the shares, their intervals and the moves."""
+    a, b = _entries(old), _entries(new)
+    rows = []
+    for key in sorted(set(a) & set(b), key=lambda k: (k[0], k[2], k[1])):
+        x, y = a[key], b[key]
+        out_new = _outside(y["share"], x["share_ci_low"], x["share_ci_high"])
+        out_old = _outside(x["share"], y["share_ci_low"], y["share_ci_high"])
+        px, py = _p(x), _p(y)
+        rows.append({"task": key[0], "method": key[1], "staleness": key[2], "old": x["share"],
+                     "old_ci": (x["share_ci_low"], x["share_ci_high"]), "new": y["share"],
+                     "new_ci": (y["share_ci_low"], y["share_ci_high"]), "diff": y["share"] - x["share"],
+                     "beyond_both": out_new and out_old, "beyond_one": out_new or out_old,
+                     "old_p": px, "new_p": py,
+                     "verdict_changed": px is not None and py is not None and (px < 0.05) != (py < 0.05)})
+    return rows
+
+
+def gap_rows(old: dict, new: dict) -> list[dict]:
+    """One row per (task, staleness) gap in both: stale - sync with its +- 1.96 SE interval on each side."""
+    def gaps(summary):
+        out = {}
+        for e in summary.get("recovered_reward") or []:
+            out[(e["task"], e["staleness"])] = (e["gap"], e.get("gap_se") or 0.0)
+        return out
+
+    a, b = gaps(old), gaps(new)
+    rows = []
+    for key in sorted(set(a) & set(b)):
+        (gx, sx), (gy, sy) = a[key], b[key]
+        out_new = _outside(gy, gx - 1.96 * sx, gx + 1.96 * sx)
+        out_old = _outside(gx, gy - 1.96 * sy, gy + 1.96 * sy)
+        rows.append({"task": key[0], "staleness": key[1], "old": gx, "old_se": sx, "new": gy, "new_se": sy,
+                     "beyond_both": out_new and out_old})
+    return rows
+
+
+def markdown(old: dict, new: dict, old_name: str, new_name: str) -> str:
+    shares, gaps = share_rows(old, new), gap_rows(old, new)
+    lines = [f"Old: `{old_name}`; new: `{new_name}`.", "",
+             "| task | s | stale - sync, old | new | beyond both |", "|---|---|---|---|---|"]
+    for r in gaps:
+        lines.append(f"| {r['task']} | {r['staleness']} | {r['old']:+.3f} ± {1.96 * r['old_se']:.3f} | "
+                     f"{r['new']:+.3f} ± {1.96 * r['new_se']:.3f} | {'yes' if r['beyond_both'] else ''} |")
+    lines += ["", "| task | method | s | share, old [95% CI] | new [95% CI] | new - old | beyond both | "
+              "p vs stale, old → new |", "|---|---|---|---|---|---|---|---|"]
+
+    def fmt_p(p):
+        return "-" if p is None else f"{p:.3f}"
+
+    for r in shares:
+        lines.append(f"| {r['task']} | {r['method']} | {r['staleness']} | {r['old']:+.2f} [{r['old_ci'][0]:+.2f}, "
+                     f"{r['old_ci'][1]:+.2f}] | {r['new']:+.2f} [{r['new_ci'][0]:+.2f}, {r['new_ci'][1]:+.2f}] | "
+                     f"{r['diff']:+.2f} | {'yes' if r['beyond_both'] else ''} | {fmt_p(r['old_p'])} → "
+                     f"{fmt_p(r['new_p'])}{' (verdict changed)' if r['verdict_changed'] else ''} |")
+    moved = sum(r["beyond_both"] for r in shares)
+    changed = sum(r["verdict_changed"] for r in shares)
+    lines += ["", f"{moved} of {len(shares)} shares moved beyond both intervals; "
+              f"{sum(r['beyond_both'] for r in gaps)} of {len(gaps)} gaps; "
+              f"{changed} paired tests against stale changed their verdict at 0.05."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    args = parser.parse_args(argv)
+    old, new = (json.loads(p.read_text()) for p in (args.old, args.new))
+    text = markdown(old, new, str(args.old), str(args.new))
+    if args.markdown:
+        args.markdown.write_text(text)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
