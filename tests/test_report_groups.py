@@ -192,7 +192,7 @@ def test_make_sh_publishes_a_single_version_grid(tmp_path):
 def test_make_sh_refuses_a_mixed_grid_unless_allowed(tmp_path):
     proc = _make_sh(tmp_path, mixed=True)
     assert proc.returncode != 0
-    assert "runs/grid/summary.json mixes 2 code versions (commit aaaaaaaaaa (3 cells): src 111; commit " \
+    assert "grids/grid/summary.json mixes 2 code versions (commit aaaaaaaaaa (3 cells): src 111; commit " \
            "bbbbbbbbbb (dirty) (1 cells): src 222); not published" in proc.stderr
     assert "--allow-mixed-versions" in proc.stderr
     assert not (tmp_path / "paper" / "grid").exists()  # nothing published
@@ -205,7 +205,7 @@ def test_make_sh_refuses_a_mixed_grid_unless_allowed(tmp_path):
 def test_make_sh_refuses_a_summary_without_versions(tmp_path):
     proc = _make_sh(tmp_path, mixed="none")
     assert proc.returncode != 0
-    assert "runs/grid/summary.json lists no code versions; rebuild it with gacbench report runs/grid" in proc.stderr
+    assert "grids/grid/summary.json lists no code versions; rebuild it with gacbench report grids/grid" in proc.stderr
     assert not (tmp_path / "paper" / "grid").exists()
 
 
