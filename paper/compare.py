@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 
-def _entries(summary: dict, key: str = "recovered_reward") -> dict[tuple, dict]:
-    return {(e["task"], e["method"], e["staleness"]): e for e in summary.get(key) or []}
+def _entries(summary: dict) -> dict[tuple, dict]:
+    return {(e["task"], e["method"], e["staleness"]): e for e in summary.get("recovered_reward") or []}
 
 
 def _outside(x: float, lo: float, hi: float) -> bool:
@@ -52,11 +52,8 @@ def share_rows(old: dict, new: dict) -> list[dict]:
 
 def gap_rows(old: dict, new: dict) -> list[dict]:
     """One row per (task, staleness) gap in both: stale - sync with its +- 1.96 SE interval on each side."""
-    def gaps(summary):
-        out = {}
-        for e in summary.get("recovered_reward") or []:
-            out[(e["task"], e["staleness"])] = (e["gap"], e.get("gap_se") or 0.0)
-        return out
+    def gaps(summary):  # every entry of one (task, s) carries the same gap
+        return {(task, s): (e["gap"], e.get("gap_se") or 0.0) for (task, _, s), e in _entries(summary).items()}
 
     a, b = gaps(old), gaps(new)
     rows = []
