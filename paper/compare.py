@@ -4,8 +4,11 @@ The use: a grid republished on one code version against the same grid stored ear
 (or on another machine). For every (task, method, staleness) entry of ``recovered_reward`` in both summaries it
 prints the share with its 95% interval on each side, the difference, and whether each share lies outside the
 other's interval ("beyond both": each outside the other's), then whether the paired test against stale changed
-its verdict at 0.05 (the adjusted p-value where a summary has it, else the raw one). For the gaps (stale - sync
-per staleness) it does the same with gap +- 1.96 SE.
+its verdict at 0.05. The verdicts compare like with like: the adjusted p-values where both summaries have them,
+else the raw ones on both sides (a summary without adjustment against one with it would otherwise count the
+adjustment as a move); the new summary's adjusted p is printed beside them. A row whose stale - sync gap is
+within seed noise on either side is marked: its share is not meaningful there. For the gaps (stale - sync per
+staleness) it does the same with gap +- 1.96 SE.
 
     python paper/compare.py OLD/summary.json NEW/summary.json [--markdown out.md]
 """
@@ -27,8 +30,7 @@ def _outside(x: float, lo: float, hi: float) -> bool:
     return not (lo <= x <= hi)
 
 
-def _p(e: dict) -> float | None:
-    p = e.get("vs_stale_p_adj", e.get("vs_stale_p"))
+def _num(p) -> float | None:
     return None if p is None or (isinstance(p, float) and math.isnan(p)) else float(p)
 
 
@@ -40,12 +42,15 @@ def share_rows(old: dict, new: dict) -> list[dict]:
         x, y = a[key], b[key]
         out_new = _outside(y["share"], x["share_ci_low"], x["share_ci_high"])
         out_old = _outside(x["share"], y["share_ci_low"], y["share_ci_high"])
-        px, py = _p(x), _p(y)
+        adjusted = "vs_stale_p_adj" in x and "vs_stale_p_adj" in y
+        key_p = "vs_stale_p_adj" if adjusted else "vs_stale_p"
+        px, py = _num(x.get(key_p)), _num(y.get(key_p))
         rows.append({"task": key[0], "method": key[1], "staleness": key[2], "old": x["share"],
                      "old_ci": (x["share_ci_low"], x["share_ci_high"]), "new": y["share"],
                      "new_ci": (y["share_ci_low"], y["share_ci_high"]), "diff": y["share"] - x["share"],
                      "beyond_both": out_new and out_old, "beyond_one": out_new or out_old,
-                     "old_p": px, "new_p": py,
+                     "old_p": px, "new_p": py, "p_adjusted": adjusted, "new_p_adj": _num(y.get("vs_stale_p_adj")),
+                     "within_noise": bool(x.get("gap_within_noise") or y.get("gap_within_noise")),
                      "verdict_changed": px is not None and py is not None and (px < 0.05) != (py < 0.05)})
     return rows
 
@@ -74,19 +79,24 @@ def markdown(old: dict, new: dict, old_name: str, new_name: str) -> str:
         lines.append(f"| {r['task']} | {r['staleness']} | {r['old']:+.3f} ± {1.96 * r['old_se']:.3f} | "
                      f"{r['new']:+.3f} ± {1.96 * r['new_se']:.3f} | {'yes' if r['beyond_both'] else ''} |")
     lines += ["", "| task | method | s | share, old [95% CI] | new [95% CI] | new - old | beyond both | "
-              "p vs stale, old → new |", "|---|---|---|---|---|---|---|---|"]
+              "p vs stale, old → new | new p adj. |", "|---|---|---|---|---|---|---|---|---|"]
 
     def fmt_p(p):
         return "-" if p is None else f"{p:.3f}"
 
     for r in shares:
-        lines.append(f"| {r['task']} | {r['method']} | {r['staleness']} | {r['old']:+.2f} [{r['old_ci'][0]:+.2f}, "
-                     f"{r['old_ci'][1]:+.2f}] | {r['new']:+.2f} [{r['new_ci'][0]:+.2f}, {r['new_ci'][1]:+.2f}] | "
-                     f"{r['diff']:+.2f} | {'yes' if r['beyond_both'] else ''} | {fmt_p(r['old_p'])} → "
-                     f"{fmt_p(r['new_p'])}{' (verdict changed)' if r['verdict_changed'] else ''} |")
+        kind = "adj." if r["p_adjusted"] else "raw"
+        noise = " (gap within noise)" if r["within_noise"] else ""
+        lines.append(f"| {r['task']} | {r['method']} | {r['staleness']}{noise} | {r['old']:+.2f} "
+                     f"[{r['old_ci'][0]:+.2f}, {r['old_ci'][1]:+.2f}] | {r['new']:+.2f} [{r['new_ci'][0]:+.2f}, "
+                     f"{r['new_ci'][1]:+.2f}] | {r['diff']:+.2f} | {'yes' if r['beyond_both'] else ''} | "
+                     f"{kind} {fmt_p(r['old_p'])} → {fmt_p(r['new_p'])}"
+                     f"{' (verdict changed)' if r['verdict_changed'] else ''} | {fmt_p(r['new_p_adj'])} |")
     moved = sum(r["beyond_both"] for r in shares)
     changed = sum(r["verdict_changed"] for r in shares)
-    lines += ["", f"{moved} of {len(shares)} shares moved beyond both intervals; "
+    noisy = sum(r["within_noise"] for r in shares)
+    lines += ["", f"{moved} of {len(shares)} shares moved beyond both intervals ({noisy} rows have a gap within "
+              "seed noise on one side or both); "
               f"{sum(r['beyond_both'] for r in gaps)} of {len(gaps)} gaps; "
               f"{changed} paired tests against stale changed their verdict at 0.05."]
     return "\n".join(lines) + "\n"

@@ -40,8 +40,20 @@ def test_the_raw_p_stands_in_where_a_summary_has_no_adjusted_one_and_gaps_use_th
     new = {"recovered_reward": [_entry("a", 0.0, -0.1, 0.1, p=0.2, gap=-0.2, se=0.02)]}
     mod = _compare()
     (row,) = mod.share_rows(old, new)
-    assert row["old_p"] == 0.04 and row["verdict_changed"]
+    # the old summary has no adjusted p, so both sides are read raw: 0.04 -> 0.1, and the new adjusted 0.2 is shown
+    assert row["old_p"] == 0.04 and row["new_p"] == 0.1 and not row["p_adjusted"] and row["verdict_changed"]
+    assert row["new_p_adj"] == 0.2 and not row["within_noise"]
     (gap,) = mod.gap_rows(old, new)
     assert gap["beyond_both"]  # -0.2 outside -0.1 +- 0.0196 and -0.1 outside -0.2 +- 0.039
     text = mod.markdown(old, new, "old", "new")
-    assert "1 of 1 gaps" in text and "(verdict changed)" in text
+    assert "1 of 1 gaps" in text and "(verdict changed)" in text and "raw 0.040 → 0.100" in text
+
+
+def test_a_raw_p_below_005_is_not_a_changed_verdict_when_only_the_new_summary_adjusts_it():
+    old = {"recovered_reward": [_entry("a", 1.0, 0.8, 1.2, p=0.02, adj=False)]}  # raw 0.01
+    new = {"recovered_reward": [_entry("a", 1.0, 0.8, 1.2, p=0.4, gap=-0.1)]}  # adjusted 0.4; raw set below
+    new["recovered_reward"][0]["vs_stale_p"] = 0.01
+    new["recovered_reward"][0]["gap_within_noise"] = True
+    (row,) = _compare().share_rows(old, new)
+    assert not row["verdict_changed"] and row["new_p_adj"] == 0.4 and row["within_noise"]
+    assert "(gap within noise)" in _compare().markdown(old, new, "o", "n")
