@@ -264,3 +264,16 @@ def test_forest_plot_cuts_an_unbounded_interval_at_the_axis_edge(tmp_path, monke
     assert sorted(ln.get_marker() for ln in cut) == ["<", ">"]
     assert all(low <= ln.get_xdata()[0] <= high for ln in cut)
     assert len([ln for ln in ax.get_lines() if ln.get_marker() == "o"]) == 2  # tis: a share without an interval
+
+
+def test_forest_plot_leaves_out_shares_whose_gap_is_within_noise_and_says_so(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    row = {"task": "t", "method": "gac", "staleness": 16, "share": 0.5, "no_gap": False, "share_ci_low": 0.1,
+           "share_ci_high": 0.9, "vs_stale_p_adj": 0.2, "gap_within_noise": False, "measure": "reward_last"}
+    noisy = [{**row, "staleness": 8, "share": -4.0, "share_ci_low": -20.0, "share_ci_high": 20.0,
+              "gap_within_noise": True}, {**row, "method": "tis", "staleness": 8, "gap_within_noise": True}]
+    figs.shares_figure(Canvas(tmp_path, [], {}), [row, *noisy])
+    (ax,) = seen["fig_shares.png"]["axes"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["gac, s=16"]
+    assert "left out: 2 shares" in ax.get_xlabel() and "t s = 8" in ax.get_xlabel()
+    assert ax.get_xlim()[0] > -1.0  # the noisy shares' wide intervals no longer set the range
