@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=2,
                    help="parallel worker processes, each kept for the whole grid and running cell after cell "
                         "(default 2)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads of each worker (default: the machine's cores divided by --workers). A "
+                        "cell's numbers depend on it and its provenance records it; set it to run two grids side "
+                        "by side, e.g. --workers 1 --threads 1 each on 2 cores")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="a local process pool, or Ray actors on the cluster at RAY_ADDRESS (else a local instance)")
     p.add_argument("--rerun-other-versions", action="store_true",

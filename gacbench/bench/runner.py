@@ -266,8 +266,14 @@ def check_references(cells: list[dict], root: Path) -> None:
                              f"{root}: include sync in --methods and 0 in --staleness (or run it into --out first)")
 
 
-def worker_threads(workers: int) -> int:
-    """The torch thread count of each worker of a grid run with ``workers`` workers."""
+def worker_threads(workers: int, threads: int | None = None) -> int:
+    """The torch thread count of each worker of a grid run with ``workers`` workers: ``threads`` when given,
+    else the machine's cores shared out (``cpu_count // workers``, at least 1). It is part of a cell's
+    environment (:mod:`gacbench.provenance`): the numbers of a cell depend on it."""
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads {threads} must be >= 1")
+        return threads
     return max(1, (os.cpu_count() or 1) // workers)
 
 
@@ -286,11 +292,12 @@ def other_environments(cells: list[dict], root: Path, threads: int) -> dict[str,
 
 
 def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, executor: str = "local",
-             console: Console | None = None, rerun_other_versions: bool = False) -> dict[str, Any]:
-    """Run every cell not yet done; returns timing figures (also written to ``out/timing.json`` when a
-    cell ran). Raises CellMismatchError, before running anything, if a done cell in ``out`` was
-    computed with other settings than its cell in ``cells`` (or, for another cell of the same task, with
-    another objective, parameters or steps).
+             console: Console | None = None, rerun_other_versions: bool = False,
+             threads: int | None = None) -> dict[str, Any]:
+    """Run every cell not yet done, each worker with :func:`worker_threads` torch threads; returns timing
+    figures (also written to ``out/timing.json`` when a cell ran). Raises CellMismatchError, before running
+    anything, if a done cell in ``out`` was computed with other settings than its cell in ``cells`` (or, for
+    another cell of the same task, with another objective, parameters or steps).
 
     Done cells stored by another environment are counted in a notice and reused, or recomputed with
     ``rerun_other_versions``. A cell that another runner on ``out`` holds is left to it, waited for at the
@@ -303,7 +310,7 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     check_stored(cells, root)
     check_references(cells, root)
     console = console or Console()
-    threads = worker_threads(workers)
+    threads = worker_threads(workers, threads)
     other = other_environments(cells, root, threads)
     if other:
         n = sum(len(v) for v in other.values())
@@ -365,14 +372,16 @@ def main(args) -> int:
     out = check_output_dir("--out", args.out)
     remove_stray_temporaries(out)
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
-                  f"(workers={args.workers}, executor={args.executor})")
+                  f"(workers={args.workers}, threads={worker_threads(args.workers, getattr(args, 'threads', None))} "
+                  f"each, executor={args.executor})")
     if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, sync_cell(c)) for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
                       "recovered shares cannot be computed")
     restore = _stop_on_signals()
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
-                          rerun_other_versions=getattr(args, "rerun_other_versions", False))
+                          rerun_other_versions=getattr(args, "rerun_other_versions", False),
+                          threads=getattr(args, "threads", None))
         check_stop()  # a stop whose raise was lost in the grid's last cell
     except CellMismatchError as exc:
         raise SystemExit(f"gacbench bench: {exc}") from None
@@ -450,7 +459,10 @@ def resume_command(args) -> str:
             parts += [f"--{option}", getattr(args, option)]
     for item in getattr(args, "param", None) or []:
         parts += ["--param", item]
-    parts += ["--workers", str(args.workers), "--executor", args.executor]
+    parts += ["--workers", str(args.workers)]
+    if getattr(args, "threads", None) is not None:
+        parts += ["--threads", str(args.threads)]
+    parts += ["--executor", args.executor]
     if getattr(args, "rerun_other_versions", False):
         parts.append("--rerun-other-versions")
     return shlex.join(parts)
