@@ -217,32 +217,32 @@ def test_cells_from_another_environment_are_counted_kept_and_recomputed_on_reque
         torch.set_num_threads(before)
 
 
-def test_threads_sets_each_workers_thread_count_which_the_cells_record_and_a_rerun_compares(tmp_path, capsys,
-                                                                                            monkeypatch):
-    """--threads overrides cores // --workers. The header line names the count, every cell records it, and a
-    rerun with another count counts the stored cells as another environment."""
+def test_threads_sets_each_workers_thread_count_which_the_cells_record_and_a_rerun_compares(tmp_path):
+    """--threads overrides cores // --workers: the header line names the count, every cell records it, and a
+    rerun with another count counts the stored cells as another environment. Fresh processes: a process that
+    has loaded vLLM may keep its own thread count."""
     suite, out = tiny_suite(tmp_path), tmp_path / "out"
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    before = torch.get_num_threads()
-    try:
-        assert bench(suite, out, "--threads", "1") == 0
-        said = squash(capsys.readouterr().out)
-        assert "(workers=1, threads=1 each" in said and "ran 2 cells" in said
-        configs = [json.loads(p.read_text()) for p in out.glob("cells/**/config.json")]
-        assert len(configs) == 2 and {c["provenance"]["threads"] for c in configs} == {1}
-        assert bench(suite, out) == 0  # the default: 4 cores // 1 worker
-        said = squash(capsys.readouterr().out)
-        assert "(workers=1, threads=4 each" in said
-        assert "2 stored done cell(s) of this grid come from another environment" in said
-        assert "threads 1" in said and "ran 0 cells (2 already done" in said
-        assert bench(suite, out, "--threads", "1") == 0
-        said = squash(capsys.readouterr().out)
-        assert "another environment" not in said and "ran 0 cells (2 already done" in said
-    finally:
-        torch.set_num_threads(before)
+
+    def run(threads: int) -> str:
+        res = subprocess.run([sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out),
+                              "--workers", "1", "--threads", str(threads)], capture_output=True, text=True, env=env(),
+                             timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return squash(res.stdout)
+
+    said = run(1)
+    assert "(workers=1, threads=1 each" in said and "ran 2 cells" in said
+    configs = [json.loads(p.read_text()) for p in out.glob("cells/**/config.json")]
+    assert len(configs) == 2 and {c["provenance"]["threads"] for c in configs} == {1}
+    said = run(2)
+    assert "(workers=1, threads=2 each" in said
+    assert "2 stored done cell(s) of this grid come from another environment" in said
+    assert "threads 1" in said and "ran 0 cells (2 already done" in said
+    said = run(1)
+    assert "another environment" not in said and "ran 0 cells (2 already done" in said
 
 
-def test_resume_command_keeps_threads_and_bad_thread_counts_are_refused(tmp_path, capsys):
+def test_default_threads_resume_command_and_bad_thread_counts(tmp_path, capsys, monkeypatch):
     from gacbench.bench.runner import resume_command, worker_threads
     from gacbench.cli import build_parser
     from gacbench.usage import UsageError
@@ -250,6 +250,8 @@ def test_resume_command_keeps_threads_and_bad_thread_counts_are_refused(tmp_path
     args = build_parser().parse_args(
         ["bench", "--suite", "llm-smoke", "--out", "o", "--workers", "1", "--threads", "1"])
     assert "--workers 1 --threads 1" in resume_command(args)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert [worker_threads(1), worker_threads(2), worker_threads(8), worker_threads(2, 3)] == [4, 2, 1, 3]
     with pytest.raises(UsageError, match="--threads 0 must be >= 1"):
         worker_threads(1, 0)
     with pytest.raises(SystemExit):
