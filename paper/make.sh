@@ -108,8 +108,9 @@ if [ "$EVERYTHING" -eq 1 ]; then
     # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in $RUNS/async/
     # (paper/async/run.py produces them, about 20 min), rebuilt into paper/async/summary.md and its figures
     if [ -d "$RUNS/async" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async"; fi
-    # the same on the long-answer task, from the records in $RUNS/async-long/ (committed in grids/; their commands:
-    # paper/async-long/README.md)
+    # the same on the long-answer task, from the records in $RUNS/async-long/ (committed in grids/), each made on a
+    # quiet machine by: gacbench async-bench --task scratchpad --size small --warm-steps 500 --max-tokens 48
+    #     --lr 1e-4 --steps 60 --max-staleness 4 --json grids/async-long/bench-long-K.json
     if [ -d "$RUNS/async-long" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async-long" --out paper/async-long; fi
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
