@@ -371,17 +371,16 @@ def main(args) -> int:
     check_params(cells, overrides)
     out = check_output_dir("--out", args.out)
     remove_stray_temporaries(out)
+    threads = worker_threads(args.workers, getattr(args, "threads", None))
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
-                  f"(workers={args.workers}, threads={worker_threads(args.workers, getattr(args, 'threads', None))} "
-                  f"each, executor={args.executor})")
+                  f"(workers={args.workers}, threads={threads} each, executor={args.executor})")
     if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, sync_cell(c)) for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
                       "recovered shares cannot be computed")
     restore = _stop_on_signals()
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
-                          rerun_other_versions=getattr(args, "rerun_other_versions", False),
-                          threads=getattr(args, "threads", None))
+                          rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads)
         check_stop()  # a stop whose raise was lost in the grid's last cell
     except CellMismatchError as exc:
         raise SystemExit(f"gacbench bench: {exc}") from None
