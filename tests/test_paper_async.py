@@ -34,4 +34,5 @@ def test_the_bench_table_has_the_ideal_speedup_and_the_median_goes_to_out(tmp_pa
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[6:9] == ["1.33", "1.33", "0.25"]  # 120 / 90; (30 + 90) / 90; 30 / 120
     assert "Median speedup of the bench-long-* records (vllm, 8 prompts, 60 steps, s_max 4): **1.33** over 3" in text
+    assert f"`python paper/async/make.py --runs {runs} --out {out}`" in text  # the command that regenerates it
     assert published.stat().st_mtime_ns == before  # --out, not the published folder
