@@ -36,3 +36,27 @@ def test_the_bench_table_has_the_ideal_speedup_and_the_median_goes_to_out(tmp_pa
     assert "Median speedup of the bench-long-* records (vllm, 8 prompts, 60 steps, s_max 4): **1.33** over 3" in text
     assert f"`python paper/async/make.py --runs {runs} --out {out}`" in text  # the command that regenerates it
     assert published.stat().st_mtime_ns == before  # --out, not the published folder
+
+
+def _study_record(seed, lag):
+    rng = __import__("numpy").random.default_rng(seed)
+    return {"steps": 20, "lag": [lag] * 20, "lag_max_per_step": [lag] * 20, "cos": list(rng.uniform(-0.2, 0.3, 19)),
+            "reward": list(rng.uniform(0, 0.2, 20)), "eval_acc": 0.1,
+            "settings": {"rollout": {"prompts": 8}, "lr": 1e-4, "engine": {"name": "vllm"}}}
+
+
+def test_a_study_section_names_the_folder_it_was_read_from(tmp_path):
+    runs, out = tmp_path / "grids" / "async-long", tmp_path / "out"
+    for seed in (0, 1):
+        for way in ("async", "fixed", "uniform"):
+            d = runs / "study-long" / f"seed{seed}" / way
+            d.mkdir(parents=True)
+            (d / "record.json").write_text(json.dumps(_study_record(seed, 4)))
+    (runs / "study-empty").mkdir()
+    assert _make().main(["--runs", str(runs), "--out", str(out)]) == 0
+    text = (out / "summary.md").read_text()
+    assert f"## Is the simulator faithful? {runs}/study-long/ (2 seed(s), 20 steps each)" in text
+    empty = runs / "study-empty"
+    assert f"No complete seed under {empty}/ (run `python paper/async/run.py --root {empty}`)" in text
+    assert "runs/async/" not in text  # no folder other than the one read
+    assert (out / "fig_study_long.png").is_file()

@@ -73,13 +73,14 @@ def fmt(xs: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(xs):.{digits}f} ± {statistics.stdev(xs):.{digits}f}"
 
 
-def study_section(name: str, runs: dict[str, list[dict]], warmup: int) -> list[str]:
+def study_section(where: str, runs: dict[str, list[dict]], warmup: int) -> list[str]:
+    """The study stored in the folder ``where`` (as the summary names it, relative to the repository)."""
     n = len(runs["async"])
     if n == 0:
-        return [f"No complete seed under runs/async/{name}/ (run `python paper/async/run.py`)."]
+        return [f"No complete seed under {where}/ (run `python paper/async/run.py --root {where}`)."]
     first = runs["async"][0]
     set_ = first.get("settings", {})
-    lines = [f"## Is the simulator faithful? runs/async/{name}/ ({n} seed(s), {first['steps']} steps each)", "",
+    lines = [f"## Is the simulator faithful? {where}/ ({n} seed(s), {first['steps']} steps each)", "",
              f"Settings: rollout {json.dumps(set_.get('rollout', {}))}, lr {set_.get('lr')}, engine "
              f"{set_.get('engine', {}).get('name')}; c_t statistics after a warm-up of {warmup} steps; mean ± sd "
              "over seeds.", "",
@@ -117,8 +118,9 @@ def study_section(name: str, runs: dict[str, list[dict]], warmup: int) -> list[s
 def bench_section(runs_dir: Path) -> list[str]:
     files = sorted(runs_dir.glob("bench*.json"))
     if not files:
-        return ["No `gacbench async-bench` record under runs/async/ (run `gacbench async-bench --steps 30 "
-                "--max-staleness 4 --json runs/async/bench-1.json`)."]
+        shown = shown_path(runs_dir)
+        return [f"No `gacbench async-bench` record under {shown}/ (run `gacbench async-bench --steps 30 "
+                f"--max-staleness 4 --json {shown}/bench-1.json`)."]
     recs = [(f, json.loads(f.read_text())) for f in files]
     lines = ["## Wall-clock: `gacbench async-bench`", "",
              "| record | engine | steps | s_max | sync s | async s | speedup | ideal (G + T) / max(G, T) | "
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += bench_section(runs_dir)
     for study in sorted(p for p in runs_dir.glob("study*") if p.is_dir()):
         runs = load(study)
-        lines += [""] + study_section(study.name, runs, args.warmup)
+        lines += [""] + study_section(f"{shown}/{study.name}", runs, args.warmup)
         if runs["async"]:
             figure(f"{shown}/{study.name}", runs, args.warmup, out / f"fig_{study.name.replace('-', '_')}.png")
             lines += ["", f"Figure: `fig_{study.name.replace('-', '_')}.png`."]
