@@ -91,11 +91,19 @@ step_control_lr3e4() {
         --out "$RUNS/llm-step-control-lr3e-4"
 }
 
+# llm-length: the suite (3 seeds), then sync and stale at seeds 3 and 4, so that the gap every share is a fraction
+# of is measured on 5 seeds (the shares pair the 3 seeds that every method shares); 51 cells, about 6.5 h
+length() {
+    "$GACBENCH" bench --suite llm-length --out "$RUNS/llm-length"
+    "$GACBENCH" bench --suite llm-length --methods sync,stale --seeds 3,4 --out "$RUNS/llm-length"
+}
+
 for suite in "${SUITES[@]}"; do
     case "$suite" in
         bandit-baselines) bandit_baselines ;;
         llm-readings) readings ;;
         llm-step-control-lr3e-4) step_control_lr3e4 ;;
+        llm-length) length ;;
         toward) "$PYTHON" paper/toward.py; continue ;;  # reads published summaries: nothing to run or copy
         *) "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite" ;;
     esac
@@ -111,6 +119,9 @@ if [ "$EVERYTHING" -eq 1 ]; then
     # the same on the long-answer task, from the records in $RUNS/async-long/ (committed in grids/), each made on a
     # quiet machine by: gacbench async-bench --task scratchpad --size small --warm-steps 500 --max-tokens 48
     #     --lr 1e-4 --steps 60 --max-staleness 4 --json grids/async-long/bench-long-K.json
+    # and the simulator study there (about 20 min): python paper/async/run.py --task scratchpad --size small
+    #     --warm-steps 500 --max-tokens 48 --lr 1e-4 --steps 80 --seeds 0,1,2 --max-staleness 4
+    #     --root grids/async-long/study-long
     if [ -d "$RUNS/async-long" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async-long" --out paper/async-long; fi
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
