@@ -237,3 +237,32 @@ def test_the_update_diagnostics_table_has_the_ess_column_where_cells_log_it(tmp_
     assert rec["ess_frac"] == pytest.approx((0.6 + 0.5) / 2)  # the steps after the warm-up
     md = (tmp_path / "summary.md").read_text()
     assert "| ESS fraction of the token weights |" in md and "| 0.55 |" in md
+
+
+def test_make_sh_runs_llm_length_with_sync_and_stale_on_five_seeds(tmp_path):
+    """paper/make.sh llm-length runs the suite, then sync and stale at seeds 3 and 4 into the same store, and
+    publishes the one summary of both."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "paper").mkdir()
+    shutil.copy(repo / "paper" / "make.sh", tmp_path / "paper" / "make.sh")
+    fake = tmp_path / "fake-gacbench"
+    fake.write_text(f'''#!{sys.executable}
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+with open(out / "calls", "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+(out / "summary.json").write_text(json.dumps({{"versions": [{{"key": "k", "description": "c", "cells": 1}}]}}))
+(out / "summary.md").write_text("s")
+(out / "fig_x.png").write_bytes(b"png")
+''')
+    fake.chmod(0o755)
+    env = {**os.environ, "GACBENCH": str(fake), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(tmp_path / "paper" / "make.sh"), "llm-length"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "grids" / "llm-length" / "calls").read_text().splitlines() == [
+        "bench --suite llm-length --out grids/llm-length",
+        "bench --suite llm-length --methods sync,stale --seeds 3,4 --out grids/llm-length"]
+    assert (tmp_path / "paper" / "llm-length" / "summary.md").is_file()
