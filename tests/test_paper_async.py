@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -39,7 +41,7 @@ def test_the_bench_table_has_the_ideal_speedup_and_the_median_goes_to_out(tmp_pa
 
 
 def _study_record(seed, lag):
-    rng = __import__("numpy").random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     return {"steps": 20, "lag": [lag] * 20, "lag_max_per_step": [lag] * 20, "cos": list(rng.uniform(-0.2, 0.3, 19)),
             "reward": list(rng.uniform(0, 0.2, 20)), "eval_acc": 0.1,
             "settings": {"rollout": {"prompts": 8}, "lr": 1e-4, "engine": {"name": "vllm"}}}

@@ -146,14 +146,16 @@ def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
 
 FAKE_GACBENCH = '''#!{python}
 """gacbench bench --out DIR stand-in: the summary of a grid of one code version, of two when FAKE_MIXED=1, without
-versions when FAKE_MIXED=none."""
+versions when FAKE_MIXED=none; each call's arguments are appended to DIR/calls."""
 import json
 import os
 import sys
 from pathlib import Path
 
 out = Path(sys.argv[sys.argv.index("--out") + 1])
-out.mkdir(parents=True)
+out.mkdir(parents=True, exist_ok=True)
+with open(out / "calls", "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
 versions = [{{"key": "src 111", "description": "commit aaaaaaaaaa", "cells": 3}}]
 if os.environ["FAKE_MIXED"] == "1":
     versions.append({{"key": "src 222", "description": "commit bbbbbbbbbb (dirty)", "cells": 1}})
@@ -163,8 +165,8 @@ if os.environ["FAKE_MIXED"] == "1":
 '''
 
 
-def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None):
-    """Run a copy of paper/make.sh in ``tmp_path`` on the grid ``grid`` that FAKE_GACBENCH computes."""
+def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None, suite: str = "grid"):
+    """Run a copy of paper/make.sh in ``tmp_path`` on the grid ``suite`` that FAKE_GACBENCH computes."""
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "paper").mkdir(parents=True, exist_ok=True)
     shutil.copy(repo / "paper" / "make.sh", tmp_path / "paper" / "make.sh")
@@ -176,7 +178,7 @@ def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = No
     env.pop("GACBENCH_ALLOW_MIXED_VERSIONS", None)
     if allow_env is not None:
         env["GACBENCH_ALLOW_MIXED_VERSIONS"] = allow_env
-    return subprocess.run(["bash", str(tmp_path / "paper" / "make.sh"), *args, "grid"], env=env, capture_output=True,
+    return subprocess.run(["bash", str(tmp_path / "paper" / "make.sh"), *args, suite], env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -242,25 +244,7 @@ def test_the_update_diagnostics_table_has_the_ess_column_where_cells_log_it(tmp_
 def test_make_sh_runs_llm_length_with_sync_and_stale_on_five_seeds(tmp_path):
     """paper/make.sh llm-length runs the suite, then sync and stale at seeds 3 and 4 into the same store, and
     publishes the one summary of both."""
-    repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "paper").mkdir()
-    shutil.copy(repo / "paper" / "make.sh", tmp_path / "paper" / "make.sh")
-    fake = tmp_path / "fake-gacbench"
-    fake.write_text(f'''#!{sys.executable}
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[sys.argv.index("--out") + 1])
-out.mkdir(parents=True, exist_ok=True)
-with open(out / "calls", "a") as f:
-    f.write(" ".join(sys.argv[1:]) + "\\n")
-(out / "summary.json").write_text(json.dumps({{"versions": [{{"key": "k", "description": "c", "cells": 1}}]}}))
-(out / "summary.md").write_text("s")
-(out / "fig_x.png").write_bytes(b"png")
-''')
-    fake.chmod(0o755)
-    env = {**os.environ, "GACBENCH": str(fake), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(tmp_path / "paper" / "make.sh"), "llm-length"], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = _make_sh(tmp_path, mixed=False, suite="llm-length")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "grids" / "llm-length" / "calls").read_text().splitlines() == [
         "bench --suite llm-length --out grids/llm-length",
