@@ -94,6 +94,33 @@ def test_n_counts_distinct_shared_seeds_and_missing_groups_give_null():
     assert all("n" not in r for r in recovered_shares(group_records(cells)))  # without cells: as before, no CIs
 
 
+def test_unequal_seeds_take_the_share_on_the_seeds_its_interval_pairs():
+    # sync and stale ran seeds 0-4, gac seeds 0-2; seeds 3 and 4 widen the gap (stale 0.0 there), so the share
+    # over all seeds' means, (0.24 - 0.73) / (0.24 - 1.0) = 0.64, lies outside the interval of seeds 0-2
+    stale = [0.4, 0.4, 0.4, 0.0, 0.0]
+    cells = ([report_cell("t", "sync", 0, k, 1.0) for k in range(5)]
+             + [report_cell("t", "stale", 8, k, stale[k]) for k in range(5)]
+             + [report_cell("t", "gac", 8, k, 0.7 + 0.03 * k) for k in range(3)])
+    groups = group_records(cells)
+    (row,) = recovered_shares(groups, cells=cells)
+    assert row["n"] == 3 and row["paired_seeds"] == 3
+    # on seeds 0-2: sync 1.0, stale 0.4, gac 0.73: share (0.4 - 0.73) / (0.4 - 1.0) = 0.55
+    assert (row["sync"], row["stale"], row["value"]) == pytest.approx((1.0, 0.4, 0.73))
+    assert row["share"] == pytest.approx(0.55)
+    assert row["share_ci_low"] <= row["share"] <= row["share_ci_high"]
+    assert row["gap"] == pytest.approx(-0.6) and row["gap_se"] == pytest.approx(0.0)
+    md = markdown(cells, groups, recovered_shares(groups, cells=cells), Path("x"))
+    assert "0.55 (means over the 3 seeds all three ran)" in md
+    # without the cells there is nothing to pair: the group means, as the groups table gives them
+    (bare,) = recovered_shares(groups)
+    assert bare["share"] == pytest.approx((0.24 - 0.73) / (0.24 - 1.0)) and "paired_seeds" not in bare
+    assert bare["share"] > row["share_ci_high"]
+    # equal seed sets: the group means, and no mark
+    same = [c for c in cells if c["seed"] < 3]
+    (eq,) = recovered_shares(group_records(same), cells=same)
+    assert eq["share"] == pytest.approx(0.55) and "paired_seeds" not in eq
+
+
 def test_share_table_across_s_by_hand():
     # sync 1.0; stale 0.4 at s = 8 and 0.2 at s = 16 on every seed; gac at s = 8 only
     stale = {8: 0.4, 16: 0.2}

@@ -16,7 +16,9 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   stabilizer m at each staleness: 1 recovers the synchronous result, 0 is no better than stale; a
   gap smaller than twice its standard error over seeds (sqrt(s_sync²/n_sync + s_stale²/n_stale), s the
   sample standard deviation) is flagged (``gap_within_noise``; null with a single seed): the share is
-  then a ratio of noise;
+  then a ratio of noise; where sync, stale and m did not run the same seeds (and the cells are at hand), the
+  three means, the gap and its standard error are taken over the seeds all three ran (``paired_seeds``, their
+  count), the seeds the share's interval pairs, so that the point estimate and its interval describe one sample;
 - confidence intervals (appended section of summary.md; ``share_ci_low``/``share_ci_high``, ``n`` and the
   ``vs_stale_*`` keys of each ``recovered``/``recovered_reward`` entry): over the seeds that sync, stale and
   the method share (``n``, distinct seeds), a paired percentile bootstrap of the share (``BOOT_RESAMPLES``

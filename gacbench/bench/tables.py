@@ -61,6 +61,8 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
             share += " (gap < 2 s.e. of seeds: not meaningful)"
         elif not r["no_gap"] and r["gap_within_noise"] is None:
             share += " (one seed: noise unknown)"
+        if r.get("paired_seeds"):
+            share += f" (means over the {r['paired_seeds']} seeds all three ran)"
         lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {fmt(r['sync'], 4)} | "
                      f"{fmt(r['stale'], 4)} | "
                      f"{fmt(r['value'], 4)} | {share} |")
