@@ -197,9 +197,27 @@ def test_toward_script_writes_the_table_beside_the_papers_rows(tmp_path):
     lines = (tmp_path / "toward.md").read_text().splitlines()
     assert lines[0].count("share |") == 2 and "gac share" in lines[0] and "gspo share" in lines[0]  # present methods
     assert lines[2].startswith("| small, long | 4.70M | 26 | 16 | 0.21 | 1.5 | +0.090 [")
-    assert lines[2].endswith("| 20 | 3, 3 |")
+    assert lines[2].endswith("| 20 | 3, 3 |") and "(n = " not in lines[2]
     assert lines[3] == "| Qwen3-1.7B (paper, Table 3) | 1.7B | — | — | 0.0471 | — | — | — | — | — | — |"
     assert json.loads((tmp_path / "toward.json").read_text())["points"][0]["gap"] == pytest.approx(0.09)
     bad = subprocess.run([sys.executable, str(script), "--point", f"x={tmp_path / 'none.json'}:small:16"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "none.json does not exist; publish that grid first" in bad.stderr
+
+
+def test_toward_table_names_the_seeds_of_a_share_that_pairs_fewer_than_the_gap():
+    from gacbench.bench.regime import toward_row
+    from gacbench.bench.tables import toward_markdown
+
+    summary = _toward_summary()
+    extra = [report_cell("small", m, s, 3, 0.5, reward=r) for m, s, r in (("sync", 0, 0.33), ("stale", 16, 0.22))]
+    cells = summary["cells"] + extra
+    groups = group_records(cells)
+    summary = {"cells": cells, "groups": groups,
+               "recovered_reward": recovered_shares(groups, key="reward_last", cells=cells)}
+    row = toward_row(summary, "small", 16, "small, long", "x/summary.json")
+    assert row["gap_seeds"] == 4 and row["gac"]["n"] == 3
+    # the share over the three seeds gac ran: the same as without seed 3
+    assert row["gac"]["share"] == pytest.approx(toward_row(_toward_summary(), "small", 16, "s", "x")["gac"]["share"])
+    line = toward_markdown([row])[2]
+    assert line.count("(n = 3)") == 2  # gac and gspo

@@ -516,13 +516,16 @@ def toward_markdown(rows: list[dict]) -> list[str]:
     """The table "toward the paper's regime": one row per point (:func:`gacbench.bench.regime.toward_row`),
     then the paper's Table 3 rows (their q0.9(|c_t|) only). A share is shown with its 95% interval and ``*``
     where the paired test against stale has a Holm-adjusted p < 0.05 within its grid; ``no gap`` where stale
-    is not below sync."""
+    is not below sync, and ``(n = K)`` where the share pairs fewer seeds (K) than the gap."""
     from gacbench.bench.regime import TOWARD_METHODS
 
     methods = [m for m in TOWARD_METHODS if any(r.get(m) for r in rows)]
 
-    def share(e: dict | None) -> str:
-        return "—" if e is None else "no gap" if e["no_gap"] else _share_cell(e)
+    def share(e: dict | None, gap_seeds: int | None) -> str:
+        if e is None:
+            return "—"
+        fewer = f" (n = {e['n']})" if e.get("n") and gap_seeds and e["n"] < gap_seeds else ""
+        return ("no gap" if e["no_gap"] else _share_cell(e)) + fewer
 
     lines = ["| point | parameters | tokens per response | s | sync q0.9(|c_t|) | stale / sync median c_t | "
              "sync − stale reward [95% CI] (p) | " + "".join(f"{m} share | " for m in methods)
@@ -533,7 +536,7 @@ def toward_markdown(rows: list[dict]) -> list[str]:
         gap = f"{r['gap']:+.3f} {fmt_ci(r['gap_ci_low'], r['gap_ci_high'])} ({fmt(r['gap_p'], 2)})"
         lines.append(f"| {r['point']} | {params} | {fmt(r['response_tokens'], 3)} | {r['staleness']} | "
                      f"{fmt(r['sync_cos_abs_q90'])} | {fmt(r['cos_median_ratio'], 2)} | {gap} | "
-                     + "".join(f"{share(r.get(m))} | " for m in methods)
+                     + "".join(f"{share(r.get(m), r.get('gap_seeds'))} | " for m in methods)
                      + f"{fmt(r['ratio_max'], 3)} | {r['n_sync']}, {r['n_stale']} |")
     for p in PAPER_TABLE3:
         lines.append(f"| {p['model']} (paper, Table 3) | {p['params'] / 1e9:.1f}B | — | — | "
