@@ -9,10 +9,19 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
 - ``source_sha256``: a hash over the library's own ``.py`` files (path and content, sorted), which tells two
   versions apart even where there is no checkout, or where a checkout is dirty;
 - ``packages``: the versions of torch, vllm, transformers and lightning (``null`` when absent);
-- ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name.
+- ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name;
+- ``isa``: the vector instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
+  ``AVX2``, ``AVX512``, ...), with ``cpu_model`` and ``cpu_flags`` (the vector extensions /proc/cpuinfo lists)
+  for a person to read: the same code on an AVX2 and an AVX512 machine rounds differently.
 
-The environment key is everything but the commit: the source hash, the package versions, the thread count
-and the device. Two cells with the same key ran the same library code on the same stack.
+The environment key is everything but the commit: the source hash, the package versions, the thread count,
+the device and the instruction set. Two cells with the same key ran the same library code on the same stack.
+
+A run that starts from a checkpoint also records the checkpoint: ``initial_weights``, :func:`weights_sha256` of
+its weight files (the GRPO objective: the local model directory, or the built-in model's warm-started
+checkpoint). The warm start is a short supervised run, so its weights are reproducible only where its rounding
+is (the same library, packages and CPU kind); two cells of one code version that started from different weights
+are two draws of another experiment, and the key tells them apart (``weights`` and 12 hex digits at its end).
 """
 
 from __future__ import annotations
@@ -87,22 +96,75 @@ def device_name() -> str:
     return "cpu"
 
 
+#: the files whose bytes make a checkpoint's weights (transformers' single-file and sharded formats)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """SHA-256 over a checkpoint directory's weight files (:data:`WEIGHT_PATTERNS`): each file's name, then its
+    bytes, in name order. Raises FileNotFoundError naming the directory when it holds none."""
+    root = Path(model_dir)
+    files = sorted({f for pattern in WEIGHT_PATTERNS for f in root.glob(pattern) if f.is_file()})
+    if not files:
+        raise FileNotFoundError(f"{root}: no weight files ({', '.join(WEIGHT_PATTERNS)}); is it a checkpoint "
+                                "directory (save_pretrained's output)?")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+#: the /proc/cpuinfo flags recorded in ``cpu_flags``: the vector extensions that select kernels
+VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512", "amx", "avx_vnni")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_description() -> dict[str, Any]:
+    """``isa`` (torch's CPU kernel capability), ``cpu_model`` and ``cpu_flags`` (sorted vector extensions) from
+    /proc/cpuinfo, ``None`` where it cannot be read (not Linux)."""
+    import torch
+
+    model, flags = None, None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "model name" and model is None:
+            model = value.strip()
+        elif name.strip() == "flags" and flags is None:
+            flags = sorted(f for f in value.split() if f.startswith(VECTOR_FLAGS))
+    return {"isa": torch.backends.cpu.get_cpu_capability(), "cpu_model": model, "cpu_flags": flags}
+
+
 def provenance() -> dict[str, Any]:
     """This process's environment, as stored in every run's ``config.json`` under ``provenance``."""
     import torch
 
     return {"code": code_version(), "source_sha256": source_sha256(), "packages": dict(package_versions()),
-            "threads": torch.get_num_threads(), "device": device_name()}
+            "threads": torch.get_num_threads(), "device": device_name(), **cpu_description()}
 
 
-def environment_key(prov: dict | None) -> str:
+def environment_key(prov: dict | None, weights: bool = True) -> str:
     """A short label that is equal for two runs exactly when they ran the same library source on the same
-    packages, thread count and device: ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu``. A run stored
-    without provenance has the key ``unrecorded``."""
+    packages, thread count and device, from the same initial weights where they recorded them:
+    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 weights 9f8e7d6c5b4a``. ``weights=False``: the code
+    environment alone (what a process can compare with its own before it loads a model). A run stored without
+    provenance has the key ``unrecorded``."""
     if not isinstance(prov, dict) or not prov.get("source_sha256"):
         return "unrecorded"
     pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
-    return f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
+    key = f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
+    if prov.get("isa"):  # runs stored before the instruction set was recorded keep their key
+        key += f" isa {prov['isa']}"
+    if weights and prov.get("initial_weights"):
+        key += f" weights {str(prov['initial_weights'])[:12]}"
+    return key
 
 
 def code_label(prov: dict | None) -> str:

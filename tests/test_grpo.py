@@ -151,10 +151,17 @@ def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tm
     assert run_grid(cells, tmp_path)["failed"] == 0
     summary = build_report(tmp_path, cells)["summary"]
     assert {c["engine"] for c in summary["cells"]} == {"hf"}
-    assert all(c["metric"] == "acc" and 0.0 <= c["final"] <= 1.0 for c in summary["cells"])
-    import csv
+    import json
 
     from gacbench.bench.cell import cell_dir
+    from gacbench.provenance import weights_sha256
+
+    for cell in cells:  # the checkpoint each cell started from, in its provenance and its version key
+        prov = json.loads((cell_dir(tmp_path, cell) / "config.json").read_text())["provenance"]
+        assert prov["initial_weights"] == weights_sha256(model_dir)
+    assert [v["key"].endswith(f" weights {weights_sha256(model_dir)[:12]}") for v in summary["versions"]] == [True]
+    assert all(c["metric"] == "acc" and 0.0 <= c["final"] <= 1.0 for c in summary["cells"])
+    import csv
 
     rows = list(csv.DictReader((cell_dir(tmp_path, cells[1]) / "metrics.csv").open()))
     generate = [float(r["time/generate_s"]) for r in rows if r.get("time/generate_s")]

@@ -132,6 +132,24 @@ def test_versions_list_each_environment_and_the_groups_that_mix_them(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["versions"][0]["cells"] == 5
 
 
+def test_cells_of_one_code_version_from_different_initial_weights_are_two_versions(tmp_path):
+    # the same library and stack, but one seed of stale started from another warm-started checkpoint
+    same, other = _prov("4"), {**_prov("4"), "initial_weights": "e" * 64}
+    base = {**same, "initial_weights": "d" * 64}
+    for seed in (0, 1):
+        _store(tmp_path, "sync", 0, seed, 1.0, prov=base)
+    _store(tmp_path, "stale", 2, 0, 5.0, prov=base)
+    _store(tmp_path, "stale", 2, 1, 5.0, prov=other)
+    summary = build_report(tmp_path)["summary"]
+    assert [v["cells"] for v in summary["versions"]] == [3, 1]
+    assert summary["versions"][0]["key"] == environment_key(same) + " weights dddddddddddd"
+    assert summary["mixed_version_groups"][0]["method"] == "stale"
+    # what a process compares with its own before it loads a model: the code environment alone
+    assert environment_key(base, weights=False) == environment_key(other, weights=False) == environment_key(same)
+    assert "threads and device, the instruction set and the initial weights where recorded;" in (
+        tmp_path / "summary.md").read_text()
+
+
 def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
     prov = _prov("3")
     for seed in (0, 1):
@@ -142,6 +160,7 @@ def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
     assert "mixed_version_groups" not in summary
     md = (tmp_path / "summary.md").read_text()
     assert "## Code versions" in md and "mixes" not in md
+    assert "threads and device; the commit" in md  # no instruction set or weights recorded: not named
 
 
 FAKE_GACBENCH = '''#!{python}

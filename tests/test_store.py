@@ -183,6 +183,35 @@ def test_a_cell_records_its_provenance_with_the_thread_count_it_ran_with(tmp_pat
     assert "provenance" not in cell_mod.IDENTITY_KEYS
 
 
+def test_weights_sha256_reads_every_weight_file_and_names_a_directory_without_one(tmp_path):
+    import hashlib
+
+    from gacbench.provenance import weights_sha256
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"no weight files .*save_pretrained"):
+        weights_sha256(tmp_path)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"bb")
+    (tmp_path / "model-00001.safetensors").write_bytes(b"a")
+    expected = hashlib.sha256(b"model-00001.safetensors\0a\0model-00002.safetensors\0bb\0").hexdigest()
+    assert weights_sha256(tmp_path) == expected
+    (tmp_path / "config.json").write_text('{"x": 1}')  # not a weight file
+    assert weights_sha256(tmp_path) == expected
+    (tmp_path / "model-00002.safetensors").write_bytes(b"bc")  # one byte of the weights
+    assert weights_sha256(tmp_path) != expected
+
+
+def test_the_instruction_set_is_recorded_and_tells_two_machines_apart():
+    prov = provenance()
+    assert prov["isa"] == torch.backends.cpu.get_cpu_capability()
+    assert prov["cpu_flags"] is None or all(f.startswith(("avx", "fma", "f16c", "amx")) for f in prov["cpu_flags"])
+    avx512 = {**prov, "isa": "AVX512"}
+    assert environment_key(prov).endswith(f"isa {prov['isa']}") and environment_key(avx512).endswith("isa AVX512")
+    assert environment_key(prov) != environment_key(avx512) or prov["isa"] == "AVX512"
+    legacy = {k: v for k, v in prov.items() if k not in ("isa", "cpu_model", "cpu_flags")}
+    assert " isa " not in environment_key(legacy)  # a run stored before it was recorded keeps its key
+
+
 def test_cells_from_another_environment_are_counted_kept_and_recomputed_on_request(tmp_path, capsys):
     suite, out = tiny_suite(tmp_path, seeds=[0, 1]), tmp_path / "out"
     before = torch.get_num_threads()

@@ -405,7 +405,7 @@ def stored_provenance(root: Path, cell: dict) -> dict | None:
 def stored_environment(root: Path, cell: dict) -> str:
     """The :func:`gacbench.provenance.environment_key` of the run stored in ``cell``'s directory
     (``unrecorded`` when its config.json holds no provenance)."""
-    return environment_key(stored_provenance(root, cell))
+    return environment_key(stored_provenance(root, cell), weights=False)
 
 
 def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None,
@@ -442,12 +442,16 @@ def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_o
             return {**done, "reused": True}
     status_path.unlink(missing_ok=True)  # a failed or incomplete earlier run: unfinished until this one ends
     t_write = time.perf_counter()
-    write_json(out / "config.json", {**cell, "provenance": provenance()})
+    prov = provenance()
+    write_json(out / "config.json", {**cell, "provenance": prov})
     parts = {"write": time.perf_counter() - t_write}
     t0 = time.perf_counter()
     try:
         status = _run(cell, out)
         parts.update(status.pop("time"))
+        weights = status.pop("initial_weights", None)
+        if weights:  # known once the objective loaded its model: config.json's provenance records it
+            write_json(out / "config.json", {**cell, "provenance": {**prov, "initial_weights": weights}})
     except Exception as exc:  # a failed cell is recorded and never stops the grid
         if isinstance(exc, OSError) and exc.errno in DISK_FULL:
             raise
@@ -509,4 +513,5 @@ def _run(cell: dict, out: Path) -> dict:
         "steps_run": trainer.global_step, "overhead_share": timer.overhead_share(),
         "step_ms": 1e3 * statistics.median(timer.total) if timer.total else math.nan,
         "step_s": timer.step_s(), "eval_s": evals.seconds, "time": time_parts,
+        "initial_weights": getattr(model, "initial_weights", None),
     }

@@ -238,10 +238,11 @@ def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
     """The distinct code versions of the cells: description, environment key, cell count."""
     if not versions:
         return []
+    recorded = any(" isa " in v["key"] or " weights " in v["key"] for v in versions)
     lines = ["", "## Code versions", "",
              "The environments the cells ran in (gacbench/provenance.py: the library's source hash, package versions, "
-             "threads and device; the commit, dirty where the checkout differed from it; unrecorded: stored without "
-             "provenance).", ""]
+             "threads and device" + (", the instruction set and the initial weights where recorded" if recorded else "")
+             + "; the commit, dirty where the checkout differed from it; unrecorded: stored without provenance).", ""]
     lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cell{'' if v['cells'] == 1 else 's'}"
               for v in versions]
     if len(versions) > 1:

@@ -48,6 +48,7 @@ from gacbench.llm.data_parallel import data_parallel_loss, rank_share
 from gacbench.llm.model import load
 from gacbench.llm.tasks import TaskConfig, build_task, reward_fn
 from gacbench.objectives.base import Objective, given_settings
+from gacbench.provenance import weights_sha256
 from gacbench.rollout.advantages import advantage_fn
 from gacbench.rollout.diagnostics import diagnostics_by_lag, importance_diagnostics
 from gacbench.rollout.engines import Rollout, check_sync, discard_engine
@@ -215,6 +216,8 @@ class GRPOModule(Objective):
                                                 self.task))
         self.model_path = model_path
         self.policy, self.tok = load(model_path)
+        # the checkpoint this run starts from, recorded in a bench cell's provenance (gacbench.provenance)
+        self.initial_weights = weights_sha256(model_path)
         self.policy.train()  # from_pretrained returns eval mode
         self.n_params = sum(p.numel() for p in self.policy.parameters())  # tied embeddings counted once
         # one-off costs a bench cell reports apart: the model's load (and warm start) here, the engine's start-up
