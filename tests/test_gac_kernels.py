@@ -42,7 +42,10 @@ def test_compiled_kernels_match_the_eager_path_on_every_branch():
         assert a1 == a2 and b1 == b2
         assert (math.isnan(c1) and math.isnan(c2)) or c2 == pytest.approx(c1, abs=1e-6)
         for x, y in zip(g1, g2):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+            # the compiled reductions sum in another order (it differs with the CPU's vector width), so c_t and
+            # the shrink factor or projection coefficient round differently: a small error relative to the
+            # tensor's scale (seen on an AVX2 machine: 2.5e-6 of it where c_t is small)
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5 * max(1.0, float(x.abs().max())))
 
 
 def test_compiled_kernels_handle_overflow_and_non_finite_gradients_like_the_eager_path():
