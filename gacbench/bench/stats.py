@@ -117,22 +117,19 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
     return row
 
 
-def _unequal_common_seeds(seeds: dict[tuple, dict[int, float]], task: str, method: str, s: int) -> list[int]:
-    """The seeds that sync, stale at ``s`` and ``method`` at ``s`` all hold, where at least one of the three
-    holds others too; empty where the three hold the same seeds (or share none)."""
-    sets = [set(seeds.get(k, {})) for k in ((task, "sync", 0), (task, "stale", s), (task, method, s))]
-    common = set.intersection(*sets)
-    return sorted(common) if common and any(x != common for x in sets) else []
-
-
-def _paired_means(seeds: dict[tuple, dict[int, float]], task: str, method: str, s: int,
-                  common: list[int]) -> tuple[float, float, float, float]:
-    """sync's, stale's and the method's means over ``common`` seeds, and the standard error of the gap
-    stale - sync from their sample (ddof=1) standard deviations over those seeds (NaN below two seeds)."""
-    x = [np.array([seeds[k][i] for i in common]) for k in ((task, "sync", 0), (task, "stale", s), (task, method, s))]
+def _unequal_seed_means(seeds: dict[tuple, dict[int, float]], task: str, method: str,
+                        s: int) -> tuple[int, float, float, float, float] | None:
+    """Where sync, stale at ``s`` and ``method`` at ``s`` did not run the same seeds: the count of the seeds all
+    three ran, their three means over those seeds and the standard error of the gap stale - sync from the sample
+    (ddof=1) standard deviations (NaN below two seeds). None where the three hold the same seeds, or share none."""
+    groups = [seeds.get(k, {}) for k in ((task, "sync", 0), (task, "stale", s), (task, method, s))]
+    common = sorted(set.intersection(*(set(g) for g in groups)))
+    if not common or all(len(g) == len(common) for g in groups):
+        return None
+    x = [np.array([g[i] for i in common]) for g in groups]
     n = len(common)
     se = math.sqrt((x[0].var(ddof=1) + x[1].var(ddof=1)) / n) if n >= 2 else math.nan
-    return float(x[0].mean()), float(x[1].mean()), float(x[2].mean()), se
+    return n, float(x[0].mean()), float(x[1].mean()), float(x[2].mean()), se
 
 
 def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] | None = None,
@@ -167,9 +164,9 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
             se = math.nan
         else:
             se = math.sqrt(sum((x[std] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
-        common = _unequal_common_seeds(seeds, g["task"], g["method"], g["staleness"]) if seeds is not None else []
-        if common:  # the seed sets differ: the share on the seeds its interval pairs
-            sync_v, stale_v, value, se = _paired_means(seeds, g["task"], g["method"], g["staleness"], common)
+        paired = _unequal_seed_means(seeds, g["task"], g["method"], g["staleness"]) if seeds is not None else None
+        if paired:  # the seed sets differ: the share on the seeds its interval pairs
+            n_paired, sync_v, stale_v, value, se = paired
         gap = stale_v - sync_v
         sign = -1.0 if (key == "reward_last" or g["higher_is_better"]) else 1.0  # gap > 0 means stale is worse
         share = (stale_v - value) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
@@ -177,7 +174,7 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
                "sync": sync_v, "stale": stale_v, "value": value,
                "no_gap": not (abs(gap) > 1e-12 and sign * gap > 0), "gap": gap, "gap_se": se,
                "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se),
-               **({"paired_seeds": len(common)} if common else {})}
+               **({"paired_seeds": n_paired} if paired else {})}
         rows.append(_with_ci(row, seeds, key, higher) if cells is not None else row)
     if cells is not None:  # the rows are one family of tests against stale
         for row, adj in zip(rows, holm_adjust([r["vs_stale_p"] for r in rows])):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -216,8 +217,6 @@ class GRPOModule(Objective):
                                                 self.task))
         self.model_path = model_path
         self.policy, self.tok = load(model_path)
-        # the checkpoint this run starts from, recorded in a bench cell's provenance (gacbench.provenance)
-        self.initial_weights = weights_sha256(model_path)
         self.policy.train()  # from_pretrained returns eval mode
         self.n_params = sum(p.numel() for p in self.policy.parameters())  # tied embeddings counted once
         # one-off costs a bench cell reports apart: the model's load (and warm start) here, the engine's start-up
@@ -354,6 +353,12 @@ class GRPOModule(Objective):
             self.policy.train()
             self._sync_verified = True
         super().on_train_batch_end(outputs, batch, batch_idx)  # eval/acc every eval_every steps (not timed)
+
+    @functools.cached_property
+    def initial_weights(self) -> str:
+        """SHA-256 of the checkpoint this run started from (:func:`gacbench.provenance.weights_sha256` of
+        ``model_path``, read once, when asked: a bench cell records it in its provenance)."""
+        return weights_sha256(self.model_path)
 
     @property
     def run_stats(self) -> dict[str, float]:
