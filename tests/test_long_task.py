@@ -280,8 +280,14 @@ def test_the_length_and_size_suites():
     assert params["task"]["name"] == "scratchpad" and params["model"]["size"] == "small"
     assert params["rollout"]["max_tokens"] >= 33  # the longest correct completion fits
     cells = expand_cells(length)
-    assert len(cells) == 3 + 7 * 2 * 3 and {c["staleness"] for c in cells} == {0, 16, 32}
-    assert set(length["methods"]) == {"sync", "stale", "gac", "gac-calibrated", "gspo", "dual-clip", "vcpo", "gac-step"}
+    assert len(cells) == 3 + 4 * 2 * 3 and {c["staleness"] for c in cells} == {0, 16, 32}
+    assert set(length["methods"]) == {"sync", "stale", "gac", "gac-calibrated", "gspo"}
+    # the other methods on long answers: a grid of its own on the same task, with its own sync and stale cells
+    baselines = load_suite("llm-length-baselines")
+    assert baselines["tasks"] == length["tasks"]
+    assert (baselines["steps"], baselines["warmup"]) == (length["steps"], length["warmup"])
+    assert set(baselines["methods"]) == {"sync", "stale", "dual-clip", "vcpo", "gac-step"}
+    assert len(expand_cells(baselines)) == 3 + 4 * 2 * 3
 
     size = load_suite("llm-size")
     assert {t["params"]["model"]["size"] for t in size["tasks"].values()} == set(MODEL_SIZES)
