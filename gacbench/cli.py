@@ -130,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_step_profile_arguments(p)
 
+    p = sub.add_parser("warm-start", help="rebuild a start point (warm-started checkpoint) from scratch and print "
+                       "its weights hash beside the pinned one",
+                       description="Build the warm-started checkpoints of a suite's GRPO tasks (--suite), or of one "
+                                   "model and task, in a fresh directory, and print each one's SHA-256 beside the "
+                                   "pinned θ₀ (gacbench.llm.pinned). Exit 1 when one differs from its pin.")
+    p.add_argument("--suite", default=None, help="a suite name or YAML path: every start point its GRPO tasks use")
+    p.add_argument("--size", default="tiny", help="model size (tiny, small, medium) when no --suite")
+    p.add_argument("--warm-steps", type=_positive_int, default=400, help="supervised steps (default 400)")
+    p.add_argument("--task", default="arithmetic", help="task name (arithmetic, scratchpad) when no --suite")
+    p.add_argument("--max-ops", type=_positive_int, default=2)
+    p.add_argument("--max-operand", type=_positive_int, default=9)
+    p.add_argument("--out", default=None, help="where to build (default: a new temporary directory)")
+
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its "
                        "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
@@ -201,6 +214,10 @@ def _run(argv: list[str]) -> int:
         return run(args)
     if args.command == "step-profile":
         from gacbench.llm.step_profile import main as run
+
+        return run(args)
+    if args.command == "warm-start":
+        from gacbench.llm.warmstart import main as run
 
         return run(args)
     if args.command == "report":

@@ -75,6 +75,7 @@ from gacbench.bench.executors import (  # noqa: F401  (reference_calibration re-
     stop_requested,
     wait_for_claims,
 )
+from gacbench.bench.theta0 import check_theta0
 from gacbench.bench.timing import timing_lines, timing_record  # noqa: F401  (timing_record re-exported)
 from gacbench.bench.validate import (  # noqa: F401  (SUITES_DIR, load_suite, check_params: importable from here)
     ABLATION,
@@ -370,6 +371,7 @@ def main(args) -> int:
         c["params"] = merge_params(c["params"], overrides)
     check_params(cells, overrides)
     out = check_output_dir("--out", args.out)
+    check_theta0(suite, cells, out)
     remove_stray_temporaries(out)
     threads = worker_threads(args.workers, getattr(args, "threads", None))
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "

@@ -21,6 +21,7 @@ import yaml
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo)
 from gacbench.bench.cell import engine_key, flat_params
+from gacbench.bench.theta0 import check_suite_theta0
 from gacbench.methods import canonical_method, method_callbacks, parse_method, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 from gacbench.usage import UsageError
@@ -178,6 +179,7 @@ def load_suite(name: str) -> dict[str, Any]:
             if 0 not in spec.get("staleness", suite["staleness"]):
                 raise UsageError(f"{at}: on_policy: runs its methods at s = 0, and the task's staleness has no 0; "
                                  "add 0 to the staleness or drop on_policy:")
+        check_suite_theta0(where, task, spec)
         if "extra_staleness" in spec and "extra_methods" not in spec:
             raise UsageError(f"{at}: extra_staleness: is the staleness of the task's extra_methods, and the task has "
                              "none; add extra_methods: or drop extra_staleness:")

@@ -99,21 +99,23 @@ def built_in_model_dir(size: str, warm_steps: int, cfg: TaskConfig, task=None) -
                             steps=warm_steps)
 
 
-def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int = 400, cache_dir=None,
-                     seed: int = 0) -> Path:
-
-    """The cached warm-started checkpoint for these settings; built (once) if missing. ``task`` is an
-    :class:`ArithmeticTask` (the default) or another dataclass task (its class name joins the key)."""
+def warm_key(config=None, task: ArithmeticTask | None = None, steps: int = 400, seed: int = 0) -> str:
+    """The name of the warm-started checkpoint for these settings (its cache directory, and its shipped one when
+    it is pinned: :mod:`gacbench.llm.pinned`): ``warm-`` + the task kind (for a task other than arithmetic), a hash
+    of the architecture, the task's fields, the steps and the seed."""
     config = config or tiny_config()
     task = task or ArithmeticTask()
     kind = "" if isinstance(task, ArithmeticTask) else f"{type(task).__name__}-"
     fields = "-".join(f"{k}{v}" for k, v in asdict(task).items())
-    key = f"{kind}{config_key(config)}-{fields}-sft{steps}-seed{seed}"
-    path = Path(cache_dir or default_cache_dir()) / f"warm-{key}"
-    if (path / "config.json").exists():
-        return path
-    model, tok = load(cached_model_dir(config, cache_dir, seed))
-    warm_start(model, tok, task, steps, seed=seed)
+    return f"warm-{kind}{config_key(config)}-{fields}-sft{steps}-seed{seed}"
+
+
+def build_warm_start(path: Path, config=None, task: ArithmeticTask | None = None, steps: int = 400,
+                     cache_dir=None, seed: int = 0) -> Path:
+    """Build the warm start into ``path`` (atomically: a temporary sibling, then a rename; a directory another
+    process finished meanwhile is kept)."""
+    model, tok = load(cached_model_dir(config or tiny_config(), cache_dir, seed))
+    warm_start(model, tok, task or ArithmeticTask(), steps, seed=seed)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -122,3 +124,75 @@ def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int
     else:
         os.replace(tmp, path)
     return path
+
+
+def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int = 400, cache_dir=None,
+                     seed: int = 0) -> Path:
+    """The warm-started checkpoint for these settings. A pinned one (:mod:`gacbench.llm.pinned`) is the shipped
+    directory, or, where that is absent, the one built here if it hashes to the pin (else a UsageError); any other
+    is built once and cached. ``task`` is an :class:`ArithmeticTask` (the default) or another dataclass task (its
+    class name joins the key)."""
+    from gacbench.llm import pinned
+
+    name = warm_key(config, task, steps, seed)
+    path = Path(cache_dir or default_cache_dir()) / name
+
+    def build() -> Path:
+        if (path / "config.json").exists():
+            return path
+        return build_warm_start(path, config, task, steps, cache_dir, seed)
+
+    return pinned.resolve(name, build)
+
+
+def start_point(params: dict) -> tuple[str, object, ArithmeticTask, int] | None:
+    """The built-in start point of a GRPO run with these parameters (a suite task's ``params``): (name, config,
+    warm task, steps), or None when ``model.path`` names a checkpoint of the user's."""
+    from gacbench.llm.model import sized_config
+
+    model = params.get("model") or {}
+    if model.get("path"):
+        return None
+    cfg = TaskConfig(**(params.get("task") or {}))
+    config, task, steps = sized_config(model.get("size", "tiny")), warm_task(cfg, build_task(cfg, 0)), \
+        int(model.get("warm_steps", 400))
+    return warm_key(config, task, steps), config, task, steps
+
+
+def main(args) -> int:
+    """``gacbench warm-start``: build the start points of a suite's GRPO tasks (or of one model and task) from
+    scratch, in a fresh directory, and print each one's weights hash beside its pin."""
+    import tempfile
+
+    from gacbench.llm import pinned
+    from gacbench.provenance import cpu_description, weights_sha256
+
+    if args.suite:
+        from gacbench.bench.validate import load_suite
+
+        suite = load_suite(args.suite)
+        points = {}
+        for name, spec in suite["tasks"].items():
+            if spec["objective"] == "grpo" and (sp := start_point(spec.get("params", {}))) is not None:
+                points.setdefault(sp[0], (sp, []))[1].append(name)
+    else:
+        sp = start_point({"model": {"size": args.size, "warm_steps": args.warm_steps},
+                          "task": {"name": args.task, "max_ops": args.max_ops, "max_operand": args.max_operand}})
+        points = {sp[0]: (sp, [args.task])}
+    isa = cpu_description().get("isa")
+    out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gacbench-warm-"))
+    differ = 0
+    for name, ((_, config, task, steps), tasks) in points.items():
+        path = out_root / name
+        if path.exists():
+            shutil.rmtree(path)
+        print(f"{name} ({', '.join(tasks)}): building {steps} supervised steps in {path} ...", flush=True)
+        build_warm_start(path, config, task, steps, cache_dir=out_root)
+        digest, pin = weights_sha256(path), pinned.pin_of(name)
+        verdict = "no pin" if pin is None else ("= the pin" if digest == pin else f"!= the pin {pin}")
+        differ += pin is not None and digest != pin
+        print(f"  weights SHA-256 {digest} {verdict} (isa {isa})", flush=True)
+    if differ:
+        print(f"{differ} start point(s) built here differ from the pinned θ₀: runs here use the shipped "
+              f"checkpoints ({pinned.models_root()}); a machine without them is refused", flush=True)
+    return 1 if differ else 0

@@ -1,0 +1,77 @@
+"""The suite's pinned start point (θ₀), checked before a grid runs.
+
+A GRPO task of a suite may state ``theta0: HEX`` (at least 12 hex digits of the SHA-256 of its start point's
+weights, :func:`gacbench.provenance.weights_sha256`). Before anything runs, :func:`check_theta0` refuses, in one
+line (a UsageError):
+
+- a ``theta0`` that is not hex, or that the task's built-in start point is not pinned to
+  (:mod:`gacbench.llm.pinned`): the suite and the library disagree;
+- stored cells of the task, in ``--out``, whose recorded ``initial_weights`` differ from the pin: they started
+  from another θ₀ and cannot be reused, or summarised with the grid's other cells.
+
+Cells stored before their weights were recorded are accepted (their θ₀ is identified only by their first rewards).
+A ``--param`` that changes the model or task section makes the cells start elsewhere: the suite's ``theta0`` then
+does not describe them, and only the library's own pins apply (:func:`gacbench.llm.pinned.resolve`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from gacbench.bench.cell import stored_done, stored_provenance
+from gacbench.usage import UsageError
+
+HEX = re.compile(r"[0-9a-f]{12,64}")
+
+
+def check_suite_theta0(where: str, task: str, spec: dict) -> None:
+    """A task's ``theta0:`` must be 12 to 64 lower-case hex digits, on a GRPO task."""
+    if "theta0" not in spec:
+        return
+    value = spec["theta0"]
+    if spec.get("objective") != "grpo":
+        raise UsageError(f"{where}, task {task!r}: theta0: pins a GRPO start point; objective "
+                         f"{spec.get('objective')!r} has none, drop the key")
+    if not isinstance(value, str) or not HEX.fullmatch(value):
+        raise UsageError(f"{where}, task {task!r}: theta0: {value!r} must be 12 to 64 lower-case hex digits of the "
+                         "start point's weights SHA-256 (`gacbench warm-start --suite ...` prints it)")
+
+
+def check_theta0(suite: dict, cells: list[dict], root: Path) -> dict[str, str]:
+    """Check the suite's pins against the library's and the stored cells (see the module doc); returns each
+    checked task's pinned SHA-256."""
+    from gacbench.llm import pinned
+    from gacbench.llm.warmstart import start_point
+
+    pins: dict[str, str] = {}
+    for task, spec in suite["tasks"].items():
+        want = spec.get("theta0")
+        own = [c for c in cells if c["task"] == task]
+        if not want or not own:
+            continue
+        params = own[0]["params"]
+        same_start = all(params.get(k) == spec.get("params", {}).get(k) for k in ("model", "task"))
+        if not same_start:
+            continue
+        point = start_point(params)
+        pin = pinned.pin_of(point[0]) if point else None
+        if pin is None or not pin.startswith(want):
+            have = f"is pinned to {pin[:16]}..." if pin else "has no pin"
+            raise UsageError(f"task {task!r}: the suite pins θ₀ {want}, but its start point "
+                             f"{point[0] if point else params.get('model')} {have} in gacbench.llm.pinned; fix the "
+                             "suite's theta0: (or the pin)")
+        pins[task] = pin
+        other = []
+        for c in own:
+            if stored_done(root, c) is not None:
+                weights = (stored_provenance(root, c) or {}).get("initial_weights")
+                if weights and weights != pin:
+                    other.append((c, weights))
+        if other:
+            c, weights = other[0]
+            raise UsageError(
+                f"{len(other)} stored cell(s) of task {task!r} in {root} started from another θ₀ (e.g. {c['method']} "
+                f"s={c['staleness']} seed {c['seed']}: {weights[:16]}..., the suite pins {pin[:16]}...); they cannot "
+                "join this grid: run into another --out, or move them away")
+    return pins

@@ -1,0 +1,84 @@
+"""Pinned start points: the warm-started checkpoints (θ₀) the shipped LLM suites start from, shipped as files.
+
+A warm start is a short supervised run (:mod:`gacbench.llm.warmstart`); its float rounding depends on the CPU's
+kernels, so two instruction sets (AVX2, AVX-512) build checkpoints that differ in their last bits, and GRPO runs
+from them differ from the first step on by more than the effects the grids measure. Each start point a shipped
+suite uses is therefore built once, shipped under ``tasks/models/<name>/`` (fp32 safetensors, as
+``save_pretrained`` writes it) and identified by :func:`gacbench.provenance.weights_sha256` of that directory:
+
+- :func:`resolve` returns the shipped directory when it is present (its hash checked once per process);
+- where it is absent (an installed wheel without the repository, or another ``GACBENCH_MODELS``), the warm start
+  is built as before and must hash to the pin, else the run is refused in one line that names both hashes;
+- a warm start with no pin (other sizes, steps or task settings) is built and cached as before.
+
+``gacbench warm-start`` rebuilds a warm start from scratch and prints its hash beside the pin.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gacbench.provenance import weights_sha256
+from gacbench.usage import UsageError
+
+#: warm-start directory name (:func:`gacbench.llm.warmstart.warm_key`) -> SHA-256 of its weight files. Each was
+#: built by ``gacbench warm-start`` on an Intel Xeon (AVX-512, torch 2.13.0+cpu); sizes: tiny 3.2 MB, small
+#: 18.9 MB (arithmetic, 400 steps; scratchpad, 500 steps), medium 69.3 MB. The stored grids that predate the pins
+#: (llm-headline, llm-size, llm-length, ...) started from other builds: docs/bench.md says which.
+PINNED: dict[str, str] = {
+    "warm-ScratchpadTask-e5c7a350526619cd-min_ops3-max_ops3-max_operand9-eval_fraction0.1-seed0-sft500-seed0":
+        "e662ea31a73b47427001aebb3f8f1bcb24f956e1a728127c749d745944d972b5",
+    "warm-b41bac11619e2889-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
+        "e9b89f85285d8e61ad445d62d6ed7ede27c31efe0f42afed3c7b16384cbe962e",
+    "warm-dd5cd00b44e5fa65-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
+        "960d2fd6ed046d6e4dfa8e10d590859ca9790e7955e45319e1a7cb72cde14c1c",
+    "warm-e5c7a350526619cd-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
+        "2baca9ffd0b07cff32debef4f588a43ae769ea040b19ced1654a3dd6f09dc714",
+}
+
+_checked: dict[Path, str] = {}
+
+
+def models_root() -> Path:
+    """Where pinned checkpoints are looked for: ``$GACBENCH_MODELS``, else the repository's ``tasks/models``."""
+    env = os.environ.get("GACBENCH_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "tasks" / "models"
+
+
+def pin_of(name: str) -> str | None:
+    """The pinned SHA-256 of the warm-start directory ``name``, or None when it has no pin."""
+    return PINNED.get(name)
+
+
+def shipped_dir(name: str) -> Path | None:
+    """The shipped checkpoint directory of a pinned warm start, or None when it is not on disk."""
+    path = models_root() / name
+    return path if PINNED.get(name) and (path / "config.json").exists() else None
+
+
+def check(name: str, path: Path) -> str:
+    """The weights hash of ``path``; refuses (UsageError) when ``name`` is pinned and the hash differs."""
+    path = Path(path)
+    if path not in _checked:
+        _checked[path] = weights_sha256(path)
+    digest, pin = _checked[path], PINNED.get(name)
+    if pin is not None and digest != pin:
+        from gacbench.provenance import cpu_description
+
+        isa = cpu_description().get("isa", "unknown")
+        raise UsageError(
+            f"start point {name}: {path} has weights SHA-256 {digest[:16]}..., the pinned θ₀ is {pin[:16]}... "
+            f"(this machine's instruction set, {isa}, rounds the warm start differently); use the shipped "
+            f"checkpoint ({models_root() / name}: run from a checkout of the repository, or set GACBENCH_MODELS to a "
+            "directory that holds it), or give model.path to run from another start point on purpose")
+    return digest
+
+
+def resolve(name: str, build) -> Path:
+    """The checkpoint directory of warm start ``name``: the shipped one if present, else ``build()``'s, checked
+    against the pin."""
+    shipped = shipped_dir(name)
+    path = shipped if shipped is not None else Path(build())
+    check(name, path)
+    return path

@@ -1,0 +1,101 @@
+"""The pinned start points (θ₀): the shipped checkpoints hash to their pins, every shipped LLM suite names the pin
+of its start point, a build that hashes elsewhere is refused, and a grid refuses stored cells from another θ₀."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gacbench.llm import pinned
+from gacbench.provenance import weights_sha256
+from gacbench.usage import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+SUITES = sorted((REPO / "tasks" / "suites").glob("*.yaml"))
+
+
+def _fake_checkpoint(path: Path, content: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(pinned.PINNED))
+def test_every_pinned_start_point_ships_with_its_hash(name):
+    """The shipped files are the pinned bits: the same hash on any machine, since nothing is rebuilt."""
+    path = pinned.models_root() / name
+    assert (path / "config.json").exists(), f"{path} is not shipped"
+    assert weights_sha256(path) == pinned.PINNED[name]
+
+
+@pytest.mark.parametrize("suite", [s for s in SUITES if "grpo" in s.read_text()], ids=lambda p: p.stem)
+def test_every_shipped_llm_suite_pins_the_theta0_of_its_start_point(suite):
+    from gacbench.llm.warmstart import start_point
+
+    spec = yaml.safe_load(suite.read_text())
+    for task, t in spec["tasks"].items():
+        if t["objective"] != "grpo":
+            continue
+        name = start_point(t.get("params", {}))[0]
+        assert name in pinned.PINNED, f"{suite.stem}/{task}: start point {name} has no pin"
+        assert pinned.PINNED[name].startswith(t.get("theta0", "<missing>")), f"{suite.stem}/{task}: theta0"
+
+
+def test_a_pinned_start_point_is_the_shipped_directory_without_a_build(tmp_path, monkeypatch):
+    shipped = _fake_checkpoint(tmp_path / "models" / "warm-x", b"weights")
+    monkeypatch.setenv("GACBENCH_MODELS", str(tmp_path / "models"))
+    monkeypatch.setitem(pinned.PINNED, "warm-x", weights_sha256(shipped))
+
+    def build():
+        raise AssertionError("a shipped start point is never rebuilt")
+
+    assert pinned.resolve("warm-x", build) == shipped
+
+
+def test_a_build_that_hashes_elsewhere_is_refused_naming_both_hashes(tmp_path, monkeypatch):
+    monkeypatch.setenv("GACBENCH_MODELS", str(tmp_path / "none"))
+    built = _fake_checkpoint(tmp_path / "cache" / "warm-y", b"rounded on another instruction set")
+    monkeypatch.setitem(pinned.PINNED, "warm-y", "ab" * 32)
+    with pytest.raises(UsageError, match=r"warm-y: .* has weights SHA-256 [0-9a-f]{16}\.\.\., the pinned θ₀ is "
+                                         r"abababababababab"):
+        pinned.resolve("warm-y", lambda: built)
+    monkeypatch.setitem(pinned.PINNED, "warm-y", weights_sha256(built))
+    pinned._checked.clear()
+    assert pinned.resolve("warm-y", lambda: built) == built  # the same bits built here are accepted
+    assert pinned.resolve("warm-unpinned", lambda: built) == built  # no pin: built and used as before
+
+
+@pytest.mark.parametrize("value", ["abc", "XYZ123456789abc", 1234567890123, "g" * 12])
+def test_a_malformed_theta0_is_refused(tmp_path, value):
+    from gacbench.bench.validate import load_suite
+
+    suite = yaml.safe_load((REPO / "tasks" / "suites" / "llm-smoke.yaml").read_text())
+    suite["tasks"]["arithmetic"]["theta0"] = value
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    with pytest.raises(UsageError, match="theta0: .* hex digits"):
+        load_suite(str(path))
+
+
+def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, monkeypatch):
+    from gacbench.bench import theta0
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.runner import expand_cells
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.bench.validate import load_suite
+    from gacbench.jsonio import write_json
+
+    suite = load_suite("llm-smoke")
+    cells = expand_cells(suite, methods=["sync"], seeds=[0])
+    pin = check_theta0(suite, cells, tmp_path)["arithmetic"]
+    d = cell_dir(tmp_path, cells[0])
+    d.mkdir(parents=True)
+    monkeypatch.setattr(theta0, "stored_done", lambda root, c: {"status": "done"} if c == cells[0] else None)
+    write_json(d / "config.json", {**cells[0], "provenance": {"initial_weights": pin}})
+    check_theta0(suite, cells, tmp_path)  # its own θ₀: accepted
+    write_json(d / "config.json", {**cells[0], "provenance": {"initial_weights": "0" * 64}})
+    with pytest.raises(UsageError, match=r"1 stored cell\(s\) of task 'arithmetic' .* another θ₀ .* 0000000000000000"):
+        check_theta0(suite, cells, tmp_path)
+    write_json(d / "config.json", {**cells[0]})  # no recorded weights: accepted (identified by its rewards)
+    check_theta0(suite, cells, tmp_path)
