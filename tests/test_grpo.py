@@ -370,3 +370,53 @@ def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_d
     through_batch = per_sequence_grad_sq_norms(pb.logp.sum(-1), params, rows)
     assert (through_batch[rows] > 0).all()
     assert recomputed.tolist() == pytest.approx(through_batch.tolist(), rel=1e-3)
+
+
+def test_policy_reward_is_the_current_versions_mean_with_its_sampling_error(model_dir, monkeypatch):
+    """eval/policy_reward at the eval points (every 3 steps and the end) is the mean reward of the engine's samples
+    of the held-out prompts at that version, with the sampling standard error sqrt(sum_i var_i / n) / P."""
+    from gacbench.llm.grpo import POLICY_EVAL_SEED
+    from gacbench.rollout.engines import Rollout
+
+    m = module(model_dir, staleness=2, steps=7, policy_eval={"prompts": 3, "samples": 4, "every": 3})
+    trainer = make_trainer([], max_steps=7)
+    calls = []
+    real = None
+
+    def generate(prompts, n, max_tokens, seed):
+        if seed != POLICY_EVAL_SEED:
+            return real(prompts, n, max_tokens, seed)
+        calls.append((m.engine.version, len(prompts), n))
+        # prompt i: the first i + 1 samples answer right, the rest write nothing
+        problems = m.task.batch("eval", 0, len(prompts))
+        right = [m.tok.encode(p.answer, add_special_tokens=False) for p in problems]
+        return [[Rollout(list(pr), right[i] if j <= i else [], [], m.engine.version) for j in range(n)]
+                for i, pr in enumerate(prompts)]
+
+    orig_start = m.on_train_start
+
+    def on_train_start():
+        nonlocal real
+        orig_start()
+        real = m.engine.generate
+        monkeypatch.setattr(m.engine, "generate", generate)
+
+    monkeypatch.setattr(m, "on_train_start", on_train_start)
+    trainer.fit(m)
+    assert [c[0] for c in calls] == [3, 6, 7] and all(c[1:] == (3, 4) for c in calls)
+    # rewards per prompt: 1/4, 2/4, 3/4 right -> mean 0.5; variances (n - 1 denominators): 1/4, 1/3, 1/4
+    se = ((0.25 + 1 / 3 + 0.25) / 4) ** 0.5 / 3
+    assert trainer.logger.values("eval/policy_reward") == pytest.approx([0.5, 0.5, 0.5])
+    assert trainer.logger.values("eval/policy_reward_se") == pytest.approx([se] * 3)
+    assert trainer.logger.values("eval/policy_version") == [3.0, 6.0, 7.0]
+
+
+def test_policy_eval_settings_are_checked():
+    from gacbench.llm.grpo import GRPOModule as M
+
+    with pytest.raises(ValueError, match="policy_eval.samples"):
+        M.check_settings({"policy_eval": {"prompts": 4, "samples": 0}})
+    with pytest.raises(ValueError, match="unknown policy_eval"):
+        M.check_settings({"policy_eval": {"prompt": 4}})
+    with pytest.raises(ValueError, match="rollout.mode async"):
+        M.check_settings({"policy_eval": {"prompts": 4}, "rollout": {"mode": "async"}, "staleness": 2})

@@ -135,6 +135,25 @@ class OptimizerConfig:
     weight_decay: float = 0.0
 
 
+@dataclass
+class PolicyEvalConfig:
+    """The policy's own reward, the primary outcome of a stale run (its training ``reward/mean`` at step t is the
+    reward of the rollouts of θ_{t-s}): ``samples`` completions sampled at temperature 1 by the rollout engine for
+    each of the first ``prompts`` held-out problems, every ``every`` steps (None: ``eval_every``) and at the end.
+    Logged as ``eval/policy_reward`` (the mean over prompts and samples), ``eval/policy_reward_se`` (its sampling
+    standard error on this fixed prompt set), ``eval/policy_version`` (the version t measured) and
+    ``time/policy_eval_s``. Every run draws with the same seed (:data:`POLICY_EVAL_SEED`), so two runs at one
+    version compare on common random numbers. ``prompts: 0`` (the default) turns it off."""
+
+    prompts: int = 0
+    samples: int = 8
+    every: int | None = None
+
+
+#: the sampling seed of every policy evaluation, in every run and at every version
+POLICY_EVAL_SEED = 20_260_101
+
+
 def _section(cls: type, value: Any, name: str) -> Any:
     """A config section from a dataclass instance or a dict; unknown keys are named in the error."""
     if isinstance(value, cls):
@@ -182,7 +201,8 @@ class GRPOModule(Objective):
                  task: TaskConfig | dict | None = None, rollout: RolloutConfig | dict | None = None,
                  loss: LossConfig | dict | None = None, staleness: int = 0, lr: float = 1e-4, steps: int = 100,
                  seed: int = 0, eval_every: int = 10, eval_size: int = 64,
-                 optimizer: OptimizerConfig | dict | None = None) -> None:
+                 optimizer: OptimizerConfig | dict | None = None,
+                 policy_eval: PolicyEvalConfig | dict | None = None) -> None:
         GRPOModule.check_settings(given_settings(locals()))
         super().__init__(eval_every)
         self.model_cfg = _section(ModelConfig, model, "model")
@@ -191,6 +211,7 @@ class GRPOModule(Objective):
         self.rollout_cfg = r = _section(RolloutConfig, rollout, "rollout")
         self.loss_cfg = lc = _section(LossConfig, loss, "loss")
         self.optimizer_cfg = _section(OptimizerConfig, optimizer, "optimizer")
+        self.policy_eval_cfg = _section(PolicyEvalConfig, policy_eval, "policy_eval")
         from gacbench.llm.async_source import resolve_mode
 
         staleness = resolve_mode(r, staleness)  # rollout.mode async: the bound s_max
@@ -200,7 +221,8 @@ class GRPOModule(Objective):
                                    "task": dataclasses.asdict(self.task_cfg), "rollout": dataclasses.asdict(r),
                                    "loss": dataclasses.asdict(lc), "staleness": staleness, "lr": lr, "steps": steps,
                                    "seed": seed, "eval_every": eval_every, "eval_size": eval_size,
-                                   "optimizer": dataclasses.asdict(self.optimizer_cfg)})
+                                   "optimizer": dataclasses.asdict(self.optimizer_cfg),
+                                   "policy_eval": dataclasses.asdict(self.policy_eval_cfg)})
         self.staleness, self.lr, self.steps, self.seed, self.eval_size = staleness, lr, steps, seed, eval_size
         self.task = build_task(self.task_cfg, seed)
         self.reward = reward_fn(self.task_cfg.reward or self.task.default_reward)
@@ -291,6 +313,17 @@ class GRPOModule(Objective):
         if "eval_size" in params:
             check_range(owner, "eval_size", params["eval_size"], 1, integer=True)
         _check_optimizer(owner, o)
+        pe = _section(PolicyEvalConfig, params.get("policy_eval"), "policy_eval")
+        check_range(owner, "policy_eval.prompts", pe.prompts, 0, integer=True, why="0 turns the evaluation off")
+        check_range(owner, "policy_eval.samples", pe.samples, 1, integer=True)
+        if pe.every is not None:
+            check_range(owner, "policy_eval.every", pe.every, 1, integer=True)
+        if pe.prompts and r.mode == "async":
+            from gacbench.objectives.base import SettingError
+
+            raise SettingError(f"{owner}: policy_eval.prompts={pe.prompts} needs the trainer's own rollout engine, "
+                               "which rollout.mode async does not start; use mode sync or uniform, or set "
+                               "policy_eval.prompts: 0", "policy_eval.prompts", pe.prompts)
 
     def setup(self, stage: str) -> None:
         self.loss_stabilizer = resolve_loss_stabilizer(self.trainer, self)
@@ -353,6 +386,32 @@ class GRPOModule(Objective):
             self.policy.train()
             self._sync_verified = True
         super().on_train_batch_end(outputs, batch, batch_idx)  # eval/acc every eval_every steps (not timed)
+        pe, step = self.policy_eval_cfg, self.trainer.global_step
+        if pe.prompts and (step % (pe.every or self.eval_every) == 0 or step == self.trainer.max_steps):
+            self.log_scalars(self.policy_reward())
+
+    @torch.no_grad()
+    def policy_reward(self) -> dict[str, float]:
+        """The current policy's own reward (:class:`PolicyEvalConfig`): the engine, which holds this version's
+        weights, samples ``policy_eval.samples`` completions of each of the first ``policy_eval.prompts`` held-out
+        problems. The standard error is the sampling error on this prompt set: sqrt(sum_i var_i / n) / P over the
+        P prompts' sample variances var_i of n samples each (the prompts are fixed, so their spread is not noise
+        between runs)."""
+        pe, r = self.policy_eval_cfg, self.rollout_cfg
+        if self.engine is None or self.engine.version != self.global_step:
+            raise RuntimeError(f"GRPO: policy_eval needs the engine at version {self.global_step}; it holds "
+                               f"{getattr(self.engine, 'version', None)}")
+        t0 = time.perf_counter()
+        size = min(pe.prompts, getattr(self.task, "sizes", {}).get("eval", pe.prompts))
+        problems = self.task.batch("eval", 0, size)
+        prompts = [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
+        groups = self.engine.generate(prompts, n=pe.samples, max_tokens=r.max_tokens, seed=POLICY_EVAL_SEED)
+        rewards = torch.tensor([[self.reward(self.tok.decode(x.completion_ids, skip_special_tokens=True), p.answer)
+                                 for x in g] for g, p in zip(groups, problems)], dtype=torch.float64)
+        var = rewards.var(dim=1, unbiased=True) if pe.samples > 1 else torch.zeros(len(problems))
+        se = float(var.sum().div(pe.samples).sqrt() / len(problems))
+        return {"eval/policy_reward": float(rewards.mean()), "eval/policy_reward_se": se,
+                "eval/policy_version": float(self.global_step), "time/policy_eval_s": time.perf_counter() - t0}
 
     @functools.cached_property
     def initial_weights(self) -> str:
