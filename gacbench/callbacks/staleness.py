@@ -60,7 +60,8 @@ class StalenessSimulator(Callback):
             broadcast from rank 0, so all DDP ranks use the same delay.
         trace: the lag sequence of ``schedule="trace"``.
 
-    Memory: s + 1 copies of the optimized parameters (on their device). List this callback
+    Memory: s + 1 copies of the optimized parameters (on their device), each parameter in its own
+    dtype (a model of bfloat16 and float32 parameters is restored bit for bit). List this callback
     first, before callbacks that read the parameters in ``on_before_optimizer_step``.
 
     Logs ``stale/lag`` (s_t) every step into ``trainer.callback_metrics`` (and to the loggers every
@@ -209,7 +210,7 @@ class StalenessSimulator(Callback):
                 "save checkpoints at optimizer-step boundaries (ModelCheckpoint(every_n_train_steps=...))."
             )
         if self._history:
-            save_tensor(checkpoint, self.state_key, [b.data.detach().clone() for b in self._history])
+            save_tensor(checkpoint, self.state_key, [b.flat() for b in self._history])
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from gacbench.functional.alignment import (
     project_,
     validate_thresholds,
 )
+from gacbench.functional.buffer import exact_dtype
 from gacbench.functional.kernels import (
     adamw_group_fusable,
     choose_kernels,
@@ -243,7 +244,9 @@ class GACTransform:
         r = ref if everyone else [ref[i] for i in live]
         rest = () if everyone else [ref[i] for i in sorted(set(range(len(params))) - set(live))]
         swap = swap and self.reference == "grad" and everyone and self._swappable(g, r)
-        compiled = self.kernels != "eager" and swap and st.ref_sq is not None and compiled_available()
+        # the compiled scalars reduce each tensor in its own dtype: float32 gradients only (a bfloat16 sum would round)
+        compiled = (self.kernels != "eager" and swap and st.ref_sq is not None and compiled_available()
+                    and all(gi.dtype == torch.float32 for gi in g))
         # fused-adamw with a lower-precision reference: GAC takes every (unskipped) AdamW step and stores g,
         # rounded, as the next reference in the same pass
         lowp = (self.kernels == "fused-adamw" and self.reference == "grad" and keep_alias and optimizer is not None
@@ -324,7 +327,7 @@ class GACTransform:
         skipped = decision.action == SKIP
         self._update_reference(params, live, g, r, alpha, skipped)
         copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
-        if copied and not alpha and g[0].dtype == r[0].dtype:
+        if copied and not alpha and all(gi.dtype == ri.dtype for gi, ri in zip(g, r)):
             # r is an exact copy of g (zero where a parameter has no gradient): its norm is ||g||^2
             st.ref_sq = local_scalars[1]
 
@@ -372,13 +375,16 @@ class GACTransform:
         st = self.state
         if st.ref is None:
             tensors = [local(p.detach()) for p in params]
-            dtype = self.buffer_dtype or tensors[0].dtype
-            if self.reference == "update" and torch.finfo(dtype).bits < torch.finfo(tensors[0].dtype).bits:
-                raise ValueError(
-                    f"GAC: reference='update' stores parameters, so buffer_dtype={dtype} "
-                    f"must not be below the parameters' {tensors[0].dtype}; drop buffer_dtype."
-                )
-            st.ref = [torch.zeros_like(t, dtype=dtype) for t in tensors]
+            if self.reference == "update" and self.buffer_dtype is not None:
+                low = [t.dtype for t in tensors if torch.finfo(self.buffer_dtype).bits < torch.finfo(t.dtype).bits]
+                if low:
+                    raise ValueError(
+                        f"GAC: reference='update' stores parameters, so buffer_dtype={self.buffer_dtype} "
+                        f"must not be below the parameters' {low[0]}; drop buffer_dtype."
+                    )
+            # each parameter's reference in its own dtype (or all in buffer_dtype): a float32 parameter's part is
+            # never rounded to a bfloat16 neighbour's precision
+            st.ref = [torch.zeros_like(t, dtype=self.buffer_dtype or t.dtype) for t in tensors]
             if st.saved is not None:
                 self._copy_saved(st.saved)
         return st.ref
@@ -423,7 +429,8 @@ class GACTransform:
         """
         st = self.state
         if st.ref is not None:
-            flat = torch.cat([t.detach().reshape(-1) for t in st.ref])
+            wide = exact_dtype([t.dtype for t in st.ref])  # holds every part's values exactly
+            flat = torch.cat([t.detach().reshape(-1).to(wide) for t in st.ref])
         else:
             flat = None if st.saved is None else st.saved.clone()
         return {"has_ref": st.has_ref, "ref": flat}

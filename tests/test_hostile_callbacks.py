@@ -1,0 +1,185 @@
+"""Hostile inputs to the callbacks, the optimizer hooks and the TRL callback: models of mixed parameter dtypes,
+all-zero gradients, GAC attached twice, sparse and complex parameters, and the settings shared by the three GAC
+front ends."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import make_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gacbench import StalenessSimulator
+from gacbench.functional.buffer import FlatBuffer
+from gacbench.functional.gac import GACTransform
+from gacbench.functional.step_gac import StepGAC
+from gacbench.hooks import attach_alignment_monitor, attach_gac
+
+# the first parameter is bfloat16, so that a buffer kept in the first parameter's dtype would round the others
+MIXED = (torch.bfloat16, torch.float32, torch.float16, torch.float32)
+
+
+def mixed_tensors(seed: int = 0, scale: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 3), (5,), (4, 2), (300,)]
+    return [(torch.randn(s, generator=gen, dtype=torch.float64) * scale).to(d) for s, d in zip(shapes, MIXED)]
+
+
+def f64(ts) -> torch.Tensor:
+    return torch.cat([t.detach().double().reshape(-1) for t in ts])
+
+
+class MixedModel(pl.LightningModule):
+    """A bfloat16 weight listed first, then float32 and float16 ones: the gradient of each keeps its dtype."""
+
+    def __init__(self, lr: float = 0.05, steps: int = 12) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = nn.Parameter(torch.randn(4, generator=gen).bfloat16())
+        self.w = nn.Parameter(torch.randn(4, generator=gen) + 1e-3 * torch.rand(4, generator=gen))
+        self.h = nn.Parameter(torch.randn(4, generator=gen).half())
+        self.x = torch.randn(steps * 4, 4, generator=gen)
+        self.y = torch.randn(steps * 4, generator=gen)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = x @ (self.w + self.a.float() + self.h.float()) + (x * self.w).sum(1) ** 2 * 0.1
+        return ((pred - y) ** 2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=4, shuffle=False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+# -- mixed parameter dtypes ------------------------------------------------------------------------------------
+def test_flat_buffer_keeps_each_parameters_dtype_bit_for_bit():
+    params = mixed_tensors()
+    before = [p.clone() for p in params]
+    buf = FlatBuffer.like(params)
+    assert [v.dtype for v in buf.views] == list(MIXED)
+    buf.copy_from(params)
+    for p in params:
+        p.add_(1.0)  # the parameters move on
+    buf.copy_to(params)
+    assert all(torch.equal(p, b) and p.dtype == b.dtype for p, b in zip(params, before))
+    # the checkpoint form holds every value exactly, and loads back bit for bit
+    again = FlatBuffer.like(params)
+    again.load_(buf.flat())
+    assert all(torch.equal(v, b) for v, b in zip(again.views, before))
+    assert buf.flat().dtype == torch.float32  # bfloat16 and float16 both fit in float32
+
+
+class ThetaRecorder(pl.Callback):
+    """Listed after the simulator: the iterate the forward pass runs on (``stale``), the one the update is applied
+    to (``current``) and the parameters right after each optimizer step (``after``), all bit for bit."""
+
+    def __init__(self, sim):
+        self.sim, self.stale, self.current, self.after, self.lags = sim, [], [], [], []
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.optimizers[0].register_step_post_hook(
+            lambda *a: self.after.append([p.detach().clone() for p in pl_module.parameters()]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.stale.append([p.detach().clone() for p in pl_module.parameters()])
+        self.lags.append(self.sim.lag)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.current.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+def _same(xs, ys) -> bool:
+    return all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(xs, ys))
+
+
+def test_stale_snapshot_of_a_mixed_dtype_model_is_restored_bit_for_bit():
+    """bfloat16 first, float32 and float16 after: the stale forward runs on theta_{t-s} exactly, and restoring
+    theta_t gives back every float32 and float16 weight bit for bit (not rounded to bfloat16)."""
+    model = MixedModel()
+    sim = StalenessSimulator(2)
+    rec = ThetaRecorder(sim)
+    initial = [p.detach().clone() for p in model.parameters()]
+    make_trainer([sim, rec], max_steps=10).fit(model)
+    assert rec.lags == [0, 1] + [2] * 8
+    assert _same(rec.current[0], initial)
+    for t in range(1, 10):
+        assert _same(rec.current[t], rec.after[t - 1])  # theta_t, restored exactly
+        assert _same(rec.stale[t], rec.current[t - rec.lags[t]])  # the stale forward sees theta_{t-s} exactly
+
+
+def test_stale_snapshot_with_zero_learning_rate_leaves_a_mixed_model_unchanged():
+    model = MixedModel(lr=0.0)
+    initial = [p.detach().clone() for p in model.parameters()]
+    make_trainer([StalenessSimulator(3)], max_steps=8).fit(model)
+    assert _same(list(model.parameters()), initial)
+
+
+def test_gac_cosine_and_projection_on_mixed_dtypes_match_float64():
+    """GAC's c_t against the previous gradient, and the projected gradient, on bfloat16 / float32 / float16
+    parameters, against the rule written out in float64 (the gradients are exact there)."""
+    params = [nn.Parameter(t) for t in mixed_tensors(0)]
+    g1, g2 = mixed_tensors(1), mixed_tensors(2)
+    g2 = [(a.double() + 0.8 * b.double()).to(a.dtype) for a, b in zip(g2, g1)]  # aligned: c near 0.6
+    gac = GACTransform(c_low=0.05, c_high=0.9, kernels="eager")
+    for p, g in zip(params, g1):
+        p.grad = g.clone()
+    gac.step(params)
+    assert [r.dtype for r in gac.state.ref] == list(MIXED)
+    assert torch.equal(f64(gac.state.ref), f64(g1))  # the reference is g_1 exactly, in each part's dtype
+    for p, g in zip(params, g2):
+        p.grad = g.clone()
+    out = gac.step(params)
+    a, b = f64(g2), f64(g1)
+    c = float(a @ b / (a.norm() * b.norm()))
+    assert 0.3 < c < 0.9 and out.cos == pytest.approx(c, rel=1e-6, abs=1e-7)
+    coef = 1.0 - 0.05 / c
+    want = a - coef * float(a @ b) / float(b @ b) * b
+    offset = 0
+    for p in params:
+        n = p.numel()
+        got, exp = p.grad.double().reshape(-1), want[offset : offset + n]
+        assert p.grad.dtype == p.dtype
+        assert torch.allclose(got, exp, rtol=2 * torch.finfo(p.dtype).eps, atol=1e-6), p.dtype
+        offset += n
+    # the state round trip keeps every part of the reference bit for bit
+    again = GACTransform(c_low=0.05, c_high=0.9, kernels="eager")
+    again.load_state_dict(gac.state_dict())
+    again._buffer(params)
+    assert _same(again.state.ref, gac.state.ref)
+
+
+def test_monitor_hook_cosine_on_mixed_dtypes_matches_float64():
+    params = [nn.Parameter(t) for t in mixed_tensors(0)]
+    opt = torch.optim.SGD(params, lr=0.0)
+    mon = attach_alignment_monitor(opt)
+    grads = [mixed_tensors(1), mixed_tensors(2)]
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    a, b = f64(grads[1]), f64(grads[0])
+    assert mon.metrics["align/cos"] == pytest.approx(float(a @ b / (a.norm() * b.norm())), rel=1e-6, abs=1e-7)
+
+
+def test_step_gac_skip_restores_a_mixed_dtype_model_bit_for_bit():
+    """GAC(target="step") with high_mode="skip": a skipped step puts back theta_t exactly, every dtype."""
+    params = [t.clone() for t in mixed_tensors(0)]
+    sg = StepGAC(c_low=0.05, c_high=0.3, high_mode="skip")
+    sg.start(params)
+    step = mixed_tensors(3, scale=0.01)
+    for p, d in zip(params, step):
+        p.add_(d)
+    sg.step(params)  # the first step: kept, becomes the reference
+    theta = [p.clone() for p in params]
+    for p, d in zip(params, step):
+        p.add_(d)  # the same step again: c = 1, skipped
+    out = sg.step(params)
+    assert out.cos == pytest.approx(1.0, abs=1e-3)
+    assert _same(params, theta)
