@@ -31,7 +31,7 @@ from gacbench.functional.alignment import (
     cosine_from_scalars,
     full_vector_scalars,
 )
-from gacbench.functional.buffer import LazyFlatBuffer
+from gacbench.functional.buffer import LazyFlatBuffer, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import GACTransform, check_choice, local, parse_dtype
 from gacbench.functional.stats import alignment_summary
@@ -150,7 +150,8 @@ class _StepHook:
 
     def summary(self) -> dict[str, float]:
         """The on-policy statistics of paper Table 3 over the c_t trace after ``warmup`` steps:
-        ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median``, ``n``."""
+        ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median``, ``n``, and ``skipped``: the steps without a c_t (a
+        zero or non-finite gradient, logged as NaN and never a reference)."""
         return alignment_summary(self.values, self.warmup, self.tol)
 
     def remove(self) -> None:
@@ -219,9 +220,12 @@ class GACHook(_StepHook):
         if out is None:
             return
         self.steps += 1
+        if out.bad:  # a zero or non-finite gradient has no c_t (NaN, counted as skipped in the summary)
+            self.values.append(float("nan"))
+            self.metrics = {self.cos_key: float("nan")}
         if out.zero:
             self.zero += 1
-            self.metrics = {"gac/zero_grad": float(self.zero)}
+            self.metrics["gac/zero_grad"] = float(self.zero)
             if self.on_zero_grad == "pass":
                 self.action = ACTION_NAMES[KEEP]
                 return
@@ -308,13 +312,15 @@ class AlignmentMonitorHook(_StepHook):
         scalars = reduce(full_vector_scalars(grads, prev.views))  # a missing gradient is zero
         g_sq = float(scalars[1])
         self.metrics["grad/norm"] = math.sqrt(g_sq) if g_sq >= 0 else float("nan")
+        if not (math.isfinite(g_sq) and g_sq > 0.0):  # a zero or non-finite gradient: no c_t, never a reference
+            self.metrics["align/cos"] = float("nan")
+            self.values.append(float("nan"))
+            return
         if self.has_prev:
             c = cosine_from_scalars(scalars)
             self.metrics["align/cos"] = c
             self.values.append(c)
-        if math.isfinite(g_sq):  # a non-finite gradient is not a reference
-            prev.copy_from(grads)
-            self.has_prev = True
+        self.has_prev = keep_reference(prev, grads, self.who)
 
     def state_dict(self) -> dict[str, Any]:
         """Whether a previous gradient is held, the c_t trace and that gradient (a flat copy, or None)."""

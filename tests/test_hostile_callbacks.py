@@ -183,3 +183,183 @@ def test_step_gac_skip_restores_a_mixed_dtype_model_bit_for_bit():
     out = sg.step(params)
     assert out.cos == pytest.approx(1.0, abs=1e-3)
     assert _same(params, theta)
+
+
+# -- zero and non-finite gradients: no c_t, never a reference ------------------------------------------------------
+def _grads(seed: int, shapes=((6, 3), (4,))) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+def _cos(a, b) -> float:
+    a, b = f64(a), f64(b)
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def _sequence():
+    """g1, a zero gradient, g3 (aligned with g1), an inf gradient, g5: the usable ones are g1, g3, g5."""
+    g1, g3, g5 = _grads(1), _grads(3), _grads(5)
+    g3 = [a + 0.7 * b for a, b in zip(g3, g1)]
+    zero = [torch.zeros_like(t) for t in g1]
+    inf = [t.clone() for t in g1]
+    inf[1][2] = float("inf")
+    return [g1, zero, g3, inf, g5], [float("nan"), _cos(g3, g1), float("nan"), _cos(g5, g3)]
+
+
+def _same_trace(got, want) -> bool:
+    return len(got) == len(want) and all(
+        (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-6) for a, b in zip(got, want))
+
+
+def test_monitor_hook_gives_zero_and_non_finite_gradients_no_cosine_and_no_reference():
+    """A zero gradient logs c_t = NaN (not 0) and the next c_t is measured against the last usable gradient (not
+    0 or NaN against zeros); an inf gradient likewise, so a non-finite reference is never kept."""
+    params = [nn.Parameter(torch.zeros_like(t)) for t in _grads(0)]
+    opt = torch.optim.SGD(params, lr=0.0)
+    mon = attach_alignment_monitor(opt, warmup=0)
+    seq, want = _sequence()
+    logged = []
+    for gs in seq:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        logged.append(mon.metrics.get("align/cos"))
+    assert logged[0] is None and _same_trace(logged[1:], want)
+    assert _same_trace(mon.values, want)
+    s = mon.summary()
+    assert s["n"] == 2 and s["skipped"] == 2
+    assert s["max_abs"] == pytest.approx(max(abs(want[1]), abs(want[3])), rel=1e-6)
+
+
+class ScriptedGradients(pl.LightningModule):
+    """The gradient of step t is ``seq[t]`` exactly (the loss is <theta, g_t>); SGD at lr 0."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.seq = seq
+        self.ps = nn.ParameterList([nn.Parameter(torch.zeros_like(t)) for t in seq[0]])
+
+    def training_step(self, batch, batch_idx):
+        g = self.seq[self.global_step]
+        return sum((p * torch.nan_to_num(t, posinf=0.0)).sum() for p, t in zip(self.ps, g)) + 0.0 * batch[0].sum()
+
+    def on_after_backward(self):
+        for p, t in zip(self.ps, self.seq[self.global_step]):
+            p.grad = t.clone()  # inf included, exactly
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(len(self.seq), 1)), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.ps, lr=0.0)
+
+
+class DropGradients(pl.Callback):
+    """Listed after the monitor: leaves the optimizer no gradient, so that an inf one cannot reach the weights."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in pl_module.parameters():
+            p.grad = None
+
+
+def test_alignment_monitor_gives_zero_and_non_finite_gradients_no_cosine_and_no_reference():
+    from gacbench import AlignmentMonitor
+
+    seq, want = _sequence()
+    mon = AlignmentMonitor(warmup=0)
+    trainer = make_trainer([mon, DropGradients()], max_steps=len(seq))
+    trainer.fit(ScriptedGradients(seq))
+    assert _same_trace(mon.trace.values, want)
+    assert mon.summary["n"] == 2 and mon.summary["skipped"] == 2
+    assert float(trainer.callback_metrics["align/skipped"]) == 2.0
+
+
+@pytest.mark.parametrize("mode", ["pass", "skip", "raise"])
+def test_attach_gac_zero_gradient_follows_on_zero_grad_and_keeps_the_reference(mode):
+    """``on_zero_grad`` on the hook: "pass" hands the zero gradient to AdamW (which moves on momentum), "skip"
+    leaves parameters and AdamW's state untouched, "raise" stops; c_t of the zero step is NaN, and the next c_t
+    is against g_1 (the reference is kept)."""
+    g1, _, g3 = _sequence()[0][:3]
+    params = [nn.Parameter(torch.ones_like(t)) for t in g1]
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.0)
+    gac = attach_gac(opt, on_zero_grad=mode, warmup=0, c_low=0.99, c_high=1.0)  # keep every step
+    for p, g in zip(params, g1):
+        p.grad = g.clone()
+    opt.step()
+    after_one = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    if mode == "raise":
+        with pytest.raises(FloatingPointError, match="on_zero_grad='pass'"):
+            opt.step()
+        return
+    opt.step()
+    moved = not _same(list(params), after_one)
+    assert moved == (mode == "pass")
+    assert [int(opt.state[p]["step"]) for p in params] == ([2, 2] if mode == "pass" else [1, 1])
+    assert math.isnan(gac.metrics["align/cos"]) and gac.zero == 1 and gac.action == ("keep" if mode == "pass"
+                                                                                       else "skip")
+    for p, g in zip(params, g3):
+        p.grad = g.clone()
+    opt.step()
+    assert gac.metrics["align/cos"] == pytest.approx(_cos(g3, g1), rel=1e-6)
+    assert gac.summary()["skipped"] == 1 and gac.summary()["n"] == 1
+
+
+def test_gac_callback_zero_gradient_has_no_cosine_and_keeps_the_reference():
+    from gacbench import GAC
+
+    seq, want = _sequence()
+    gac = GAC(warmup=0, c_low=0.99, c_high=1.0)
+    trainer = make_trainer([gac], max_steps=len(seq))
+    with pytest.warns(UserWarning, match="non-finite"):
+        trainer.fit(ScriptedGradients(seq))
+    assert _same_trace(gac.trace.values, want)
+    assert gac.summary["skipped"] == 2 and gac.zero == 1 and gac.bad == 1
+
+
+def test_table3_statistics_and_calibration_ignore_missing_cosines(tmp_path):
+    from gacbench.functional.calibration import calibration_record
+    from gacbench.functional.stats import alignment_summary
+    from gacbench.methods import _reference_trace
+
+    gen = torch.Generator().manual_seed(0)
+    clean = [float(v) for v in torch.rand(40, generator=gen) * 0.4 - 0.2]
+    holed = list(clean)
+    for i in (3, 17, 30):
+        holed.insert(i, float("nan"))
+    a, b = alignment_summary(clean, warmup=0), alignment_summary(holed, warmup=0)
+    assert b["skipped"] == 3 and a["skipped"] == 0
+    assert {k: v for k, v in a.items() if k != "skipped"} == {k: v for k, v in b.items() if k != "skipped"}
+    # a metrics.csv with NaN c_t (as CSVLogger writes them) calibrates as the clean trace does
+    csv = tmp_path / "metrics.csv"
+    csv.write_text("step,align/cos\n" + "".join(f"{i},{v}\n" for i, v in enumerate(holed)))
+    trace = _reference_trace(csv, 0)
+    assert sum(math.isnan(v) for v in trace) == 3
+    assert calibration_record(trace) == calibration_record(clean)
+
+
+def test_a_float16_reference_that_overflows_is_not_kept():
+    """buffer_dtype="float16" and a finite gradient above 65504: the copy would be inf; it is not a reference."""
+    params = [nn.Parameter(torch.zeros(4))]
+    opt = torch.optim.SGD(params, lr=0.0)
+    mon = attach_alignment_monitor(opt, buffer_dtype="float16", warmup=0)
+    gac = GACTransform(buffer_dtype="float16", kernels="eager")
+    big = torch.tensor([1e6, 1.0, 2.0, 3.0])
+    for g in (big, torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 3.0, 5.0])):
+        params[0].grad = g.clone()
+        if g is big:
+            with pytest.warns(RuntimeWarning, match="overflows"):
+                opt.step()
+        else:
+            opt.step()
+        params[0].grad = g.clone()
+        if g is big:
+            with pytest.warns(RuntimeWarning, match="overflows"):
+                gac.step(params)
+            assert not gac.state.has_ref
+        else:
+            out = gac.step(params)
+    assert math.isfinite(out.cos) and out.cos == pytest.approx(_cos([torch.tensor([1.0, 2.0, 3.0, 5.0])],
+                                                                    [torch.tensor([1.0, 2.0, 3.0, 4.0])]), rel=1e-3)
+    assert len(mon.values) == 1 and mon.values[0] == pytest.approx(out.cos, rel=1e-3)

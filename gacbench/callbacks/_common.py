@@ -142,6 +142,7 @@ class CosineTrace:
         self.values: list[float] = []
 
     def append(self, c: float) -> None:
+        """One step's c_t; NaN for a step without one (a zero or non-finite gradient), counted as ``skipped``."""
         self.values.append(c)
 
     def summary(self) -> dict[str, float]:
@@ -154,6 +155,7 @@ class CosineTrace:
             f"{prefix}/max_abs": s["max_abs"],
             f"{prefix}/frac_le_{self.tol:g}": s["frac_le_tol"],
             f"{prefix}/median": s["median"],
+            f"{prefix}/skipped": s["skipped"],
         }
         _publish(trainer, metrics, write=True)  # once per fit: written whatever log_every_n_steps is
         return s

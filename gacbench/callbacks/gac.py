@@ -71,7 +71,7 @@ class GAC(Callback):
         ema_decay: the decay of the ``"ema"`` reference, in [0, 1).
         shrink: ``"component"`` (docs/design.md) or ``"cosine"``; see :func:`gacbench.functional.gac_decision`.
         buffer_dtype: dtype of the stored reference (``"bfloat16"`` halves its memory); default
-            the parameters' dtype. Not allowed below the parameters' precision for ``"update"``.
+            each parameter's own dtype. Not allowed below a parameter's precision for ``"update"``.
         on_bad_grad: a non-finite gradient is skipped with a warning (``"skip"``) or
             stops the run (``"raise"``). Under an fp16 GradScaler non-finite gradients are left
             to the scaler, which skips the step and lowers its scale.
@@ -79,7 +79,8 @@ class GAC(Callback):
             project: ``"pass"`` (default) hands it to the optimizer untouched, as a run without GAC
             would, so that GAC-vs-stale comparisons are not confounded by skipped optimizer steps
             (AdamW still moves on momentum); ``"skip"`` skips the step with a warning; ``"raise"``
-            stops the run. The reference is kept either way.
+            stops the run. The reference is kept either way, and the step has no c_t: it logs NaN and counts as
+            ``skipped`` in the summary (as a non-finite gradient does).
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
         kernels: ``"auto"`` (default): ``"fused-adamw"`` where its compile pays back within the run (from the
             number of parameters and the run's optimizer steps, read when fit starts; see
@@ -278,6 +279,9 @@ class GAC(Callback):
         if out is None:  # no gradient at all (training_step returned None)
             return
         self.steps += 1
+        if out.bad:  # a zero or non-finite gradient has no c_t (NaN, counted as skipped in the summary)
+            self.trace.append(float("nan"))
+            log_metrics(trainer, {self.cos_key: float("nan")})
         if out.zero:
             self.zero += 1
             log_metrics(trainer, {"gac/zero_grad": float(self.zero)})

@@ -9,6 +9,7 @@ reference to the current step. The Lightning callback :class:`gacbench.GAC` and 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -271,8 +272,23 @@ class GACTransform:
         self._apply(params, live, g, r, decision, g_dot_r, r_sq, alpha, swap, keep_alias, compiled, local_scalars)
         if skipped:
             self.skip(params)
-        st.has_ref = True
+        st.has_ref = self._reference_fits(g)
         return GACStep(decision, g_sq)
+
+    def _reference_fits(self, g: list[Tensor]) -> bool:
+        """Whether the reference just stored is finite. Only a ``buffer_dtype`` of narrower range than a gradient
+        (float16 for float32 or bfloat16 gradients) can overflow, so only then is it checked (one pass over the
+        buffer); an overflowed reference is dropped (the next step has none, and keeps its gradient)."""
+        dt = self.buffer_dtype
+        if dt is None or not any(torch.finfo(dt).max < torch.finfo(gi.dtype).max for gi in g):
+            return True
+        if bool(torch.stack([torch.isfinite(ri).all() for ri in self.state.ref]).all()):
+            return True
+        warnings.warn(f"GAC: a gradient value overflows buffer_dtype={dt}; the reference is dropped and the next "
+                      "step measured without one. Use buffer_dtype='bfloat16' (float32's range) or None.",
+                      RuntimeWarning, stacklevel=3)
+        self.state.ref_sq = None
+        return False
 
     def _local_scalars(self, g: list[Tensor], r: list[Tensor], rest: Sequence[Tensor], compiled: bool,
                        lowp: bool) -> Tensor:
@@ -410,7 +426,11 @@ class GACTransform:
         a, b = (self.ema_decay, 1.0 - self.ema_decay) if self.reference == "ema" and st.has_ref else (0.0, 1.0)
         if len(live) != len(st.ref):  # parameters without a gradient: g_raw = 0 there
             dead = set(range(len(st.ref))) - set(live)
-            torch._foreach_mul_([st.ref[i] for i in sorted(dead)], a)
+            dead_ref = [st.ref[i] for i in sorted(dead)]
+            if a:
+                torch._foreach_mul_(dead_ref, a)
+            else:
+                torch._foreach_zero_(dead_ref)  # not a multiplication by 0: an overflowed (inf) part would stay NaN
         coef = a + b * alpha
         if coef == 0.0:  # then b == 1: the reference is exactly the gradient
             torch._foreach_copy_(r, g)
