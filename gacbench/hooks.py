@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -33,11 +34,24 @@ from gacbench.functional.alignment import (
 )
 from gacbench.functional.buffer import LazyFlatBuffer, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
-from gacbench.functional.gac import GACTransform, check_choice, local, parse_dtype
+from gacbench.functional.gac import local, parse_dtype
+from gacbench.functional.settings import GACSettings
 from gacbench.functional.stats import alignment_summary
 from gacbench.usage import UsageError
 
-ON_BAD_GRAD = ("skip", "raise")
+# optimizer -> a weak reference to its GAC hook while attached: nothing here keeps either alive
+_GAC_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _attached(optimizer: torch.optim.Optimizer) -> "GACHook | None":
+    ref = _GAC_ATTACHED.get(optimizer)
+    return None if ref is None else ref()
+
+
+def attached_gac(optimizer: torch.optim.Optimizer) -> str | None:
+    """Who attached the GAC hook this optimizer has (``attach_gac(...)``, ``GACCallback(...)``), or None."""
+    hook = _attached(optimizer)
+    return None if hook is None else hook.origin
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -157,6 +171,8 @@ class _StepHook:
     def remove(self) -> None:
         """Unregister the hook; the optimizer steps as if it had never been attached."""
         self._handle.remove()
+        if _attached(self.optimizer) is self:
+            del _GAC_ATTACHED[self.optimizer]
 
 
 class GACHook(_StepHook):
@@ -174,33 +190,41 @@ class GACHook(_StepHook):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        c_low: float = 0.05,
-        c_high: float = 0.3,
-        high_mode: str = "project",
-        reference: str = "grad",
-        ema_decay: float = 0.9,
-        shrink: str = "component",
-        buffer_dtype: str | torch.dtype | None = None,
-        on_bad_grad: str = "skip",
-        on_zero_grad: str = "pass",
-        warmup: int = 50,
-        tol: float = 0.05,
-        kernels: str = "auto",
+        c_low: float = GACSettings.c_low,
+        c_high: float = GACSettings.c_high,
+        high_mode: str = GACSettings.high_mode,
+        reference: str = GACSettings.reference,
+        ema_decay: float = GACSettings.ema_decay,
+        shrink: str = GACSettings.shrink,
+        buffer_dtype: str | torch.dtype | None = GACSettings.buffer_dtype,
+        on_bad_grad: str = GACSettings.on_bad_grad,
+        on_zero_grad: str = GACSettings.on_zero_grad,
+        warmup: int = GACSettings.warmup,
+        tol: float = GACSettings.tol,
+        kernels: str = GACSettings.kernels,
         distributed: bool | None = None,
         steps: int | None = None,
     ) -> None:
         try:
-            self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype,
-                                          kernels)
-            check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
-            check_choice("GAC", "on_zero_grad", on_zero_grad, ("pass",) + ON_BAD_GRAD)
+            self.config = GACSettings(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype,
+                                      on_bad_grad, on_zero_grad, warmup, tol, kernels)  # checked as the callback's
         except ValueError as e:
             raise UsageError(str(e)) from None
+        self.transform = self.config.transform()
+        _check_optimizer(optimizer, self.who)
+        first = attached_gac(optimizer)
+        if first is not None:
+            raise UsageError(f"attach_gac: this optimizer already has GAC, attached by {first}; a second one would "
+                             "apply GAC twice per step. Attach it once, or call .remove() on the first hook")
+        given = {k: v for k, v in self.config.as_dict().items() if v != getattr(GACSettings, k)}
+        #: who attached this hook (named when a second attach is refused); GACCallback writes its own name here
+        self.origin = "attach_gac(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")"
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
         self.run_steps, self._kernels_chosen = steps, False
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.action = ""
         super().__init__(optimizer, warmup, tol, distributed)
+        _GAC_ATTACHED[optimizer] = weakref.ref(self)
 
     @property
     def cos_key(self) -> str:

@@ -35,10 +35,10 @@ from gacbench.callbacks._common import (
     save_tensor,
 )
 from gacbench.functional.alignment import SKIP, sq_norm
-from gacbench.functional.gac import GACTransform, check_choice
+from gacbench.functional.gac import check_choice
+from gacbench.functional.settings import DEFAULTS, GACSettings
 from gacbench.functional.step_gac import StepGAC
 
-ON_BAD_GRAD = ("skip", "raise")
 TARGETS = ("grad", "step")
 
 
@@ -113,35 +113,34 @@ class GAC(Callback):
 
     def __init__(
         self,
-        c_low: float = 0.05,
-        c_high: float = 0.3,
-        high_mode: str = "project",
-        reference: str = "grad",
-        ema_decay: float = 0.9,
-        shrink: str = "component",
-        buffer_dtype: str | torch.dtype | None = None,
-        on_bad_grad: str = "skip",
-        on_zero_grad: str = "pass",
-        warmup: int = 50,
-        tol: float = 0.05,
-        kernels: str = "auto",
+        c_low: float = GACSettings.c_low,
+        c_high: float = GACSettings.c_high,
+        high_mode: str = GACSettings.high_mode,
+        reference: str = GACSettings.reference,
+        ema_decay: float = GACSettings.ema_decay,
+        shrink: str = GACSettings.shrink,
+        buffer_dtype: str | torch.dtype | None = GACSettings.buffer_dtype,
+        on_bad_grad: str = GACSettings.on_bad_grad,
+        on_zero_grad: str = GACSettings.on_zero_grad,
+        warmup: int = GACSettings.warmup,
+        tol: float = GACSettings.tol,
+        kernels: str = GACSettings.kernels,
         target: str = "grad",
     ) -> None:
-        self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype, kernels)
+        self.config = GACSettings(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype, on_bad_grad,
+                                  on_zero_grad, warmup, tol, kernels)  # checked there, as attach_gac's and TRL's
+        self.transform = self.config.transform()
         check_choice("GAC", "target", target, TARGETS)
         self.target = target
         self.step_transform: StepGAC | None = None
         if target == "step":
-            given = {"reference": (reference, "grad"), "ema_decay": (ema_decay, 0.9),
-                     "buffer_dtype": (buffer_dtype, None), "on_zero_grad": (on_zero_grad, "pass"),
-                     "kernels": (kernels, "auto")}
+            given = {k: (getattr(self.config, k), getattr(DEFAULTS, k))
+                     for k in ("reference", "ema_decay", "buffer_dtype", "on_zero_grad", "kernels")}
             odd = [f"{k}={v!r}" for k, (v, default) in given.items() if v != default]
             if odd:
                 raise ValueError(f"GAC(target='step'): {', '.join(odd)} belong to the gradient target; the step "
                                  "target measures against the previous applied step. Drop them, or use target='grad'.")
             self.step_transform = StepGAC(c_low, c_high, high_mode, shrink)
-        check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
-        check_choice("GAC", "on_zero_grad", on_zero_grad, ("pass",) + ON_BAD_GRAD)
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
         self.trace = CosineTrace(warmup, tol)
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
