@@ -32,7 +32,7 @@ from gacbench.functional.alignment import (
     cosine_from_scalars,
     full_vector_scalars,
 )
-from gacbench.functional.buffer import LazyFlatBuffer, keep_reference
+from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import local, parse_dtype
 from gacbench.functional.settings import GACSettings
@@ -132,6 +132,7 @@ class _StepHook:
                              "torch.distributed.init_process_group before attaching, or pass distributed=None")
         self.optimizer = optimizer
         self.params = _params(optimizer)
+        check_parameters(self.params, self.who)
         self._n_listed = _n_listed(optimizer)
         self.warmup, self.tol, self.distributed = warmup, float(tol), distributed
         self.values: list[float] = []  # the c_t trace
@@ -327,6 +328,7 @@ class AlignmentMonitorHook(_StepHook):
 
     def _step(self) -> None:
         params = self.params
+        check_dense_gradients(params, self.who)
         grads = [local(p.grad) if p.grad is not None else None for p in params]
         self.metrics = {}
         if all(g is None for g in grads):

@@ -363,3 +363,205 @@ def test_a_float16_reference_that_overflows_is_not_kept():
     assert math.isfinite(out.cos) and out.cos == pytest.approx(_cos([torch.tensor([1.0, 2.0, 3.0, 5.0])],
                                                                     [torch.tensor([1.0, 2.0, 3.0, 4.0])]), rel=1e-3)
     assert len(mon.values) == 1 and mon.values[0] == pytest.approx(out.cos, rel=1e-3)
+
+
+# -- GAC attached twice -------------------------------------------------------------------------------------------
+def test_attach_gac_twice_on_one_optimizer_is_refused_naming_the_first():
+    from gacbench.usage import UsageError
+
+    params = [nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    first = attach_gac(opt, c_low=0.1)
+    with pytest.raises(UsageError, match=r"already has GAC, attached by attach_gac\(c_low=0.1\)") as err:
+        attach_gac(opt)
+    assert "\n" not in str(err.value)
+    assert len(opt._optimizer_step_pre_hooks) == 1  # nothing of the refused hook stays
+    first.remove()
+    attach_gac(opt).remove()  # after remove() the optimizer takes GAC again
+    attach_gac(torch.optim.SGD(params, lr=0.1))  # another optimizer is another matter
+
+
+def test_two_trl_callbacks_on_one_trainer_are_refused_naming_the_first():
+    pytest.importorskip("transformers")
+    from transformers import TrainerState
+
+    from gacbench.integrations.trl import GACCallback
+    from gacbench.usage import UsageError
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+    one, two = GACCallback(c_low=0.1), GACCallback(reference="ema")
+    one.on_train_begin(None, TrainerState(), None, optimizer=opt)
+    with pytest.raises(UsageError, match=r"already has GAC, attached by GACCallback\(c_low=0.1\)"):
+        two.on_train_begin(None, TrainerState(), None, optimizer=opt)
+    assert two.monitor is None and len(opt._optimizer_step_pre_hooks) == 1  # the second attached nothing
+    one.on_train_begin(None, TrainerState(), None, optimizer=opt)  # a second train() of the same callback is fine
+    one.on_train_end(None, TrainerState(), None)
+    two.on_train_begin(None, TrainerState(), None, optimizer=opt)  # once the first has let go
+
+
+# -- one settings object for the three front ends ----------------------------------------------------------------
+SETTINGS_CASES = [
+    {"c_low": 0.3, "c_high": 0.1}, {"c_low": -0.1}, {"c_high": 1.5}, {"c_low": True}, {"c_high": float("nan")},
+    {"high_mode": "clip"}, {"reference": "momentum"}, {"shrink": "half"}, {"on_bad_grad": "ignore"},
+    {"on_zero_grad": "ignore"}, {"ema_decay": 1.0}, {"ema_decay": "0.5"}, {"buffer_dtype": "int8"},
+    {"buffer_dtype": torch.int8}, {"warmup": -1}, {"warmup": True}, {"warmup": 2.5}, {"tol": 0.0},
+    {"tol": "0.1"}, {"kernels": "fast"},
+    {"c_low": 0.1, "c_high": 0.2, "high_mode": "skip", "reference": "ema", "ema_decay": 0.5, "shrink": "cosine",
+     "buffer_dtype": "bfloat16", "on_bad_grad": "raise", "on_zero_grad": "skip", "warmup": 0, "tol": 0.1,
+     "kernels": "eager"},
+]
+
+
+def _outcome(make, settings):
+    try:
+        return "ok", make(settings)
+    except ValueError as e:  # UsageError is a ValueError
+        return "refused", str(e)
+
+
+@pytest.mark.parametrize("settings", SETTINGS_CASES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_the_three_gac_front_ends_accept_and_refuse_the_same_settings(settings):
+    """GAC (Lightning), attach_gac and the TRL GACCallback: the same verdict and the same message for each
+    setting, and for an accepted one the same settings object."""
+    pytest.importorskip("transformers")
+    from gacbench import GAC
+    from gacbench.integrations.trl import GACCallback
+
+    def hook(s):
+        h = attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **s)
+        h.remove()
+        return h.config
+
+    got = [_outcome(lambda s: GAC(**s).config, settings), _outcome(hook, settings),
+           _outcome(lambda s: GACCallback(**s).config, settings)]
+    assert got[0] == got[1] == got[2], got
+    assert got[0][0] == ("ok" if len(settings) > 3 else "refused")
+
+
+def test_the_three_gac_front_ends_have_the_same_defaults():
+    import inspect
+
+    from gacbench import GAC
+    from gacbench.functional.settings import GACSettings
+    from gacbench.hooks import GACHook
+
+    pytest.importorskip("transformers")
+    from gacbench.integrations.trl import GACCallback
+
+    defaults = GACSettings().as_dict()
+    for fn in (GAC.__init__, GACHook.__init__):
+        sig = inspect.signature(fn).parameters
+        assert {k: sig[k].default for k in defaults} == defaults
+    assert GAC().config == GACSettings() == GACCallback().config
+    assert attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)).config == GACSettings()
+
+
+# -- sparse and complex parameters ---------------------------------------------------------------------------------
+class EmbeddingModel(pl.LightningModule):
+    def __init__(self, sparse: bool = False, complex_weight: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, sparse=sparse)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.complex64 if complex_weight else torch.float32))
+
+    def training_step(self, batch, batch_idx):
+        out = self.emb(batch[0]) * self.scale
+        return out.abs().sum() if out.is_complex() else out.sum()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(8) % 10), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("who", ["GAC", "AlignmentMonitor"])
+def test_a_sparse_gradient_is_refused_in_one_line_naming_the_parameter(who):
+    import gacbench
+    from gacbench.usage import UsageError
+
+    with pytest.raises(UsageError, match=rf"^{who}: parameter 'emb.weight' \(shape \(10, 3\)\) has a sparse "
+                                         r"gradient .*sparse=False") as err:
+        make_trainer([getattr(gacbench, who)()], max_steps=2).fit(EmbeddingModel(sparse=True))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("who", ["GAC", "AlignmentMonitor"])
+def test_a_complex_parameter_is_refused_in_one_line_naming_it(who):
+    import gacbench
+    from gacbench.usage import UsageError
+
+    with pytest.raises(UsageError, match=rf"^{who}: parameter 'scale' \(shape \(3,\)\) is complex .*view_as_real"):
+        make_trainer([getattr(gacbench, who)()], max_steps=2).fit(EmbeddingModel(complex_weight=True))
+
+
+def test_the_hooks_refuse_sparse_gradients_and_complex_parameters():
+    from gacbench.usage import UsageError
+
+    with pytest.raises(UsageError, match=r"^attach_gac: parameter 1 of the optimizer's .* is complex"):
+        attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.cfloat))],
+                                   lr=0.1))
+    emb = nn.Embedding(10, 3, sparse=True)
+    for attach in (attach_gac, attach_alignment_monitor):
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        hook = attach(opt)
+        emb.zero_grad()
+        emb(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(UsageError, match=r"parameter 0 of the optimizer's .* has a sparse gradient"):
+            opt.step()
+        hook.remove()
+
+
+def test_the_staleness_simulator_takes_a_complex_parameter_and_refuses_nothing_else():
+    model = EmbeddingModel(complex_weight=True)
+    make_trainer([StalenessSimulator(1)], max_steps=2).fit(model)  # copies are exact for complex tensors too
+
+
+# -- the TRL callback's summary --------------------------------------------------------------------------------------
+def test_trl_summary_is_the_monitors_when_gac_measures_another_reference():
+    """reference="ema": GAC's trace is the cosine against the EMA; Table 3's statistics are c_t's, the monitor's."""
+    pytest.importorskip("transformers")
+    from transformers import TrainerState
+
+    from gacbench.integrations.trl import GACCallback
+
+    params = [nn.Parameter(torch.zeros(5))]
+    opt = torch.optim.SGD(params, lr=0.0)
+    cb = GACCallback(reference="ema", ema_decay=0.5, warmup=0, c_low=0.9, c_high=0.95)
+    cb.on_train_begin(None, TrainerState(), None, optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    raw = [torch.randn(5, generator=gen) for _ in range(6)]
+    for g in raw:
+        params[0].grad = g.clone()
+        opt.step()
+    cb.on_train_end(None, TrainerState(), None)
+    want = [_cos([raw[t]], [raw[t - 1]]) for t in range(1, 6)]
+    assert cb.summary["n"] == 5
+    assert cb.summary["max_abs"] == pytest.approx(max(abs(c) for c in want), rel=1e-6)
+    assert cb.summary["median"] == pytest.approx(sorted(want)[2], rel=1e-6)
+
+
+# -- the spectrum readings: the largest curvature, not the smallest -------------------------------------------------
+def test_logistic_smoothness_reads_the_top_of_the_spectrum():
+    """L = sigma_max(X / sqrt(n))^2 / 4 + l2, from numpy's singular values (sorted largest first), and at least
+    the Rayleigh quotient of any direction: reading the other end of the spectrum gives a far smaller L."""
+    import numpy as np
+
+    from gacbench.objectives import LogisticRegression
+
+    model = LogisticRegression(n=64, dim=6, l2=1e-3, steps=2)
+    x = model.x.double().numpy()
+    sv = np.linalg.svd(x / np.sqrt(len(x)), compute_uv=False)
+    assert model.L == pytest.approx(sv[0] ** 2 / 4 + 1e-3, rel=1e-5)
+    assert sv[0] > 2 * sv[-1]  # the two ends differ: the test tells them apart
+    h = x.T @ x / len(x) / 4
+    gen = np.random.default_rng(0)
+    for v in gen.standard_normal((20, 6)):
+        assert model.L >= v @ h @ v / (v @ v)
+
+
+def test_quadratic_curvatures_span_mu_to_l():
+    from gacbench.objectives import NoisyQuadratic
+
+    q = NoisyQuadratic(dim=7, L=2.0, kappa=50.0, steps=2)
+    assert float(q.eigs.max()) == pytest.approx(q.L) and float(q.eigs.min()) == pytest.approx(q.mu)
+    assert q.mu == pytest.approx(2.0 / 50.0)

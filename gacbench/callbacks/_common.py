@@ -46,6 +46,12 @@ def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter
     return params
 
 
+def parameter_names(pl_module: "pl.LightningModule", params: list[torch.nn.Parameter]) -> list[str]:
+    """The module's name of each parameter ('' for one the module does not name), for error messages."""
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    return [names.get(id(p), "") for p in params]
+
+
 def is_sharded(trainer: "pl.Trainer") -> bool:
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 

@@ -29,10 +29,11 @@ from gacbench.callbacks._common import (
     local,
     log_metrics,
     optimizer_params,
+    parameter_names,
     save_tensor,
 )
 from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars
-from gacbench.functional.buffer import LazyFlatBuffer, keep_reference
+from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.step_gac import StepGAC
 
 
@@ -92,6 +93,8 @@ class AlignmentMonitor(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "AlignmentMonitor")
+        self._names = parameter_names(pl_module, self._params)
+        check_parameters(self._params, "AlignmentMonitor", self._names)
         if not self.step_passive:
             self._steps.start(self._params)
             self._hook = trainer.optimizers[0].register_step_post_hook(
@@ -107,6 +110,7 @@ class AlignmentMonitor(Callback):
         if self.passive:
             return
         params = self._params
+        check_dense_gradients(params, "AlignmentMonitor", self._names)
         grads = [local(p.grad) if p.grad is not None else None for p in params]
         if all(g is None for g in grads):
             return

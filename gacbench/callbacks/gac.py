@@ -32,9 +32,11 @@ from gacbench.callbacks._common import (
     local,
     log_metrics,
     optimizer_params,
+    parameter_names,
     save_tensor,
 )
 from gacbench.functional.alignment import SKIP, sq_norm
+from gacbench.functional.buffer import check_parameters
 from gacbench.functional.gac import check_choice
 from gacbench.functional.settings import DEFAULTS, GACSettings
 from gacbench.functional.step_gac import StepGAC
@@ -208,6 +210,8 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        self.transform.names = parameter_names(pl_module, self._params)
+        check_parameters(self._params, "GAC", self.transform.names)
         if self.step_transform is not None:
             self.step_transform.start(self._params)
             self._hook = trainer.optimizers[0].register_step_post_hook(partial(self._after_step, trainer))

@@ -28,9 +28,10 @@ from gacbench.callbacks._common import (
     load_tensor,
     log_metrics,
     optimizer_params,
+    parameter_names,
     save_tensor,
 )
-from gacbench.functional.buffer import FlatBuffer
+from gacbench.functional.buffer import FlatBuffer, check_parameters
 
 SCHEDULES = ("fixed", "uniform", "trace")
 
@@ -121,6 +122,8 @@ class StalenessSimulator(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.staleness:
             self._params = optimizer_params(trainer, "StalenessSimulator")  # fixed for the fit
+            check_parameters(self._params, "StalenessSimulator", parameter_names(pl_module, self._params),
+                             complex_ok=True)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:

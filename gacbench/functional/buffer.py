@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from gacbench.usage import UsageError
+
 
 def exact_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """The narrowest dtype that holds every value of every dtype in ``dtypes`` exactly (float16 and bfloat16
@@ -157,3 +159,34 @@ def keep_reference(buffer: FlatBuffer, tensors: Sequence[Tensor | None], who: st
                   "a reference (the next c_t is missing). Use buffer_dtype='bfloat16' (float32's range) or None.",
                   RuntimeWarning, stacklevel=3)
     return False
+
+
+def _describe(i: int, t: Tensor, names: Sequence[str] | None) -> str:
+    which = f"'{names[i]}'" if names and i < len(names) and names[i] else f"{i} of the optimizer's (counting from 0)"
+    return f"parameter {which} (shape {tuple(t.shape)})"
+
+
+def check_parameters(params: Sequence[Tensor], who: str, names: Sequence[str] | None = None,
+                     complex_ok: bool = False) -> None:
+    """Refuse, in one line naming the parameter and the fix, a sparse parameter (a buffer of it cannot be one flat
+    dense vector) and, unless ``complex_ok``, a complex one (the cosine and the rule are defined for real vectors).
+    ``names``: the parameters' names, where known (a LightningModule's ``named_parameters``)."""
+    for i, p in enumerate(params):
+        if p.layout != torch.strided:
+            raise UsageError(f"{who}: {_describe(i, p, names)} is a sparse tensor ({p.layout}); {who} copies and reads "
+                             "parameters as dense vectors. Make it dense (a strided nn.Parameter) or leave it out of "
+                             "the optimizer")
+        if p.is_complex() and not complex_ok:
+            raise UsageError(f"{who}: {_describe(i, p, names)} is complex ({p.dtype}); the cosine of {who} is defined "
+                             "for real vectors. Hold it as a real parameter (torch.view_as_real) or leave it out of "
+                             "the optimizer")
+
+
+def check_dense_gradients(params: Sequence[Tensor], who: str, names: Sequence[str] | None = None) -> None:
+    """Refuse, in one line naming the parameter and the fix, a sparse gradient (``nn.Embedding(sparse=True)``)."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is not None and g.layout != torch.strided:
+            raise UsageError(f"{who}: {_describe(i, p, names)} has a sparse gradient ({g.layout}), as "
+                             f"nn.Embedding(sparse=True) gives; {who} needs dense gradients. Build the layer with "
+                             "sparse=False, or leave the parameter out of the optimizer")

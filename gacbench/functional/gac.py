@@ -30,7 +30,7 @@ from gacbench.functional.alignment import (
     project_,
     validate_thresholds,
 )
-from gacbench.functional.buffer import exact_dtype
+from gacbench.functional.buffer import check_dense_gradients, check_parameters, exact_dtype
 from gacbench.functional.kernels import (
     adamw_group_fusable,
     choose_kernels,
@@ -178,6 +178,7 @@ class GACTransform:
         self.requested_kernels = kernels
         self.kernels = "eager" if kernels == "auto" else kernels  # the path step() runs; see choose_kernels_for
         self.state = GACState()
+        self.names: list[str] | None = None  # the parameters' names, where the caller knows them (error messages)
 
     def choose_kernels_for(self, n_params: int, steps: float, device_type: str) -> str:
         """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length
@@ -232,6 +233,7 @@ class GACTransform:
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
             return None
+        check_dense_gradients(params, "GAC", self.names)
         st = self.state
         ref = self._buffer(params)
         if self.reference == "update" and st.has_ref:
@@ -390,6 +392,7 @@ class GACTransform:
     def _buffer(self, params: Sequence[Tensor]) -> list[Tensor]:
         st = self.state
         if st.ref is None:
+            check_parameters(params, "GAC", self.names)
             tensors = [local(p.detach()) for p in params]
             if self.reference == "update" and self.buffer_dtype is not None:
                 low = [t.dtype for t in tensors if torch.finfo(self.buffer_dtype).bits < torch.finfo(t.dtype).bits]
