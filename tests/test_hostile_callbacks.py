@@ -565,3 +565,20 @@ def test_quadratic_curvatures_span_mu_to_l():
     q = NoisyQuadratic(dim=7, L=2.0, kappa=50.0, steps=2)
     assert float(q.eigs.max()) == pytest.approx(q.L) and float(q.eigs.min()) == pytest.approx(q.mu)
     assert q.mu == pytest.approx(2.0 / 50.0)
+
+
+# -- docs/integrations.md ------------------------------------------------------------------------------------------
+def test_the_plain_pytorch_snippet_of_the_integrations_doc_runs_as_written(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "integrations.md").read_text()
+    section = doc[doc.index("## Plain PyTorch"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("\n```", start)]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"__name__": "snippet"}
+    exec(compile(code, "docs/integrations.md", "exec"), scope)
+    gac = scope["gac"]
+    assert gac.steps == 20 and gac.summary()["n"] == 14  # 19 c_t values, 5 of them in the warm-up
+    assert (tmp_path / "ckpt.pt").is_file() and "align/cos" in capsys.readouterr().out
+    assert not scope["opt"]._optimizer_step_pre_hooks  # removed
