@@ -511,9 +511,23 @@ def test_the_hooks_refuse_sparse_gradients_and_complex_parameters():
         hook.remove()
 
 
-def test_the_staleness_simulator_takes_a_complex_parameter_and_refuses_nothing_else():
+class SparseParameter(EmbeddingModel):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.eye(3).to_sparse())
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + torch.sparse.sum(self.table)
+
+
+def test_the_staleness_simulator_copies_complex_parameters_and_refuses_sparse_ones():
+    from gacbench.usage import UsageError
+
     model = EmbeddingModel(complex_weight=True)
     make_trainer([StalenessSimulator(1)], max_steps=2).fit(model)  # copies are exact for complex tensors too
+    with pytest.raises(UsageError, match=r"^StalenessSimulator: parameter 'table' \(shape \(3, 3\)\) is a sparse "
+                                         r"tensor"):
+        make_trainer([StalenessSimulator(1)], max_steps=2).fit(SparseParameter())
 
 
 # -- the TRL callback's summary --------------------------------------------------------------------------------------
