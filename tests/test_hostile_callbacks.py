@@ -583,12 +583,7 @@ def test_quadratic_curvatures_span_mu_to_l():
 
 # -- docs/integrations.md ------------------------------------------------------------------------------------------
 def test_the_plain_pytorch_snippet_of_the_integrations_doc_runs_as_written(tmp_path, monkeypatch, capsys):
-    from pathlib import Path
-
-    doc = (Path(__file__).parent.parent / "docs" / "integrations.md").read_text()
-    section = doc[doc.index("## Plain PyTorch"):]
-    start = section.index("```python\n") + len("```python\n")
-    code = section[start:section.index("\n```", start)]
+    code = _doc_block("## Plain PyTorch")
     monkeypatch.chdir(tmp_path)
     scope: dict = {"__name__": "snippet"}
     exec(compile(code, "docs/integrations.md", "exec"), scope)
@@ -596,3 +591,23 @@ def test_the_plain_pytorch_snippet_of_the_integrations_doc_runs_as_written(tmp_p
     assert gac.steps == 20 and gac.summary()["n"] == 14  # 19 c_t values, 5 of them in the warm-up
     assert (tmp_path / "ckpt.pt").is_file() and "align/cos" in capsys.readouterr().out
     assert not scope["opt"]._optimizer_step_pre_hooks  # removed
+
+
+def _doc_block(heading: str) -> str:
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "integrations.md").read_text()
+    section = doc[doc.index(heading):]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("\n```", start)]
+
+
+def test_the_trainer_snippet_of_the_integrations_doc_runs_as_written(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"__name__": "snippet"}
+    exec(compile(_doc_block("## TRL (and any"), "docs/integrations.md", "exec"), scope)
+    cb, trainer = scope["cb"], scope["trainer"]
+    assert cb.gac.steps == 10 and cb.summary["n"] == 7  # 9 c_t values, 2 of them in the warm-up
+    logged = [h["align/cos"] for h in trainer.state.log_history if "align/cos" in h]
+    assert len(logged) == 9 and all(math.isfinite(c) for c in logged)
