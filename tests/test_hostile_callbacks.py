@@ -611,3 +611,21 @@ def test_the_trainer_snippet_of_the_integrations_doc_runs_as_written(tmp_path, m
     assert cb.gac.steps == 10 and cb.summary["n"] == 7  # 9 c_t values, 2 of them in the warm-up
     logged = [h["align/cos"] for h in trainer.state.log_history if "align/cos" in h]
     assert len(logged) == 9 and all(math.isfinite(c) for c in logged)
+
+
+@pytest.mark.parametrize("settings", [{"reference": "grad"}, {"reference": "applied"}, {"reference": "update"},
+                                      {"reference": "ema"}, {"target": "step"}])
+def test_gac_on_a_stale_mixed_dtype_model_keeps_each_dtype(settings):
+    """Every reference (and the step target) on the bfloat16-first model under staleness: the reference keeps each
+    parameter's dtype, the parameters keep theirs, and every logged cosine is finite."""
+    from gacbench import GAC
+
+    model = MixedModel()
+    gac = GAC(warmup=0, c_low=0.05, c_high=0.5, **settings)
+    make_trainer([StalenessSimulator(2), gac], max_steps=10).fit(model)
+    assert [p.dtype for p in model.parameters()] == [torch.bfloat16, torch.float32, torch.float16]
+    if "target" in settings:
+        assert [v.dtype for v in gac.step_transform.theta.views] == [torch.bfloat16, torch.float32, torch.float16]
+    else:
+        assert [r.dtype for r in gac.transform.state.ref] == [torch.bfloat16, torch.float32, torch.float16]
+    assert len(gac.trace.values) >= 8 and all(math.isfinite(c) for c in gac.trace.values)
