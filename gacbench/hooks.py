@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -31,13 +32,26 @@ from gacbench.functional.alignment import (
     cosine_from_scalars,
     full_vector_scalars,
 )
-from gacbench.functional.buffer import LazyFlatBuffer
+from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
-from gacbench.functional.gac import GACTransform, check_choice, local, parse_dtype
+from gacbench.functional.gac import local, parse_dtype
+from gacbench.functional.settings import GACSettings
 from gacbench.functional.stats import alignment_summary
 from gacbench.usage import UsageError
 
-ON_BAD_GRAD = ("skip", "raise")
+# optimizer -> a weak reference to its GAC hook while attached: nothing here keeps either alive
+_GAC_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _attached(optimizer: torch.optim.Optimizer) -> "GACHook | None":
+    ref = _GAC_ATTACHED.get(optimizer)
+    return None if ref is None else ref()
+
+
+def attached_gac(optimizer: torch.optim.Optimizer) -> str | None:
+    """Who attached the GAC hook this optimizer has (``attach_gac(...)``, ``GACCallback(...)``), or None."""
+    hook = _attached(optimizer)
+    return None if hook is None else hook.origin
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -118,6 +132,7 @@ class _StepHook:
                              "torch.distributed.init_process_group before attaching, or pass distributed=None")
         self.optimizer = optimizer
         self.params = _params(optimizer)
+        check_parameters(self.params, self.who)
         self._n_listed = _n_listed(optimizer)
         self.warmup, self.tol, self.distributed = warmup, float(tol), distributed
         self.values: list[float] = []  # the c_t trace
@@ -150,12 +165,15 @@ class _StepHook:
 
     def summary(self) -> dict[str, float]:
         """The on-policy statistics of paper Table 3 over the c_t trace after ``warmup`` steps:
-        ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median``, ``n``."""
+        ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median``, ``n``, and ``skipped``: the steps without a c_t (a
+        zero or non-finite gradient, logged as NaN and never a reference)."""
         return alignment_summary(self.values, self.warmup, self.tol)
 
     def remove(self) -> None:
         """Unregister the hook; the optimizer steps as if it had never been attached."""
         self._handle.remove()
+        if _attached(self.optimizer) is self:
+            del _GAC_ATTACHED[self.optimizer]
 
 
 class GACHook(_StepHook):
@@ -173,33 +191,41 @@ class GACHook(_StepHook):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        c_low: float = 0.05,
-        c_high: float = 0.3,
-        high_mode: str = "project",
-        reference: str = "grad",
-        ema_decay: float = 0.9,
-        shrink: str = "component",
-        buffer_dtype: str | torch.dtype | None = None,
-        on_bad_grad: str = "skip",
-        on_zero_grad: str = "pass",
-        warmup: int = 50,
-        tol: float = 0.05,
-        kernels: str = "auto",
+        c_low: float = GACSettings.c_low,
+        c_high: float = GACSettings.c_high,
+        high_mode: str = GACSettings.high_mode,
+        reference: str = GACSettings.reference,
+        ema_decay: float = GACSettings.ema_decay,
+        shrink: str = GACSettings.shrink,
+        buffer_dtype: str | torch.dtype | None = GACSettings.buffer_dtype,
+        on_bad_grad: str = GACSettings.on_bad_grad,
+        on_zero_grad: str = GACSettings.on_zero_grad,
+        warmup: int = GACSettings.warmup,
+        tol: float = GACSettings.tol,
+        kernels: str = GACSettings.kernels,
         distributed: bool | None = None,
         steps: int | None = None,
     ) -> None:
         try:
-            self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype,
-                                          kernels)
-            check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
-            check_choice("GAC", "on_zero_grad", on_zero_grad, ("pass",) + ON_BAD_GRAD)
+            self.config = GACSettings(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype,
+                                      on_bad_grad, on_zero_grad, warmup, tol, kernels)  # checked as the callback's
         except ValueError as e:
             raise UsageError(str(e)) from None
+        self.transform = self.config.transform()
+        _check_optimizer(optimizer, self.who)
+        first = attached_gac(optimizer)
+        if first is not None:
+            raise UsageError(f"attach_gac: this optimizer already has GAC, attached by {first}; a second one would "
+                             "apply GAC twice per step. Attach it once, or call .remove() on the first hook")
+        given = {k: v for k, v in self.config.as_dict().items() if v != getattr(GACSettings, k)}
+        #: who attached this hook (named when a second attach is refused); GACCallback writes its own name here
+        self.origin = "attach_gac(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")"
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
         self.run_steps, self._kernels_chosen = steps, False
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.action = ""
         super().__init__(optimizer, warmup, tol, distributed)
+        _GAC_ATTACHED[optimizer] = weakref.ref(self)
 
     @property
     def cos_key(self) -> str:
@@ -219,9 +245,12 @@ class GACHook(_StepHook):
         if out is None:
             return
         self.steps += 1
+        if out.bad:  # a zero or non-finite gradient has no c_t (NaN, counted as skipped in the summary)
+            self.values.append(float("nan"))
+            self.metrics = {self.cos_key: float("nan")}
         if out.zero:
             self.zero += 1
-            self.metrics = {"gac/zero_grad": float(self.zero)}
+            self.metrics["gac/zero_grad"] = float(self.zero)
             if self.on_zero_grad == "pass":
                 self.action = ACTION_NAMES[KEEP]
                 return
@@ -299,6 +328,7 @@ class AlignmentMonitorHook(_StepHook):
 
     def _step(self) -> None:
         params = self.params
+        check_dense_gradients(params, self.who)
         grads = [local(p.grad) if p.grad is not None else None for p in params]
         self.metrics = {}
         if all(g is None for g in grads):
@@ -308,13 +338,15 @@ class AlignmentMonitorHook(_StepHook):
         scalars = reduce(full_vector_scalars(grads, prev.views))  # a missing gradient is zero
         g_sq = float(scalars[1])
         self.metrics["grad/norm"] = math.sqrt(g_sq) if g_sq >= 0 else float("nan")
+        if not (math.isfinite(g_sq) and g_sq > 0.0):  # a zero or non-finite gradient: no c_t, never a reference
+            self.metrics["align/cos"] = float("nan")
+            self.values.append(float("nan"))
+            return
         if self.has_prev:
             c = cosine_from_scalars(scalars)
             self.metrics["align/cos"] = c
             self.values.append(c)
-        if math.isfinite(g_sq):  # a non-finite gradient is not a reference
-            prev.copy_from(grads)
-            self.has_prev = True
+        self.has_prev = keep_reference(prev, grads, self.who)
 
     def state_dict(self) -> dict[str, Any]:
         """Whether a previous gradient is held, the c_t trace and that gradient (a flat copy, or None)."""

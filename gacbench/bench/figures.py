@@ -89,11 +89,12 @@ class Canvas:
                             borderaxespad=0.0, frameon=False)
 
     def series(self, rec: dict, key: str) -> list[tuple[int, float]]:
-        """The logged series ``key`` of the cell ``rec``: [(step, value), ...]."""
+        """The logged series ``key`` of the cell ``rec``: [(step, value), ...], missing values (NaN: a c_t of a
+        step whose gradient was zero or non-finite) left out."""
         ident = (rec["task"], rec["method"], rec["staleness"], rec["seed"])
         if ident not in self._cache:
             self._cache[ident] = read_metrics(self.dirs[ident] / "metrics.csv")
-        return self._cache[ident].get(key, [])
+        return [(s, v) for s, v in self._cache[ident].get(key, []) if math.isfinite(v)]
 
     def stem(self, task: str) -> str:
         """The part of a per-task figure's file name that names ``task``: the task's name, or for a group labelled

@@ -46,6 +46,12 @@ def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter
     return params
 
 
+def parameter_names(pl_module: "pl.LightningModule", params: list[torch.nn.Parameter]) -> list[str]:
+    """The module's name of each parameter ('' for one the module does not name), for error messages."""
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    return [names.get(id(p), "") for p in params]
+
+
 def is_sharded(trainer: "pl.Trainer") -> bool:
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 
@@ -142,6 +148,7 @@ class CosineTrace:
         self.values: list[float] = []
 
     def append(self, c: float) -> None:
+        """One step's c_t; NaN for a step without one (a zero or non-finite gradient), counted as ``skipped``."""
         self.values.append(c)
 
     def summary(self) -> dict[str, float]:
@@ -154,6 +161,7 @@ class CosineTrace:
             f"{prefix}/max_abs": s["max_abs"],
             f"{prefix}/frac_le_{self.tol:g}": s["frac_le_tol"],
             f"{prefix}/median": s["median"],
+            f"{prefix}/skipped": s["skipped"],
         }
         _publish(trainer, metrics, write=True)  # once per fit: written whatever log_every_n_steps is
         return s

@@ -29,10 +29,11 @@ from gacbench.callbacks._common import (
     local,
     log_metrics,
     optimizer_params,
+    parameter_names,
     save_tensor,
 )
 from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars
-from gacbench.functional.buffer import LazyFlatBuffer
+from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.step_gac import StepGAC
 
 
@@ -48,14 +49,18 @@ class AlignmentMonitor(Callback):
     Args:
         warmup: steps excluded from the end-of-fit summary (paper Table 3 uses 50).
         tol: the |c_t| tolerance of the summary's ``frac_le`` statistic (paper: 0.05).
-        buffer_dtype: dtype of the stored previous gradient (default: the parameters').
+        buffer_dtype: dtype of the stored previous gradient (default: each parameter's own).
         step_cos: also log ``align/step_cos`` = cos(theta_{t+1} - theta_t, theta_t - theta_{t-1}), read right after
             each optimizer step (the trace ``gac-step-calibrated`` calibrates from). It holds two parameter-sized
             buffers (the parameters after the last step and that step) and one scratch block, so it is off
             by default; the bench runner's cells and ``gacbench grpo`` turn it on. Passive beside a callback
             that declares ``logs_step_alignment`` (``GAC(target="step")``).
 
-    After fit, ``summary`` holds ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median`` and ``n``.
+    A step whose gradient is all zero (in RL: every group with equal rewards) or non-finite has no c_t: it logs
+    ``align/cos`` = NaN, counts as ``skipped`` in the summary, and is never the next step's reference (the next
+    c_t is measured against the last usable gradient).
+
+    After fit, ``summary`` holds ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median``, ``n`` and ``skipped``.
     """
 
     def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None,
@@ -88,6 +93,8 @@ class AlignmentMonitor(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "AlignmentMonitor")
+        self._names = parameter_names(pl_module, self._params)
+        check_parameters(self._params, "AlignmentMonitor", self._names)
         if not self.step_passive:
             self._steps.start(self._params)
             self._hook = trainer.optimizers[0].register_step_post_hook(
@@ -103,6 +110,7 @@ class AlignmentMonitor(Callback):
         if self.passive:
             return
         params = self._params
+        check_dense_gradients(params, "AlignmentMonitor", self._names)
         grads = [local(p.grad) if p.grad is not None else None for p in params]
         if all(g is None for g in grads):
             return
@@ -114,15 +122,17 @@ class AlignmentMonitor(Callback):
         scalars = alignment_scalars([g for g, _ in live], [v for _, v in live], ref_rest=rest)
         scalars = agree(trainer, scalars, is_sharded(trainer))
         g_sq = float(scalars[1])
-        c = cosine_from_scalars(scalars) if self.has_prev else float("nan")
         metrics = {"grad/norm": math.sqrt(g_sq) if g_sq >= 0 else float("nan")}
-        if self.has_prev:
-            metrics["align/cos"] = c
+        usable = math.isfinite(g_sq) and g_sq > 0.0
+        if not usable:  # a zero or non-finite gradient: no c_t (NaN, counted as skipped), and never a reference
+            metrics["align/cos"] = float("nan")
+            self.trace.append(float("nan"))
+        elif self.has_prev:
+            metrics["align/cos"] = c = cosine_from_scalars(scalars)
             self.trace.append(c)
         log_metrics(trainer, metrics)
-        if math.isfinite(g_sq):  # a non-finite gradient (an fp16 overflow step) is not a reference
-            prev.copy_from(grads)
-            self.has_prev = True
+        if usable:
+            self.has_prev = keep_reference(prev, grads, "AlignmentMonitor")
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

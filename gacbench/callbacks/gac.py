@@ -32,13 +32,15 @@ from gacbench.callbacks._common import (
     local,
     log_metrics,
     optimizer_params,
+    parameter_names,
     save_tensor,
 )
 from gacbench.functional.alignment import SKIP, sq_norm
-from gacbench.functional.gac import GACTransform, check_choice
+from gacbench.functional.buffer import check_parameters
+from gacbench.functional.gac import check_choice
+from gacbench.functional.settings import DEFAULTS, GACSettings
 from gacbench.functional.step_gac import StepGAC
 
-ON_BAD_GRAD = ("skip", "raise")
 TARGETS = ("grad", "step")
 
 
@@ -71,7 +73,7 @@ class GAC(Callback):
         ema_decay: the decay of the ``"ema"`` reference, in [0, 1).
         shrink: ``"component"`` (docs/design.md) or ``"cosine"``; see :func:`gacbench.functional.gac_decision`.
         buffer_dtype: dtype of the stored reference (``"bfloat16"`` halves its memory); default
-            the parameters' dtype. Not allowed below the parameters' precision for ``"update"``.
+            each parameter's own dtype. Not allowed below a parameter's precision for ``"update"``.
         on_bad_grad: a non-finite gradient is skipped with a warning (``"skip"``) or
             stops the run (``"raise"``). Under an fp16 GradScaler non-finite gradients are left
             to the scaler, which skips the step and lowers its scale.
@@ -79,7 +81,8 @@ class GAC(Callback):
             project: ``"pass"`` (default) hands it to the optimizer untouched, as a run without GAC
             would, so that GAC-vs-stale comparisons are not confounded by skipped optimizer steps
             (AdamW still moves on momentum); ``"skip"`` skips the step with a warning; ``"raise"``
-            stops the run. The reference is kept either way.
+            stops the run. The reference is kept either way, and the step has no c_t: it logs NaN and counts as
+            ``skipped`` in the summary (as a non-finite gradient does).
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
         kernels: ``"auto"`` (default): ``"fused-adamw"`` where its compile pays back within the run (from the
             number of parameters and the run's optimizer steps, read when fit starts; see
@@ -112,35 +115,34 @@ class GAC(Callback):
 
     def __init__(
         self,
-        c_low: float = 0.05,
-        c_high: float = 0.3,
-        high_mode: str = "project",
-        reference: str = "grad",
-        ema_decay: float = 0.9,
-        shrink: str = "component",
-        buffer_dtype: str | torch.dtype | None = None,
-        on_bad_grad: str = "skip",
-        on_zero_grad: str = "pass",
-        warmup: int = 50,
-        tol: float = 0.05,
-        kernels: str = "auto",
+        c_low: float = GACSettings.c_low,
+        c_high: float = GACSettings.c_high,
+        high_mode: str = GACSettings.high_mode,
+        reference: str = GACSettings.reference,
+        ema_decay: float = GACSettings.ema_decay,
+        shrink: str = GACSettings.shrink,
+        buffer_dtype: str | torch.dtype | None = GACSettings.buffer_dtype,
+        on_bad_grad: str = GACSettings.on_bad_grad,
+        on_zero_grad: str = GACSettings.on_zero_grad,
+        warmup: int = GACSettings.warmup,
+        tol: float = GACSettings.tol,
+        kernels: str = GACSettings.kernels,
         target: str = "grad",
     ) -> None:
-        self.transform = GACTransform(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype, kernels)
+        self.config = GACSettings(c_low, c_high, high_mode, reference, ema_decay, shrink, buffer_dtype, on_bad_grad,
+                                  on_zero_grad, warmup, tol, kernels)  # checked there, as attach_gac's and TRL's
+        self.transform = self.config.transform()
         check_choice("GAC", "target", target, TARGETS)
         self.target = target
         self.step_transform: StepGAC | None = None
         if target == "step":
-            given = {"reference": (reference, "grad"), "ema_decay": (ema_decay, 0.9),
-                     "buffer_dtype": (buffer_dtype, None), "on_zero_grad": (on_zero_grad, "pass"),
-                     "kernels": (kernels, "auto")}
+            given = {k: (getattr(self.config, k), getattr(DEFAULTS, k))
+                     for k in ("reference", "ema_decay", "buffer_dtype", "on_zero_grad", "kernels")}
             odd = [f"{k}={v!r}" for k, (v, default) in given.items() if v != default]
             if odd:
                 raise ValueError(f"GAC(target='step'): {', '.join(odd)} belong to the gradient target; the step "
                                  "target measures against the previous applied step. Drop them, or use target='grad'.")
             self.step_transform = StepGAC(c_low, c_high, high_mode, shrink)
-        check_choice("GAC", "on_bad_grad", on_bad_grad, ON_BAD_GRAD)
-        check_choice("GAC", "on_zero_grad", on_zero_grad, ("pass",) + ON_BAD_GRAD)
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
         self.trace = CosineTrace(warmup, tol)
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
@@ -208,6 +210,8 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        self.transform.names = parameter_names(pl_module, self._params)
+        check_parameters(self._params, "GAC", self.transform.names)
         if self.step_transform is not None:
             self.step_transform.start(self._params)
             self._hook = trainer.optimizers[0].register_step_post_hook(partial(self._after_step, trainer))
@@ -278,6 +282,9 @@ class GAC(Callback):
         if out is None:  # no gradient at all (training_step returned None)
             return
         self.steps += 1
+        if out.bad:  # a zero or non-finite gradient has no c_t (NaN, counted as skipped in the summary)
+            self.trace.append(float("nan"))
+            log_metrics(trainer, {self.cos_key: float("nan")})
         if out.zero:
             self.zero += 1
             log_metrics(trainer, {"gac/zero_grad": float(self.zero)})

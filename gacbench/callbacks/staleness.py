@@ -28,9 +28,10 @@ from gacbench.callbacks._common import (
     load_tensor,
     log_metrics,
     optimizer_params,
+    parameter_names,
     save_tensor,
 )
-from gacbench.functional.buffer import FlatBuffer
+from gacbench.functional.buffer import FlatBuffer, check_parameters
 
 SCHEDULES = ("fixed", "uniform", "trace")
 
@@ -60,7 +61,8 @@ class StalenessSimulator(Callback):
             broadcast from rank 0, so all DDP ranks use the same delay.
         trace: the lag sequence of ``schedule="trace"``.
 
-    Memory: s + 1 copies of the optimized parameters (on their device). List this callback
+    Memory: s + 1 copies of the optimized parameters (on their device), each parameter in its own
+    dtype (a model of bfloat16 and float32 parameters is restored bit for bit). List this callback
     first, before callbacks that read the parameters in ``on_before_optimizer_step``.
 
     Logs ``stale/lag`` (s_t) every step into ``trainer.callback_metrics`` (and to the loggers every
@@ -120,6 +122,8 @@ class StalenessSimulator(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.staleness:
             self._params = optimizer_params(trainer, "StalenessSimulator")  # fixed for the fit
+            check_parameters(self._params, "StalenessSimulator", parameter_names(pl_module, self._params),
+                             complex_ok=True)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
@@ -209,7 +213,7 @@ class StalenessSimulator(Callback):
                 "save checkpoints at optimizer-step boundaries (ModelCheckpoint(every_n_train_steps=...))."
             )
         if self._history:
-            save_tensor(checkpoint, self.state_key, [b.data.detach().clone() for b in self._history])
+            save_tensor(checkpoint, self.state_key, [b.flat() for b in self._history])
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ reference to the current step. The Lightning callback :class:`gacbench.GAC` and 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from gacbench.functional.alignment import (
     project_,
     validate_thresholds,
 )
+from gacbench.functional.buffer import check_dense_gradients, check_parameters, exact_dtype
 from gacbench.functional.kernels import (
     adamw_group_fusable,
     choose_kernels,
@@ -176,6 +178,7 @@ class GACTransform:
         self.requested_kernels = kernels
         self.kernels = "eager" if kernels == "auto" else kernels  # the path step() runs; see choose_kernels_for
         self.state = GACState()
+        self.names: list[str] | None = None  # the parameters' names, where the caller knows them (error messages)
 
     def choose_kernels_for(self, n_params: int, steps: float, device_type: str) -> str:
         """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length
@@ -230,6 +233,7 @@ class GACTransform:
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
             return None
+        check_dense_gradients(params, "GAC", self.names)
         st = self.state
         ref = self._buffer(params)
         if self.reference == "update" and st.has_ref:
@@ -243,7 +247,9 @@ class GACTransform:
         r = ref if everyone else [ref[i] for i in live]
         rest = () if everyone else [ref[i] for i in sorted(set(range(len(params))) - set(live))]
         swap = swap and self.reference == "grad" and everyone and self._swappable(g, r)
-        compiled = self.kernels != "eager" and swap and st.ref_sq is not None and compiled_available()
+        # the compiled scalars reduce each tensor in its own dtype: float32 gradients only (a bfloat16 sum would round)
+        compiled = (self.kernels != "eager" and swap and st.ref_sq is not None and compiled_available()
+                    and all(gi.dtype == torch.float32 for gi in g))
         # fused-adamw with a lower-precision reference: GAC takes every (unskipped) AdamW step and stores g,
         # rounded, as the next reference in the same pass
         lowp = (self.kernels == "fused-adamw" and self.reference == "grad" and keep_alias and optimizer is not None
@@ -268,8 +274,23 @@ class GACTransform:
         self._apply(params, live, g, r, decision, g_dot_r, r_sq, alpha, swap, keep_alias, compiled, local_scalars)
         if skipped:
             self.skip(params)
-        st.has_ref = True
+        st.has_ref = self._reference_fits(g)
         return GACStep(decision, g_sq)
+
+    def _reference_fits(self, g: list[Tensor]) -> bool:
+        """Whether the reference just stored is finite. Only a ``buffer_dtype`` of narrower range than a gradient
+        (float16 for float32 or bfloat16 gradients) can overflow, so only then is it checked (one pass over the
+        buffer); an overflowed reference is dropped (the next step has none, and keeps its gradient)."""
+        dt = self.buffer_dtype
+        if dt is None or not any(torch.finfo(dt).max < torch.finfo(gi.dtype).max for gi in g):
+            return True
+        if bool(torch.stack([torch.isfinite(ri).all() for ri in self.state.ref]).all()):
+            return True
+        warnings.warn(f"GAC: a gradient value overflows buffer_dtype={dt}; the reference is dropped and the next "
+                      "step measured without one. Use buffer_dtype='bfloat16' (float32's range) or None.",
+                      RuntimeWarning, stacklevel=3)
+        self.state.ref_sq = None
+        return False
 
     def _local_scalars(self, g: list[Tensor], r: list[Tensor], rest: Sequence[Tensor], compiled: bool,
                        lowp: bool) -> Tensor:
@@ -324,7 +345,7 @@ class GACTransform:
         skipped = decision.action == SKIP
         self._update_reference(params, live, g, r, alpha, skipped)
         copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
-        if copied and not alpha and g[0].dtype == r[0].dtype:
+        if copied and not alpha and all(gi.dtype == ri.dtype for gi, ri in zip(g, r)):
             # r is an exact copy of g (zero where a parameter has no gradient): its norm is ||g||^2
             st.ref_sq = local_scalars[1]
 
@@ -371,14 +392,18 @@ class GACTransform:
     def _buffer(self, params: Sequence[Tensor]) -> list[Tensor]:
         st = self.state
         if st.ref is None:
+            check_parameters(params, "GAC", self.names)
             tensors = [local(p.detach()) for p in params]
-            dtype = self.buffer_dtype or tensors[0].dtype
-            if self.reference == "update" and torch.finfo(dtype).bits < torch.finfo(tensors[0].dtype).bits:
-                raise ValueError(
-                    f"GAC: reference='update' stores parameters, so buffer_dtype={dtype} "
-                    f"must not be below the parameters' {tensors[0].dtype}; drop buffer_dtype."
-                )
-            st.ref = [torch.zeros_like(t, dtype=dtype) for t in tensors]
+            if self.reference == "update" and self.buffer_dtype is not None:
+                low = [t.dtype for t in tensors if torch.finfo(self.buffer_dtype).bits < torch.finfo(t.dtype).bits]
+                if low:
+                    raise ValueError(
+                        f"GAC: reference='update' stores parameters, so buffer_dtype={self.buffer_dtype} "
+                        f"must not be below the parameters' {low[0]}; drop buffer_dtype."
+                    )
+            # each parameter's reference in its own dtype (or all in buffer_dtype): a float32 parameter's part is
+            # never rounded to a bfloat16 neighbour's precision
+            st.ref = [torch.zeros_like(t, dtype=self.buffer_dtype or t.dtype) for t in tensors]
             if st.saved is not None:
                 self._copy_saved(st.saved)
         return st.ref
@@ -404,7 +429,11 @@ class GACTransform:
         a, b = (self.ema_decay, 1.0 - self.ema_decay) if self.reference == "ema" and st.has_ref else (0.0, 1.0)
         if len(live) != len(st.ref):  # parameters without a gradient: g_raw = 0 there
             dead = set(range(len(st.ref))) - set(live)
-            torch._foreach_mul_([st.ref[i] for i in sorted(dead)], a)
+            dead_ref = [st.ref[i] for i in sorted(dead)]
+            if a:
+                torch._foreach_mul_(dead_ref, a)
+            else:
+                torch._foreach_zero_(dead_ref)  # not a multiplication by 0: an overflowed (inf) part would stay NaN
         coef = a + b * alpha
         if coef == 0.0:  # then b == 1: the reference is exactly the gradient
             torch._foreach_copy_(r, g)
@@ -423,7 +452,8 @@ class GACTransform:
         """
         st = self.state
         if st.ref is not None:
-            flat = torch.cat([t.detach().reshape(-1) for t in st.ref])
+            wide = exact_dtype([t.dtype for t in st.ref])  # holds every part's values exactly
+            flat = torch.cat([t.detach().reshape(-1).to(wide) for t in st.ref])
         else:
             flat = None if st.saved is None else st.saved.clone()
         return {"has_ref": st.has_ref, "ref": flat}

@@ -18,11 +18,12 @@ The optimizer's state is not touched: a shrunk, projected or skipped step keeps 
 computed for it (AdamW's m and v have taken in this step's gradient), as they describe the gradients seen,
 not the step applied; restoring them would need a snapshot of the whole optimizer state every step.
 
-Memory: two parameter-sized buffers (theta after the last step, and the previous applied step), each one
-flat allocation, plus one scratch block (on the CPU 128K elements per thread; elsewhere the size of the largest
-parameter); Delta_t is formed block by block and never held whole. theta is taken after each step (and by
-:meth:`StepGAC.start` before the first), not before it, so that callbacks that swap the parameters during the
-forward pass (StalenessSimulator) need no particular order.
+Memory: two parameter-sized buffers (theta after the last step, and the previous applied step), each
+parameter in its own dtype, one flat allocation per dtype, plus one scratch block per precision, at least
+float32 (on the CPU 128K elements per thread; elsewhere the size of the largest parameter); Delta_t is
+formed block by block and never held whole. theta is taken after each step (and by :meth:`StepGAC.start`
+before the first), not before it, so that callbacks that swap the parameters during the forward pass
+(StalenessSimulator) need no particular order.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class StepGAC:
         self.prev: FlatBuffer | None = None  # the previous applied step (local shards)
         self.has_prev = False
         self._saved: Tensor | None = None  # a restored reference waiting for the parameters
-        self._scratch: Tensor | None = None  # Delta_t of one tensor at a time
+        self._scratch: dict[torch.dtype, Tensor] = {}  # Delta_t of one tensor (block) at a time, per precision
 
     @staticmethod
     def _tensors(params: Sequence[Tensor]) -> list[Tensor]:
@@ -104,11 +105,15 @@ class StepGAC:
         if self.theta is None:
             self.theta = FlatBuffer.like(tensors)
             self.prev = FlatBuffer.like(tensors)
-            largest = max(tensors, key=lambda t: t.numel())
-            size = largest.numel()
-            if largest.device.type == "cpu":
-                size = min(size, _CPU_BLOCK_PER_THREAD * torch.get_num_threads())
-            self._scratch = torch.empty(size, dtype=largest.dtype, device=largest.device)
+            # Delta_t of a parameter is formed in its precision, at least float32 (a bfloat16 difference of two
+            # bfloat16 iterates would round it): one scratch block per such precision
+            self._scratch = {}
+            for t in tensors:
+                d = torch.promote_types(t.dtype, torch.float32)
+                size = t.numel() if t.device.type != "cpu" else min(
+                    t.numel(), _CPU_BLOCK_PER_THREAD * torch.get_num_threads())
+                if d not in self._scratch or self._scratch[d].numel() < size:
+                    self._scratch[d] = torch.empty(size, dtype=d, device=t.device)
             if self._saved is not None:
                 self.prev.load_(self._saved)
                 self._saved = None
@@ -116,7 +121,7 @@ class StepGAC:
 
     def _delta(self, now: Tensor, before: Tensor) -> Tensor:
         """now - before into the scratch buffer (valid until the next call)."""
-        out = self._scratch[: now.numel()].view_as(now)
+        out = self._scratch[torch.promote_types(now.dtype, torch.float32)][: now.numel()].view_as(now)
         return torch.sub(now, before, out=out)
 
     def _blocks(self, now: list[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -176,7 +181,7 @@ class StepGAC:
         """``{"has_prev": bool, "prev": flat tensor (numel,) or None}`` (copied). theta is not saved: it is the
         parameters themselves, taken again by :meth:`start` after a restore."""
         if self.prev is not None:
-            flat = self.prev.data.clone()
+            flat = self.prev.flat()
         else:
             flat = None if self._saved is None else self._saved.clone()
         return {"has_prev": self.has_prev, "prev": flat}

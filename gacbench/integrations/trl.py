@@ -18,7 +18,15 @@ import torch
 from transformers import TrainerCallback
 
 from gacbench.functional.alignment import ACTION_NAMES
-from gacbench.hooks import AlignmentMonitorHook, GACHook, attach_alignment_monitor, attach_gac, check_gac_settings
+from gacbench.functional.settings import GACSettings
+from gacbench.hooks import (
+    AlignmentMonitorHook,
+    GACHook,
+    attach_alignment_monitor,
+    attach_gac,
+    attached_gac,
+    check_gac_settings,
+)
 from gacbench.usage import UsageError
 
 # ``gac/action`` is logged as a number: 0 keep, 1 shrink, 2 project, 3 skip
@@ -52,6 +60,7 @@ class GACCallback(TrainerCallback):
     def __init__(self, **settings: Any) -> None:
         check_gac_settings(settings)
         self.settings = settings
+        self.config = GACSettings.pick(settings)  # the defaults and checks of GAC and attach_gac
         self.gac: GACHook | None = None
         self.monitor: AlignmentMonitorHook | None = None
         self.summary: dict[str, float] = {}
@@ -64,10 +73,14 @@ class GACCallback(TrainerCallback):
         opt = inner_optimizer(optimizer)
         self._detach()
         self._logged_step = -1
-        if self.settings.get("reference", "grad") != "grad":  # the monitor first: it sees the raw gradient
-            self.monitor = attach_alignment_monitor(opt, warmup=self.settings.get("warmup", 50),
-                                                    tol=self.settings.get("tol", 0.05))
+        first = attached_gac(opt)
+        if first is not None:  # another GACCallback (or attach_gac) on this trainer's optimizer
+            raise UsageError(f"GACCallback: the trainer's optimizer already has GAC, attached by {first}; two would "
+                             "apply GAC twice per step. Pass one GACCallback in callbacks=[...]")
+        if self.config.reference != "grad":  # the monitor first: it sees the raw gradient
+            self.monitor = attach_alignment_monitor(opt, warmup=self.config.warmup, tol=self.config.tol)
         self.gac = attach_gac(opt, **self.settings)
+        self.gac.origin = f"GACCallback({', '.join(f'{k}={v!r}' for k, v in self.settings.items())}) at {id(self):#x}"
 
     def metrics(self) -> dict[str, float]:
         """The last optimizer step's values, as they are added to the logs."""

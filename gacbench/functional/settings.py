@@ -1,0 +1,86 @@
+"""GAC's settings, their defaults and their validation, in one place.
+
+The Lightning callback :class:`gacbench.GAC`, the optimizer hook :func:`gacbench.attach_gac` and the TRL callback
+:class:`gacbench.integrations.trl.GACCallback` all build one :class:`GACSettings` from what they are given, so the
+three take the same defaults and accept or refuse the same values with the same one-line message (the hook and the
+TRL callback raise it as a :class:`gacbench.usage.UsageError`, which is a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gacbench.functional.alignment import HIGH_MODES, SHRINK_MODES, validate_thresholds
+from gacbench.functional.gac import KERNEL_CHOICES, REFERENCES, GACTransform, check_choice, parse_dtype
+
+ON_BAD_GRAD = ("skip", "raise")
+ON_ZERO_GRAD = ("pass",) + ON_BAD_GRAD
+
+
+@dataclass(frozen=True)
+class GACSettings:
+    """The settings of GAC on the gradient (see :class:`gacbench.GAC` for what each does), checked when made:
+    a bad value raises ``ValueError`` naming the setting, the value and what it may be."""
+
+    c_low: float = 0.05
+    c_high: float = 0.3
+    high_mode: str = "project"
+    reference: str = "grad"
+    ema_decay: float = 0.9
+    shrink: str = "component"
+    buffer_dtype: str | torch.dtype | None = None
+    on_bad_grad: str = "skip"
+    on_zero_grad: str = "pass"
+    warmup: int = 50
+    tol: float = 0.05
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        validate_thresholds(self.c_low, self.c_high)
+        check_choice("GAC", "high_mode", self.high_mode, HIGH_MODES)
+        check_choice("GAC", "reference", self.reference, REFERENCES)
+        if not (_number(self.ema_decay) and 0.0 <= self.ema_decay < 1.0):
+            raise ValueError(f"GAC: ema_decay={self.ema_decay!r} must be in [0, 1)")
+        check_choice("GAC", "shrink", self.shrink, SHRINK_MODES)
+        if self.buffer_dtype is not None and not isinstance(self.buffer_dtype, torch.dtype):
+            parse_dtype("GAC", self.buffer_dtype)  # a string: one of the names
+        elif self.buffer_dtype is not None and not self.buffer_dtype.is_floating_point:
+            raise ValueError(f"GAC: buffer_dtype={self.buffer_dtype} must be a floating-point dtype "
+                             "('float32', 'bfloat16' or 'float16')")
+        check_choice("GAC", "on_bad_grad", self.on_bad_grad, ON_BAD_GRAD)
+        check_choice("GAC", "on_zero_grad", self.on_zero_grad, ON_ZERO_GRAD)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"GAC: warmup={self.warmup!r} must be a non-negative integer (steps excluded from the "
+                             "summary)")
+        if not (_number(self.tol) and 0.0 < self.tol < 1.0):
+            raise ValueError(f"GAC: tol={self.tol!r} must be in (0, 1); the paper uses 0.05")
+        check_choice("GAC", "kernels", self.kernels, KERNEL_CHOICES)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def pick(cls, settings: dict[str, Any]) -> "GACSettings":
+        """The settings among ``settings`` (other keys ignored), checked."""
+        return cls(**{k: v for k, v in settings.items() if k in cls.names()})
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def transform(self) -> GACTransform:
+        """The :class:`GACTransform` these settings describe."""
+        return GACTransform(self.c_low, self.c_high, self.high_mode, self.reference, self.ema_decay, self.shrink,
+                            self.buffer_dtype, self.kernels)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+DEFAULTS = GACSettings()
