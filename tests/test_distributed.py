@@ -126,6 +126,7 @@ def _m2po_worker(rank: int, world: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes that import torch and gacbench: 30-55 s on a loaded 2-core machine
 def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order():
     from gacbench.stabilizers.m2po import m2po_mask
 
