@@ -30,6 +30,7 @@ from gacbench.callbacks import GAC
 from gacbench.callbacks._common import log_metrics
 from gacbench.functional.calibration import CAP, GAP, QUANTILE, calibration_record
 from gacbench.stabilizers.base import loss_stabilizers
+from gacbench.stabilizers.lr_scaled import StalenessLR
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,9 @@ register_method("gac-calibrated", "GAC with (c_low, c_high) anchored to the sync
 register_method("gac-step-calibrated", "gac-step with (c_low, c_high) anchored to the step cosines (align/step_cos) of "
                 "the synchronous run of the same task and seed, by gac-calibrated's rule", _gac_step_calibrated,
                 reference="sync", settings={**_CALIBRATED_SETTINGS, "target": "step"}, trace="align/step_cos")
+register_method("lr-scaled", "learning rate scaled by the staleness bound S, eta min(1, s0 / S) (s0 = 1; "
+                "form='smooth': eta / (1 + S / s0)); the base method at S = 0 (arXiv 2607.01083, docs/baselines.md)",
+                lambda **kw: [StalenessLR(**kw)], settings=_signature_defaults(StalenessLR.__init__))
 
 
 def reference_cell(cell: dict) -> dict | None:

@@ -17,6 +17,7 @@ from gacbench.stabilizers import (
     DecoupledPPO,
     DualClipPPO,
     IcePop,
+    M2POThreshold,
     PolicyBatch,
     TISEngine,
     bapo_search,
@@ -341,7 +342,8 @@ def test_m2po_paper_masks_only_trust_region_tokens():
     mask = torch.ones_like(lr, dtype=torch.bool)
     # trust-region (log r)^2 = .25 .09 .0025, mean .114 > .04: drop .25 -> .04625 > .04, drop .09 -> .0025
     assert m2po_mask(lr, adv, mask, 0.04).tolist() == [[False, True, False, True, True]]
-    # the all-token reading: .25 .25 .09 .09 .0025; ties go together: drop the .25s, then the .09s
+    # the all-token reading: .25 .25 .09 .09 .0025, mean .1365; dropping one at a time the mean falls to .108, .0608,
+    # .04625 and .0025: four go
     assert m2po_mask(lr, adv, mask, 0.04, tokens="all").tolist() == [[False, False, False, False, True]]
 
 
@@ -352,6 +354,40 @@ def test_m2po_paper_loss_is_minus_r_a_over_kept_tokens_with_the_full_denominator
     r = [math.exp(x) for x in lr]
     assert loss.item() == pytest.approx(-(r[1] * -1 + r[3] * -1 + r[4] * 1) / 5)
     assert float(m["m2po/masked_frac"]) == pytest.approx(2 / 5)
+
+
+def test_m2po_algorithm_1_drops_one_argmax_at_a_time_and_m2po_threshold_drops_the_ties_together():
+    # Algorithm 1 (the authors' repository, docs/static/m2po-images/alg.jpg): T = trust-region tokens; while
+    # mean_T M2 > tau: j = argmax_T M2, M_j = False, T = T minus j. Tokens, row-major: log r .1 .3 .1 / .3 .1 -.3, all
+    # A = +1, so the trust region is every r > 1 token: the first five (the last, r < 1 with A > 0, is outside).
+    lr = [[0.1, 0.3, 0.1], [0.3, 0.1, -0.3]]
+    b = pb(lr, [[0.0] * 3] * 2, [[1.0] * 3] * 2)
+    # trust-region (log r)^2: .01 .09 .01 .09 .01, mean .0424 > .04; drop one .09 (the first in batch order,
+    # row 0): (.09 + .03) / 4 = .03 <= .04, stop. The other .09 stays.
+    keep = m2po_mask(b.logp.detach(), b.adv, b.mask, 0.04)
+    assert keep.tolist() == [[True, False, True], [True, True, True]]
+    loss, m = M2PO().policy_loss(b)
+    r = [[math.exp(x) for x in row] for row in lr]
+    assert loss.item() == pytest.approx(-(r[0][0] + r[0][2] + r[1][0] + r[1][1] + r[1][2]) / 6)  # denominator 6
+    assert float(m["m2po/masked_frac"]) == pytest.approx(1 / 6)
+    assert float(m["m2po/m2_kept"]) == pytest.approx(0.03)
+    # m2po-threshold: every trust-region token at or above the cut value goes, both .09s
+    assert m2po_mask(b.logp.detach(), b.adv, b.mask, 0.04, ties="together").tolist() == [[True, False, True],
+                                                                                          [False, True, True]]
+    loss_t, m_t = M2POThreshold().policy_loss(b)
+    assert loss_t.item() == pytest.approx(-(r[0][0] + r[0][2] + r[1][1] + r[1][2]) / 6)
+    assert float(m_t["m2po/masked_frac"]) == pytest.approx(2 / 6)
+    with pytest.raises(ValueError, match="ties"):
+        m2po_mask(b.logp.detach(), b.adv, b.mask, 0.04, ties="random")
+
+
+def test_m2po_statistic_covers_the_whole_batch_not_each_sequence():
+    # one sequence alone is within budget (.0025 each), the other is not: the batch mean decides, and only the
+    # largest values go wherever they sit
+    lr = [[0.05, 0.05], [0.5, 0.05]]
+    b = pb(lr, [[0.0] * 2] * 2, [[1.0] * 2] * 2)
+    # (.0025 + .0025 + .25 + .0025) / 4 = .064375 > .04; drop .25: .0025 <= .04
+    assert m2po_mask(b.logp.detach(), b.adv, b.mask, 0.04).tolist() == [[True, True], [False, True]]
 
 
 def test_m2po_tie_at_tau_is_within_budget():

@@ -103,3 +103,47 @@ def test_the_process_group_is_destroyed_at_exit_while_the_interpreter_is_whole(t
                           text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "initialized at exit: False"
+
+
+# M2PO's Algorithm 1 over the whole update's batch: (log r) per token, A = +1 (every r > 1 token is in the trust
+# region). Trust-region (log r)^2: five .09, five .01, one .0025 (the -0.3 token is outside), mean .0457 > .035;
+# one argmax at a time the mean falls to .0413, .0358, .0291: three of the five tied .09 go, the first three in
+# batch order, (0, 1), (1, 0) on rank 0 and (2, 0) on rank 1. Masking them together drops all five.
+M2PO_LOG_R = [[0.1, 0.3, 0.1], [0.3, 0.1, -0.3], [0.3, 0.3, 0.1], [0.1, 0.3, 0.05]]
+M2PO_SPLIT = [[True, False, True], [False, True, True], [False, True, True], [True, True, True]]
+M2PO_TOGETHER = [[True, False, True], [False, True, True], [False, False, True], [True, False, True]]
+
+
+def _m2po_worker(rank: int, world: int, port: int, queue) -> None:
+    from gacbench.stabilizers.m2po import m2po_mask
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)[2 * rank: 2 * rank + 2]
+    ones = torch.ones_like(lr)
+    masks = {ties: m2po_mask(lr, ones, ones.bool(), 0.035, ties=ties).tolist() for ties in ("split", "together")}
+    queue.put((rank, masks))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes that import torch and gacbench: 30-55 s on a loaded 2-core machine
+def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order():
+    from gacbench.stabilizers.m2po import m2po_mask
+
+    lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)
+    ones = torch.ones_like(lr)
+    assert m2po_mask(lr, ones, ones.bool(), 0.035).tolist() == M2PO_SPLIT
+    assert m2po_mask(lr, ones, ones.bool(), 0.035, ties="together").tolist() == M2PO_TOGETHER
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_m2po_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for pr in procs:
+        pr.start()
+    (_, m0), (_, m1) = sorted(queue.get(timeout=120) for _ in range(2))
+    for pr in procs:
+        pr.join(timeout=60)
+    assert m0["split"] + m1["split"] == M2PO_SPLIT
+    assert m0["together"] + m1["together"] == M2PO_TOGETHER

@@ -276,7 +276,9 @@ def test_suites_of_the_headline_and_the_regime_map():
     from gacbench.stabilizers import registry
 
     headline = load_suite("llm-headline")
-    assert {"sync", "stale", "gac", "gac-calibrated"} | set(registry.available()) <= set(headline["methods"])
+    outside = {"m2po-threshold", "lr-scaled"}  # in llm-smoke and the synthetic suites only (docs/baselines.md)
+    expected = {"sync", "stale", "gac", "gac-calibrated"} | (set(registry.available()) - outside)
+    assert expected <= set(headline["methods"])
     assert {s for s in headline["staleness"] if s > 0} == {8, 16, 32} and len(headline["seeds"]) >= 5
     regime = load_suite("llm-regime")
     lrs = {t["params"]["lr"] for t in regime["tasks"].values()}

@@ -103,7 +103,7 @@ LOSS_SIDE = sorted(n for n, i in available().items() if i["kind"] == "loss")
 KEY = {"m2po": "m2po/m2", "bapo": "bapo/c_high", "tis": "is/truncated_frac", "decoupled-ppo": "is/weight_mean",
        "dual-clip": "pg/clipfrac_dual", "gspo": "gspo/seq_ratio_mean", "cispo": "cispo/ratio_high",
        "tis-engine": "is/engine_truncated_frac", "mis": "mis/masked_frac", "icepop": "icepop/masked_frac",
-       "vcpo": "vcpo/lr_scale"}
+       "vcpo": "vcpo/lr_scale", "m2po-threshold": "m2po/m2"}
 
 
 def test_every_loss_side_stabilizer_has_a_training_check():
@@ -162,7 +162,7 @@ def test_entry_point_plugin_is_listed_and_runs_in_bench(tmp_path):
                             text=True, env=env)
     assert listed.returncode == 0, listed.stderr
     names = {s["name"]: s for s in json.loads(listed.stdout)}
-    assert set(available()) <= set(names) and len(names) >= 13  # 12 built-ins + the plugin
+    assert set(available()) <= set(names) and len(names) >= 15  # 14 built-ins + the plugin
     assert {"gac", "m2po", "bapo", "tis", "decoupled-ppo", "dual-clip", "gspo", "cispo", "tis-engine", "mis", "icepop",
             "vcpo"} <= set(names)
     assert names["geo-mask"]["kind"] == "loss" and names["geo-mask"]["source"] == "myplugin:GeoMask"

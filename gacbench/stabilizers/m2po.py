@@ -3,12 +3,14 @@
 r = pi_theta / pi_behav per token (the trainer's behaviour log-probs of the generating version). Three
 variants, one option (docs/baselines.md says where each was read):
 
-- ``variant="paper"`` (default; Algorithm 1): the trust-region tokens are those PPO's clipping could act on,
-  A > 0 with r > 1 or A < 0 with r < 1. M2 = mean((log r)^2) over the trust-region tokens; while it exceeds
-  tau, the trust-region tokens with the largest (log r)^2 are masked (ties at the cut together) until the
-  remaining trust-region tokens' M2 <= tau (a batch with M2 exactly tau is not masked). Other tokens are never
-  masked. Loss: -agg(M r A) over all response tokens (a masked token counts as 0 in the denominator's token
-  count), no epsilon-clipping.
+- ``variant="paper"`` (default; Algorithm 1 of the paper, "M2PO Masking", as the authors' repository shows it):
+  the trust-region tokens are those PPO's clipping could act on, A > 0 with r > 1 or A < 0 with r < 1.
+  M2 = mean((log r)^2) over the trust-region tokens of the whole update's batch; while it exceeds tau, the
+  trust-region token with the largest (log r)^2 is masked (one argmax per iteration: of tokens tied at the cut,
+  the first in batch order) until the remaining trust-region tokens' M2 <= tau (a batch with M2 exactly tau is
+  not masked). Other tokens are never masked. Loss: -agg(M r A) over all response tokens (a masked token counts
+  as 0 and stays in the denominator's token count), no epsilon-clipping. ``m2po-threshold`` (:class:`M2POThreshold`)
+  is the same rule with the tokens tied at the cut masked together.
 - ``variant="areal"`` (AReaL's ``_apply_m2po_masking``): M2 over all response tokens, computed from the
   proximal and behaviour log-probs, (log pi_prox - log pi_behav)^2; the largest are masked in sort order
   until the remaining mean is strictly below tau (at least one token is kept); the loss is AReaL's decoupled
@@ -46,6 +48,7 @@ from gacbench.stabilizers.base import (
 from gacbench.stabilizers.importance import decoupled_ppo_loss
 
 VARIANTS = ("paper", "areal", "official")
+TIES = ("split", "together")
 
 
 def _gather(values: Tensor) -> Tensor:
@@ -63,6 +66,15 @@ def _gather(values: Tensor) -> Tensor:
     return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)])
 
 
+def _rank_offset(n: int, device) -> int:
+    """How many values the ranks before this one contribute to :func:`_gather` (0 without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return 0
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=device))
+    return int(sum(int(s.item()) for s in sizes[: dist.get_rank()]))
+
+
 def _suffix_means(desc: Tensor) -> Tensor:
     """mean(desc[k:]) for every k, shape (n,)."""
     counts = torch.arange(desc.numel(), 0, -1, device=desc.device, dtype=desc.dtype)
@@ -74,13 +86,19 @@ def trust_region_tokens(log_ratio: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
     return mask.bool() & (((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0)))
 
 
-def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, tokens: str = "trust-region") -> Tensor:
-    """Keep-mask (bool, (B, T)) of the paper's rule: among the candidate tokens (``"trust-region"``, default, or
-    ``"all"`` response tokens) drop those with the largest (log r)^2 until the candidates' remaining mean
-    (log r)^2 is at most ``tau``. Ties at the cut are dropped together (the rule is a threshold on (log r)^2);
-    non-candidate response tokens are always kept. Under DDP the values are all-gathered."""
+def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, tokens: str = "trust-region",
+              ties: str = "split") -> Tensor:
+    """Keep-mask (bool, (B, T)) of Algorithm 1: among the candidate tokens (``"trust-region"``, default, or
+    ``"all"`` response tokens) drop the one with the largest (log r)^2 while the candidates' remaining mean
+    (log r)^2 exceeds ``tau``; non-candidate response tokens are always kept. ``ties="split"`` (default, Algorithm 1's
+    one argmax per iteration): exactly as many tokens go as the loop removes, and of tokens tied at the cut the
+    first in batch order (row-major; rank order under DDP) go first, as an argmax that returns the first maximal
+    index does. ``ties="together"``: every candidate whose value reaches the last dropped one goes (a threshold on
+    (log r)^2, independent of token order). Under DDP the values are all-gathered."""
     if tokens not in ("trust-region", "all"):
         raise ValueError(f"m2po_mask: tokens={tokens!r} is not 'trust-region' or 'all'")
+    if ties not in TIES:
+        raise ValueError(f"m2po_mask: ties={ties!r} is not one of {', '.join(TIES)}")
     check_positive("m2po_mask", tau=tau)
     mask = mask.bool()
     lr = sanitize(log_ratio.detach().float(), mask)
@@ -94,9 +112,18 @@ def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, t
     ok = suffix_mean <= tau
     k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else desc.numel()  # candidates to drop
     cut = desc[k - 1]
-    # every candidate whose value reaches the last dropped one goes: removing more of the largest values can
-    # only lower the remaining mean further
-    return mask & ~(cand & (v >= cut))
+    if ties == "together":
+        # every candidate whose value reaches the last dropped one goes: removing more of the largest values can
+        # only lower the remaining mean further
+        return mask & ~(cand & (v >= cut))
+    # exactly k go: those above the cut, then the first (k - n_above) tied at the cut in (global) batch order
+    at_cut_local = cand & (v == cut)
+    tied_global = vals == cut
+    n_take = k - int((desc > cut).sum())
+    tied_before = int(tied_global[: _rank_offset(int(cand.sum()), v.device)].sum()) if tied_global.any() else 0
+    order = torch.cumsum(at_cut_local.flatten().long(), 0).reshape(v.shape) + tied_before  # 1-based rank among ties
+    drop = (cand & (v > cut)) | (at_cut_local & (order <= n_take))
+    return mask & ~drop
 
 
 def m2po_mask_areal(log_sq: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
@@ -159,6 +186,8 @@ class M2PO(LossStabilizer):
     (default, Algorithm 1), "areal" (AReaL's reading) or "official" (the authors' code); see the module
     docstring. ``weight_cap`` (areal variant only): AReaL's rejection of tokens with pi_prox/pi_behav above it."""
 
+    ties = "split"  # Algorithm 1: one argmax per iteration
+
     def __init__(self, tau: float = 0.04, variant: str = "paper", weight_cap: float | None = None) -> None:
         check_positive("M2PO (tau, the paper uses 0.04)", tau=tau)
         if variant not in VARIANTS:
@@ -186,7 +215,7 @@ class M2PO(LossStabilizer):
             keep = m2po_mask_areal(log_sq, m, self.tau)
             loss, metrics = decoupled_ppo_loss(dataclasses.replace(batch, mask=keep), self.weight_cap, "mask")
         else:
-            keep = m2po_mask(log_ratio, adv, m, self.tau)
+            keep = m2po_mask(log_ratio, adv, m, self.tau, ties=self.ties)
             ratio = torch.exp(log_ratio)
             loss = agg_loss(torch.where(keep, -adv * ratio, 0.0), m, batch.agg)
             metrics = {"pg/clipfrac": 0.0, **ratio_metrics(ratio, m)}
@@ -195,3 +224,14 @@ class M2PO(LossStabilizer):
                         "m2po/m2_kept": masked_mean(log_ratio.detach() ** 2, kept_scope),
                         "m2po/masked_frac": 1.0 - keep.sum() / m.sum().clamp_min(1)})
         return loss, metrics
+
+
+class M2POThreshold(M2PO):
+    """M2PO's Algorithm 1 with the tokens tied at the cut masked together: every trust-region token whose (log r)^2
+    reaches the last one the loop drops is masked (a threshold on (log r)^2, independent of token order). ``tau``:
+    the second-moment budget (0.04)."""
+
+    ties = "together"
+
+    def __init__(self, tau: float = 0.04) -> None:
+        super().__init__(tau=tau, variant="paper")

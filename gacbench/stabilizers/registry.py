@@ -22,13 +22,15 @@ def _builtins() -> dict[str, type]:
     from gacbench.callbacks.gac import GAC
     from gacbench.stabilizers.bapo import BAPO
     from gacbench.stabilizers.importance import TIS, DecoupledPPO
-    from gacbench.stabilizers.m2po import M2PO
+    from gacbench.stabilizers.lr_scaled import StalenessLR
+    from gacbench.stabilizers.m2po import M2PO, M2POThreshold
     from gacbench.stabilizers.ppo import CISPO, GSPO, DualClipPPO
     from gacbench.stabilizers.rollout_correction import MIS, IcePop, TISEngine
     from gacbench.stabilizers.vcpo import VCPO
 
     return {"gac": GAC, "m2po": M2PO, "bapo": BAPO, "tis": TIS, "decoupled-ppo": DecoupledPPO, "dual-clip": DualClipPPO,
-            "gspo": GSPO, "cispo": CISPO, "tis-engine": TISEngine, "mis": MIS, "icepop": IcePop, "vcpo": VCPO}
+            "gspo": GSPO, "cispo": CISPO, "tis-engine": TISEngine, "mis": MIS, "icepop": IcePop, "vcpo": VCPO,
+            "m2po-threshold": M2POThreshold, "lr-scaled": StalenessLR}
 
 
 def available() -> dict[str, dict[str, Any]]:

@@ -119,6 +119,8 @@ class VCPO(LossStabilizer):
     population std, a factor sqrt((G - 1) / G) (0.935 at G = 8); ``rollout.advantage: grpo-population`` gives
     theirs."""
 
+    scales_lr = True  # rescales each step's learning rate (lr-scaled refuses to run alongside)
+
     def __init__(self, rho_base: float = 1.0, is_cap: float = 8.0, baseline: bool = True) -> None:
         check_positive("VCPO", rho_base=rho_base, is_cap=is_cap)
         if not isinstance(baseline, bool):
