@@ -254,6 +254,8 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
             for row in out if isinstance(out, list) else [out]:
                 add(row)
             progress.doing(None)
+            if dev.type == "cuda":  # the next check starts with the device's memory free
+                torch.cuda.empty_cache()
 
         for kernel in kernels:
             guarded(f"gac {kernel}", check_gac_equivalence, kernel, dev)
