@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-operand", type=_positive_int, default=9)
     p.add_argument("--out", default=None, help="where to build (default: a new temporary directory)")
 
+    p = sub.add_parser("gpu-check", help="the checks of a GPU machine in one command, ending in one table: GAC's "
+                       "kernel paths on the device against the CPU, overhead at the 1.7B shape, tiny GRPO (sync, "
+                       "gac at s = 8), the fast tests (--device cpu: the same at small shapes)")
+    from gacbench.bench.gpu_check import add_arguments as add_gpu_check_arguments
+
+    add_gpu_check_arguments(p)
+
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its "
                        "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
@@ -218,6 +225,10 @@ def _run(argv: list[str]) -> int:
         return run(args)
     if args.command == "warm-start":
         from gacbench.llm.warmstart import main as run
+
+        return run(args)
+    if args.command == "gpu-check":
+        from gacbench.bench.gpu_check import main as run
 
         return run(args)
     if args.command == "report":

@@ -59,3 +59,46 @@ def test_bench_help_lists_every_shipped_suite(capsys):
     assert "llm-headline" in suites
     for name in suites:
         assert name in text
+
+
+def test_overhead_prints_each_path_as_it_is_measured_and_never_stays_silent():
+    """Each path's figures come as one block right after its rounds (the eager ones before the compiled path
+    starts), and while something runs without output the progress thread prints a line."""
+    import io
+    import time
+
+    from gacbench.bench.overhead import Progress
+
+    stream = io.StringIO()
+    with Progress(stream, quiet_s=0.05) as progress:
+        progress.doing("sleeping")
+        time.sleep(0.4)
+        progress.doing(None)
+        run_overhead(params=100_000, repeats=1, kernels=("eager",), progress=progress)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("  overhead: still sleeping (")
+    order = [next(i for i, line in enumerate(lines) if key in line)
+             for key in ("params=", "AdamW step", "floor (eager", "gac_over_adamw", "gac_keep_over_adamw",
+                         "eager: first round")]
+    assert order == sorted(order)
+
+
+@pytest.mark.parametrize("argv, cause", [
+    (["--params", "0"], "--params 0 must be positive"),
+    (["--params", "-3"], "--params -3 must be positive"),
+    (["--device", "nonsense"], "--device 'nonsense' is not a torch device"),
+])
+def test_overhead_bad_arguments_end_in_one_line_and_exit_2(argv, cause, capsys):
+    assert main(["overhead", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and cause in err and "Traceback" not in err
+
+
+def test_overhead_cuda_without_cuda_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["overhead", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sees no CUDA device" in err

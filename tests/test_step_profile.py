@@ -37,9 +37,52 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
     (["--size", "huge"], "--size 'huge'"),
     (["--task", "nope"], "--task 'nope'"),
     (["--model", "/nonexistent"], "no config.json"),
+    (["--peak-tflops", "0"], "--peak-tflops 0"),
+    (["--shape", "tiny-random", "--model", "/x"], "--shape or --model"),
 ])
 def test_step_profile_refuses_bad_options_in_one_line(args, words, capsys):
     assert main(["step-profile", "--engine", "hf", *args]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
 
+
+
+def test_flop_floor_by_hand():
+    """1e9 parameters, 1000 tokens at 100 TFLOP/s: forward 2e12 FLOPs = 20 ms, backward 4e12 = 40 ms."""
+    from gacbench.llm.step_profile import flop_floor
+
+    floor = flop_floor(10**9, 1000, 100.0)
+    assert floor == {"forward_s": pytest.approx(0.02), "backward_s": pytest.approx(0.04)}
+
+
+def test_the_qwen3_shape_is_qwen3_1_7b():
+    """--shape qwen3-1.7b is the architecture whose parameter list `gacbench overhead --shape qwen3-1.7b` times
+    (1.72B parameters, tied embeddings), counted from the config without building the model."""
+    from gacbench.bench.overhead import QWEN3_1_7B
+    from gacbench.llm.step_profile import SHAPES
+
+    s = SHAPES["qwen3-1.7b"]
+    assert (s["hidden"], s["layers"], s["intermediate"], s["heads"], s["kv_heads"], s["vocab"]) == (
+        QWEN3_1_7B.hidden, QWEN3_1_7B.layers, QWEN3_1_7B.intermediate, QWEN3_1_7B.heads, QWEN3_1_7B.kv_heads,
+        QWEN3_1_7B.vocab)
+    assert s["hidden"] // s["heads"] == QWEN3_1_7B.head_dim
+
+
+@pytest.mark.slow
+def test_step_profile_at_a_random_weight_shape_reports_speeds_and_the_flop_floor(tmp_path, monkeypatch):
+    """--shape tiny-random: the code path of --shape qwen3-1.7b at a CPU's size (a model built from a config,
+    random weights, the tiny tokenizer over a larger vocabulary)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("GACBENCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "profile.json"
+    assert main(["step-profile", "--engine", "hf", "--shape", "tiny-random", "--prompts", "2", "--group", "2",
+                 "--max-tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["shape"] == "tiny-random" and rec["device"] == "cpu" and rec["peak_memory_gib"] is None
+    assert rec["params"] == pytest.approx(4096 * 128 + 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 384
+                                                            + 2 * 32 + 2 * 128) + 128)
+    floor = rec["flop_floor_s"]
+    assert floor["backward_s"] == pytest.approx(2 * floor["forward_s"])
+    assert floor["forward_s"] == pytest.approx(2 * rec["params"] * rec["batch_tokens_median"] / 790e12)
+    assert rec["forward_over_floor"] == pytest.approx(rec["phases_s"]["forward"] / floor["forward_s"])
+    assert rec["step_tokens_per_s"] == pytest.approx(rec["batch_tokens_median"] / rec["stale_step_s"])

