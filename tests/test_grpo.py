@@ -370,3 +370,21 @@ def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_d
     through_batch = per_sequence_grad_sq_norms(pb.logp.sum(-1), params, rows)
     assert (through_batch[rows] > 0).all()
     assert recomputed.tolist() == pytest.approx(through_batch.tolist(), rel=1e-3)
+
+
+def test_the_policy_batch_carries_each_sequences_lag(model_dir, monkeypatch):
+    import gacbench.llm.grpo as grpo
+
+    m = module(model_dir, staleness=1)
+    make_trainer([], max_steps=1).fit(m)
+    data = m.rollout()
+    seen = []
+    monkeypatch.setattr(grpo, "policy_loss", lambda stab, pb: (seen.append(pb), (pb.logp.sum(), {}))[1])
+    B = data["packed"]["mask"].shape[0]
+    m.policy_loss(data, 3)  # the stale queue's lag, for every sequence
+    assert seen[-1].lag.tolist() == [3.0] * B
+    m.policy_loss(data)
+    assert seen[-1].lag is None
+    # an asynchronous batch's own lags win over the step's
+    lags = GRPOModule._batch_lag({"sample_lag": torch.arange(B)}, 3, B, "cpu")
+    assert lags.tolist() == [float(i) for i in range(B)]
