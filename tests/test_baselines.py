@@ -126,7 +126,8 @@ def extreme_batch(**kw):
     adv = t([[1.0, -1.0, 0.5, nan], [-1.0, 1.0, nan, nan]])
     mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
     engine = t([[-0.2, -100.0, -1.1, nan], [-0.1, -60.0, nan, nan]])
-    return PolicyBatch(logp, behav, adv, mask, logp_engine=engine, group=torch.tensor([0, 0]), **kw)
+    return PolicyBatch(logp, behav, adv, mask, logp_engine=engine, group=torch.tensor([0, 0]),
+                       lag=torch.tensor([4.0, 1.0]), **kw)
 
 
 LOSS_SIDE = sorted(n for n, i in available().items() if i["kind"] == "loss")

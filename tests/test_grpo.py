@@ -420,3 +420,21 @@ def test_policy_eval_settings_are_checked():
         M.check_settings({"policy_eval": {"prompt": 4}})
     with pytest.raises(ValueError, match="rollout.mode async"):
         M.check_settings({"policy_eval": {"prompts": 4}, "rollout": {"mode": "async"}, "staleness": 2})
+
+
+def test_the_policy_batch_carries_each_sequences_lag(model_dir, monkeypatch):
+    import gacbench.llm.grpo as grpo
+
+    m = module(model_dir, staleness=1)
+    make_trainer([], max_steps=1).fit(m)
+    data = m.rollout()
+    seen = []
+    monkeypatch.setattr(grpo, "policy_loss", lambda stab, pb: (seen.append(pb), (pb.logp.sum(), {}))[1])
+    B = data["packed"]["mask"].shape[0]
+    m.policy_loss(data, 3)  # the stale queue's lag, for every sequence
+    assert seen[-1].lag.tolist() == [3.0] * B
+    m.policy_loss(data)
+    assert seen[-1].lag is None
+    # an asynchronous batch's own lags win over the step's
+    lags = GRPOModule._batch_lag({"sample_lag": torch.arange(B)}, 3, B, "cpu")
+    assert lags.tolist() == [float(i) for i in range(B)]

@@ -13,7 +13,7 @@ from gacbench.stabilizers import registry
 from gacbench.stabilizers.registry import ENTRY_POINT_GROUP, available
 
 BUILTINS = {"gac", "m2po", "bapo", "tis", "decoupled-ppo", "dual-clip", "gspo", "cispo", "tis-engine", "mis",
-            "icepop", "vcpo", "m2po-threshold", "lr-scaled"}
+            "icepop", "vcpo", "m2po-threshold", "lr-scaled", "opsm", "geo-seq-mask", "vespo", "a3po"}
 
 
 @pytest.fixture

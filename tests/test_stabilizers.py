@@ -103,7 +103,9 @@ LOSS_SIDE = sorted(n for n, i in available().items() if i["kind"] == "loss")
 KEY = {"m2po": "m2po/m2", "bapo": "bapo/c_high", "tis": "is/truncated_frac", "decoupled-ppo": "is/weight_mean",
        "dual-clip": "pg/clipfrac_dual", "gspo": "gspo/seq_ratio_mean", "cispo": "cispo/ratio_high",
        "tis-engine": "is/engine_truncated_frac", "mis": "mis/masked_frac", "icepop": "icepop/masked_frac",
-       "vcpo": "vcpo/lr_scale", "m2po-threshold": "m2po/m2"}
+       "vcpo": "vcpo/lr_scale", "m2po-threshold": "m2po/m2", "opsm": "opsm/masked_frac",
+       "geo-seq-mask": "geo/masked_frac",
+       "vespo": "vespo/phi_mean", "a3po": "a3po/alpha_mean"}
 
 
 def test_every_loss_side_stabilizer_has_a_training_check():

@@ -89,7 +89,8 @@ class SoftmaxBandit(Objective):
         batch = PolicyBatch(logp.reshape(-1, 1), behav, self.advantages(data["rewards"]).reshape(-1, 1),
                             torch.ones(logp.numel(), 1, dtype=torch.bool), clip_low=self.hparams.clip_low,
                             clip_high=self.hparams.clip_high, logp_engine=behav,
-                            group=torch.arange(logp.shape[0]).repeat_interleave(logp.shape[1]))
+                            group=torch.arange(logp.shape[0]).repeat_interleave(logp.shape[1]),
+                            lag=torch.full((logp.numel(),), float(lag)))
         loss, metrics = policy_loss(self.loss_stabilizer, batch)
         metrics.update({"stale/lag": float(lag), "reward/mean": data["rewards"].mean()})
         self.log_scalars(metrics)

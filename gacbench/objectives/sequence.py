@@ -156,7 +156,8 @@ class SequencePolicy(Objective):
         hp = self.hparams
         pb = PolicyBatch(logp, data["logp_behav"], adv, torch.ones_like(logp, dtype=torch.bool), clip_low=hp.clip_low,
                          clip_high=hp.clip_high, logp_engine=data["logp_behav"],
-                         group=torch.arange(data["rewards"].shape[0]).repeat_interleave(hp.group))
+                         group=torch.arange(data["rewards"].shape[0]).repeat_interleave(hp.group),
+                         lag=torch.full((logp.shape[0],), float(lag)))
         loss, metrics = policy_loss(self.loss_stabilizer, pb)
         metrics.update({"stale/lag": float(lag), "reward/mean": data["rewards"].mean()})
         self.log_scalars(metrics)

@@ -58,6 +58,9 @@ class PolicyBatch:
     ``group``: (B,) integer id of the prompt group of each sequence (GRPO's groups), or None; VCPO's
     baseline needs it.
 
+    ``lag``: (B,) number of policy updates between the version that generated each sequence and the current
+    parameters (the stale-rollout queue's lag), or None; A-3PO's proximal interpolation needs it.
+
     ``row_logp``: optional callable that takes a 1-D index tensor of rows and returns those rows' (n, T)
     log-probs at the current parameters from a fresh forward pass (with gradients), equal to ``logp[rows]``
     up to rounding. With it a stabilizer takes one sequence's parameter gradient at the cost of that
@@ -78,6 +81,7 @@ class PolicyBatch:
     logp_engine: Tensor | None = None
     group: Tensor | None = None
     row_logp: Callable[[Tensor], Tensor] | None = None
+    lag: Tensor | None = None
 
     def __post_init__(self) -> None:
         optional = [k for k in ("logp_prox", "logp_engine") if getattr(self, k) is not None]
@@ -94,6 +98,9 @@ class PolicyBatch:
         if self.group is not None and tuple(self.group.shape) != shapes["logp"][:1]:
             raise ValueError(f"PolicyBatch: group must have shape (B,) = {shapes['logp'][:1]}, "
                              f"got {tuple(self.group.shape)}")
+        if self.lag is not None and tuple(self.lag.shape) != shapes["logp"][:1]:
+            raise ValueError(f"PolicyBatch: lag must have shape (B,) = {shapes['logp'][:1]}, "
+                             f"got {tuple(self.lag.shape)}")
         self.mask = self.mask.bool()
         if self.logp_prox is None:
             self.logp_prox = self.logp.detach()

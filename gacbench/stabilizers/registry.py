@@ -20,17 +20,21 @@ _BROKEN: dict[tuple[str, str], str] = {}
 
 def _builtins() -> dict[str, type]:
     from gacbench.callbacks.gac import GAC
+    from gacbench.stabilizers.a3po import A3PO
     from gacbench.stabilizers.bapo import BAPO
     from gacbench.stabilizers.importance import TIS, DecoupledPPO
     from gacbench.stabilizers.lr_scaled import StalenessLR
     from gacbench.stabilizers.m2po import M2PO, M2POThreshold
     from gacbench.stabilizers.ppo import CISPO, GSPO, DualClipPPO
     from gacbench.stabilizers.rollout_correction import MIS, IcePop, TISEngine
+    from gacbench.stabilizers.seqmask import OPSM, GeoSeqMask
     from gacbench.stabilizers.vcpo import VCPO
+    from gacbench.stabilizers.vespo import VESPO
 
     return {"gac": GAC, "m2po": M2PO, "bapo": BAPO, "tis": TIS, "decoupled-ppo": DecoupledPPO, "dual-clip": DualClipPPO,
             "gspo": GSPO, "cispo": CISPO, "tis-engine": TISEngine, "mis": MIS, "icepop": IcePop, "vcpo": VCPO,
-            "m2po-threshold": M2POThreshold, "lr-scaled": StalenessLR}
+            "m2po-threshold": M2POThreshold, "lr-scaled": StalenessLR,
+            "opsm": OPSM, "geo-seq-mask": GeoSeqMask, "vespo": VESPO, "a3po": A3PO}
 
 
 def available() -> dict[str, dict[str, Any]]:
