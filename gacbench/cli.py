@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its "
                        "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
+    p.add_argument("--suite", default=None, help="the suite whose multiplicity families (its families: key) adjust "
+                   "the p-values; default: the default families (docs/bench.md)")
 
     p = sub.add_parser("methods", help="list the registered methods")
 

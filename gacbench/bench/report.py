@@ -97,6 +97,8 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     CI_LEVEL,
     REFERENCE_METHODS,
     ablation_key,
+    aligned_shares,
+    apply_families,
     headline_shares,
     holm_adjust,
     mean_bootstrap_ci,
@@ -113,9 +115,11 @@ from gacbench.provenance import environment_key
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
 
 
-def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str, Any]:
+def build_report(root: str | Path, cells: list[dict] | None = None,
+                 families: dict[str, dict] | None = None) -> dict[str, Any]:
     """Write summary.json, summary.md and the figures of ``root``. They cover every cell stored there:
-    ``cells`` (the cells of the grid just run, if given) and every other cell found on disk."""
+    ``cells`` (the cells of the grid just run, if given) and every other cell found on disk. ``families``: the
+    suite's multiplicity families (:func:`~gacbench.bench.stats.apply_families`; the defaults where None)."""
     root = Path(root)
     specs = list(cells or [])
     known = {cell_dir(root, c) for c in specs}
@@ -136,8 +140,13 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     regime = regime_points(cells_g, specs_g)
     timing = read_timing(root)
     mixed = mixed_version_groups(cells_g)
-    summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares,
+    aligned = aligned_shares(groups, cells_g)
+    summary = {"cells": [{k: v for k, v in r.items() if k != "_by_version"} for r in records], "groups": groups,
+               "recovered": shares, "recovered_reward": reward_shares,
+               **({"recovered_by_version": aligned} if aligned else {}),
                "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {})}
+    tests = [("vs_stale", "final", shares), ("vs_stale", "reward_last", reward_shares),
+             ("vs_stale", "by_version", aligned)]
     # the on-policy controls and their staleness costs, per measure: (summary key suffix, cell key, md title)
     measures = [("", "final", "final metric")] + ([("_reward", "reward_last", "training reward (last 20% of steps)")]
                                                   if any("reward_last_mean" in g for g in groups) else [])
@@ -145,8 +154,10 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     if on_policy_controls(groups, cells_g):
         for suffix, key, title in measures:
             on_policy[title] = summary[f"on_policy{suffix}"] = on_policy_controls(groups, cells_g, key)
+            tests.append(("vs_sync", key, on_policy[title]))
         for suffix, key, title in measures:
             costs[title] = summary[f"staleness_cost{suffix}"] = staleness_costs(groups, cells_g, key)
+            tests.append(("cost", key, costs[title]))
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
@@ -154,6 +165,17 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
         summary["ablation_recovered_reward"] = recovered_shares(groups, "reward_last", cells=cells_g, ablation=True)
         ablation_rows = summary["ablation_recovered_reward" if ablation_key(abl) == "reward_last"
                                 else "ablation_recovered"]
+        tests += [("ablation", "final", summary["ablation_recovered"]),
+                  ("ablation", "reward_last", summary["ablation_recovered_reward"])]
+    summary["families"] = apply_families(tests, families)
+    by_version = {(r["task"], r["method"], r["staleness"]): r for r in aligned}
+    for r in reward_shares:  # the version-aligned reading beside the training reward's
+        a = by_version.get((r["task"], r["method"], r["staleness"]))
+        if a is not None:
+            r["final_by_version"] = {k: a[k] for k in (
+                "source", "versions", "lag_removed", "sync", "stale", "value", "gap", "share", "no_gap",
+                "share_ci_low", "share_ci_high", "share_ci_kind", "vs_stale_diff", "vs_stale_p", "vs_stale_p_adj",
+                "min_detectable_share", "n")}
     if regime:
         summary["regime"] = regime
         law = law_points(regime)
@@ -170,9 +192,9 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed, on_policy, costs,
-                                                  sizes, trend))
+                                                  sizes, trend, aligned, summary["families"]))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
-    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares),
+    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares, aligned),
                     sizes, trend) if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
@@ -190,7 +212,12 @@ def main(args) -> int:
     if not (root / "cells").is_dir():
         raise UsageError(f"{root} holds no benchmark cells (expected the folder {root / 'cells'}); "
                          f"run gacbench bench --out {root} first")
-    rep = build_report(root)
+    families = None
+    if getattr(args, "suite", None):
+        from gacbench.bench.validate import load_suite
+
+        families = load_suite(args.suite).get("families")
+    rep = build_report(root, families=families)
     for line in rep["incomplete"]:
         print(f"gacbench report: incomplete cell: {line}", file=sys.stderr)
     print(f"wrote {root / 'summary.json'}, {root / 'summary.md'} and {len(rep['figures'])} figures "
