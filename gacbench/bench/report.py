@@ -21,16 +21,19 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   count), the seeds the share's interval pairs, so that the point estimate and its interval describe one sample;
 - confidence intervals (appended section of summary.md; ``share_ci_low``/``share_ci_high``, ``n`` and the
   ``vs_stale_*`` keys of each ``recovered``/``recovered_reward`` entry): over the seeds that sync, stale and
-  the method share (``n``, distinct seeds), a paired percentile bootstrap of the share (``BOOT_RESAMPLES``
-  resamples of the seeds with replacement, the same resampled seeds for the three groups, numpy generator
-  seeded with ``BOOT_SEED``, the 2.5% and 97.5% empirical quantiles of the resampled shares; a resample whose
-  gap is 0 has share +-inf by the sign of its numerator, or is dropped when that is 0 too), and the paired
-  difference method - stale, signed so that > 0 is better, with its t-interval and the two-sided paired
-  t-test's p-value (scipy.stats.ttest_rel); intervals are null with fewer than two seeds; the share and its
-  interval are null when sync or stale has no cells (``missing`` names them), the comparison when stale has
-  none;
-- ``vs_stale_p_adj``: that p-value adjusted by Holm's step-down method over the tests of its table (one family
-  each: ``recovered``, ``recovered_reward`` and each ablation table; :func:`~gacbench.bench.stats.holm_adjust`);
+  the method share (``n``, distinct seeds), Fieller's interval of the share (``share_ci_kind``: bounded,
+  exclusive or unbounded; :func:`~gacbench.bench.stats.fieller_interval`), and the paired difference method -
+  stale, signed so that > 0 is better, with its t-interval, the two-sided paired t-test's p-value
+  (scipy.stats.ttest_rel) and the exact sign-flip p (``vs_stale_p_signflip``); ``min_detectable_share``: the
+  smallest share these seeds detect at 80% power (:func:`~gacbench.bench.stats.min_detectable_share`);
+  intervals are null with fewer than two seeds; the share and its interval are null when sync or stale has no
+  cells (``missing`` names them), the comparison when stale has none;
+- ``recovered_by_version`` (rollout objectives): the same on the reward indexed by the policy version that
+  earned it, each comparison over the same window of versions (:func:`~gacbench.bench.stats.aligned_shares`),
+  also carried by each ``recovered_reward`` entry as ``final_by_version``;
+- ``vs_stale_p_adj`` (and ``vs_sync_p_adj``, ``cost_p_adj``): that p-value adjusted by Holm's step-down method
+  within its family, declared by the suite's ``families`` or the defaults
+  (:func:`~gacbench.bench.stats.apply_families`; listed in ``families``): one adjusted p per comparison;
   summary.md's ``*`` and fig_shares.png's filled markers read it;
 - a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
   ``DEGRADE_WINDOW`` steps, ends below its own running maximum, and ``reward_noise``, the standard deviation
