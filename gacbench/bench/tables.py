@@ -274,7 +274,8 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
             measure = tr[0]["source_name"] + " (the last common versions of each comparison)"
         better = [r for r in tr if significant(r) and r["vs_stale_diff"] > 0]
         worse = [r for r in tr if significant(r) and r["vs_stale_diff"] < 0]
-        rest = [r for r in tr if not significant(r)]
+        rest = [r for r in tr if not significant(r) and not r["no_gap"]]
+        no_gap = [r for r in tr if not significant(r) and r["no_gap"]]
         parts = [f"**{task}**, on the {measure}: "]
         if better:
             parts.append("beat stale: " + "; ".join(
@@ -286,7 +287,11 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
         if rest:
             parts.append("not distinguishable from stale: " + "; ".join(
                 f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, min. detectable share "
-                f"{fmt(r.get('min_detectable_share'), 2)})" for r in rest) + ".")
+                f"{fmt(r.get('min_detectable_share'), 2)})" for r in rest) + ". ")
+        if no_gap:
+            at = sorted({r["staleness"] for r in no_gap})
+            parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}: no gap to recover there ("
+                         + ", ".join(dict.fromkeys(r["method"] for r in no_gap)) + ").")
         out.append("".join(parts).rstrip())
     return ["## Findings", "",
             "Each method against stale at the same s, paired over seeds (t-test, Holm-adjusted within its family; "
