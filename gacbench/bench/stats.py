@@ -1,5 +1,7 @@
-"""Statistics over seeds: bootstrap intervals, the paired comparison to stale, and the recovered share of the
-stale-sync gap (definitions: :mod:`gacbench.bench.report`)."""
+"""Statistics over seeds: t and Fieller intervals (and the percentile bootstrap of Table 1's means), the paired
+comparison to stale with its exact sign-flip p, the recovered share of the stale-sync gap and its minimum
+detectable share, the multiplicity families, and the reward by policy version (definitions:
+:mod:`gacbench.bench.report`)."""
 
 from __future__ import annotations
 
@@ -236,7 +238,8 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
     """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
     training reward over the last 20% of steps, for rollout objectives). With ``cells`` (the cell records)
     each row also gets its confidence intervals (module docstring) and ``vs_stale_p_adj``, its p-value against
-    stale adjusted by Holm's method over the rows returned (one family; :func:`holm_adjust`); a method whose sync
+    stale adjusted by Holm's method over the rows returned (one family; :func:`holm_adjust`; build_report re-adjusts
+    it within the suite's families: :func:`apply_families`); a method whose sync
     or stale group has no cells gets a row with ``missing`` naming them and null share. ``ablation=True``: the
     rows of the threshold ablation's groups instead, against the same sync and stale groups."""
     mean, std = f"{key}_mean", f"{key}_std"
@@ -333,8 +336,8 @@ def staleness_costs(groups: list[dict], cells: list[dict], key: str = "final") -
 
 
 def significant(row: dict, alpha: float = 0.05) -> bool:
-    """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment over
-    its table (``vs_stale_p_adj``)."""
+    """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment within
+    its family (``vs_stale_p_adj``: :func:`apply_families`, or over the rows of one :func:`recovered_shares` call)."""
     return row.get("vs_stale_p_adj") is not None and row["vs_stale_p_adj"] < alpha
 
 
