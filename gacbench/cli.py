@@ -153,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="rebuild summary.json, summary.md and the figures of a bench directory from its "
                        "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
+    p.add_argument("--suite", default=None, help="the suite whose multiplicity families (its families: key) adjust "
+                   "the p-values; default: the default families (docs/bench.md)")
+
+    p = sub.add_parser("power", help="how many seeds a target recovered share needs to be detectable, from a pilot "
+                       "grid's paired seed noise and gap")
+    p.add_argument("--runs", required=True, help="the pilot grid's directory (its summary.json)")
+    p.add_argument("--target-share", type=float, required=True, help="the smallest share to detect, e.g. 0.5")
+    p.add_argument("--power", type=float, default=0.8, help="the probability of detecting it (default 0.8)")
+    p.add_argument("--alpha", type=float, default=0.05,
+                   help="two-sided level of the paired t-test (default 0.05; divide by the family's size for a "
+                   "conservative Holm sizing)")
+    p.add_argument("--json", action="store_true", help="print JSON rows for machines")
 
     p = sub.add_parser("methods", help="list the registered methods")
 
@@ -233,6 +245,10 @@ def _run(argv: list[str]) -> int:
         return run(args)
     if args.command == "report":
         from gacbench.bench.runner import report_command as run
+
+        return run(args)
+    if args.command == "power":
+        from gacbench.bench.power import main as run
 
         return run(args)
     if args.command == "methods":

@@ -114,7 +114,11 @@ def test_unequal_seeds_take_the_share_on_the_seeds_its_interval_pairs():
     # without the cells there is nothing to pair: the group means, as the groups table gives them
     (bare,) = recovered_shares(groups)
     assert bare["share"] == pytest.approx((0.24 - 0.73) / (0.24 - 1.0)) and "paired_seeds" not in bare
-    assert bare["share"] > row["share_ci_high"]
+    # the gap is 0.6 on each of seeds 0-2, so Fieller's interval is the t-interval of the per-seed shares 0.5,
+    # 0.55, 0.6: 0.55 +- t_{0.975,2} 0.05 / sqrt(3)
+    half = stats.t.ppf(0.975, 2) * 0.05 / math.sqrt(3)
+    assert (row["share_ci_low"], row["share_ci_high"]) == pytest.approx((0.55 - half, 0.55 + half))
+    assert row["share_ci_kind"] == "bounded"
     # equal seed sets: the group means, and no mark
     same = [c for c in cells if c["seed"] < 3]
     (eq,) = recovered_shares(group_records(same), cells=same)
@@ -135,9 +139,10 @@ def test_share_table_across_s_by_hand():
     assert table[0] == "| method | s=8 | s=16 |"
     rows = {line.split(" | ")[0][2:]: line for line in table[2:]}
     assert set(rows) == {"gac", "m2po"}
-    # gac at s = 8: shares 0.50, 0.55, 0.60, mean 0.55 and bootstrap interval inside [0.50, 0.60]; every paired
-    # difference to stale > 0 (p < 0.05): *; no s = 16 cells: an empty entry
-    assert rows["gac"].startswith("| gac | 0.55 [0.5") and rows["gac"].endswith("0.6] * |  |")
+    # gac at s = 8: shares 0.50, 0.55, 0.60 over a gap of 0.6 on every seed, so Fieller's interval is the
+    # t-interval 0.55 +- t_{0.975,2} 0.05 / sqrt(3) = [0.43, 0.67]; every paired difference to stale > 0 (p < 0.05):
+    # *; no s = 16 cells: an empty entry
+    assert rows["gac"] == "| gac | 0.55 [0.43, 0.67] * |  |"
     # m2po: 0.0 on average against stale, not significant: no star, and an entry at both s
     assert rows["m2po"].startswith("| m2po | 0.00 [") and rows["m2po"].count("[") == 2 and "*" not in rows["m2po"]
 

@@ -55,9 +55,12 @@ def test_the_table_marks_only_the_entries_significant_after_adjustment():
     assert marked == {"a"}
     # the detail table shows the adjusted p beside the raw one
     detail = md[md.index("| task | s | method | share | share 95% CI"):].splitlines()
-    assert detail[0].endswith("| p | p adj. | seeds |")
+    assert detail[0].endswith("| p | p adj. | sign-flip p | min. det. | seeds |")
     line_b = next(x for x in detail if x.startswith("| t | 8 | b |"))
-    assert line_b.endswith(f"| {raw['b']:.2g} | {adj_b:.2g} | 3 |")
+    # b's differences 0.6, 1.0, 1.4 are all > 0: the sign-flip p is 2 / 2^3; the min. detectable share is
+    # (t_{0.975,2} + t_{0.8,2}) sd / sqrt(3) / |gap| with sd 0.4 and gap 0.05 - 1.0
+    mds = (stats.t.ppf(0.975, 2) + stats.t.ppf(0.8, 2)) * 0.4 / math.sqrt(3) / 0.95
+    assert line_b.endswith(f"| {raw['b']:.2g} | {adj_b:.2g} | 0.25 | {mds:.2g} | 3 |")
 
 
 def test_each_table_is_its_own_family():

@@ -300,7 +300,7 @@ def method_figures(cv: Canvas) -> None:
 
 def shares_figure(cv: Canvas, rows: list[dict]) -> None:
     """The paper's Figure 4 with intervals: a forest plot of the recovered share of every method at every s with
-    its 95% paired bootstrap interval, on the measure the summary reads (``rows``: :func:`headline_shares`), one
+    its 95% Fieller interval, on the measure the summary reads (``rows``: :func:`headline_shares`), one
     panel per task, sorted by share; a filled marker where the Holm-adjusted test against stale rejects at 0.05,
     an open one elsewhere; lines at 0 (stale) and 1 (sync) (``fig_shares.png``). A share whose stale - sync gap
     is within seed noise (``gap_within_noise``) is a ratio of noise and is left out; the axis label counts the
@@ -340,7 +340,8 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
         ax.set_yticks(range(len(tr)), [f"{r['method']}, s={r['staleness']}" for r in tr], fontsize=7)
         ax.set_ylim(-0.7, len(tr) - 0.3)
         ax.set_xlim(left - 2 * pad, right + 2 * pad)
-        measure = "training reward (last 20%)" if tr[0]["measure"] == "reward_last" else "final metric"
+        measure = {"reward_last": "training reward (last 20%)", "by_version": "reward by policy version"}.get(
+            tr[0]["measure"], "final metric")
         ax.set_title(f"{task}: recovered share of the stale–sync gap, {measure}", fontsize=9, pad=12)
         ax.text(0.0, 1.0, " stale", transform=ax.get_xaxis_transform(), color="tab:red", fontsize=7, va="bottom")
         ax.text(1.0, 1.0, " sync", transform=ax.get_xaxis_transform(), color="black", fontsize=7, va="bottom")

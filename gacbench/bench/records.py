@@ -101,10 +101,31 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     if reward:  # rollout objectives: the training reward is a second, less noisy, measure than a final eval
         k = max(1, len(reward) // 5)
         rec.update({"reward_first": float(np.mean(reward[:k])), "reward_last": float(np.mean(reward[-k:]))})
+        rec["_by_version"] = by_version(series)
         drop, noise = running_max_drop(reward), window_noise(reward)
         rec.update({"reward_drop": drop, "reward_noise": noise,
                     "degraded": None if math.isnan(drop) else bool(drop > degrade_threshold(noise))})
     return rec
+
+
+#: The policy's own reward on held-out prompts, logged by a rollout objective that evaluates theta_t itself
+POLICY_REWARD = "eval/policy_reward"
+
+
+def by_version(series: dict[str, list[tuple[int, float]]]) -> dict[str, dict[int, float]]:
+    """A rollout cell's rewards indexed by the policy version that earned them: ``reward/mean`` at step t was
+    sampled from theta_{t - lag}, lag the ``stale/lag`` logged at t (0 where none is logged: a synchronous run), so
+    it is filed under version t - lag (the mean where several steps share a version, as the first s steps of a
+    stale run all sample theta_0); and, where the cell logs it, ``eval/policy_reward`` at step t under version t
+    (theta_t's own reward). {name: {version: value}}."""
+    lag = {step: v for step, v in series.get("stale/lag", [])}
+    acc: dict[int, list[float]] = defaultdict(list)
+    for step, value in series.get("reward/mean", []):
+        acc[step - int(round(lag.get(step, 0.0)))].append(value)
+    out = {"reward/mean": {v: float(np.mean(xs)) for v, xs in sorted(acc.items())}}
+    if series.get(POLICY_REWARD):
+        out[POLICY_REWARD] = {step: value for step, value in series[POLICY_REWARD]}
+    return out
 
 
 def _stored_calibration(root: Path, cell: dict) -> dict | None:

@@ -263,5 +263,7 @@ def toward_row(summary: dict, task: str, staleness: int, label: str, source: str
     for m in TOWARD_METHODS:
         r = entries.get(m)
         row[m] = None if r is None else {k: r.get(k) for k in
-                                          ("share", "share_ci_low", "share_ci_high", "vs_stale_p_adj", "n", "no_gap")}
+                                          ("share", "share_ci_low", "share_ci_high", "share_ci_kind",
+                                           "share_ci_excluded", "vs_stale_p_adj", "min_detectable_share", "n",
+                                           "no_gap")}
     return row

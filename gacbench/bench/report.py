@@ -21,16 +21,19 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   count), the seeds the share's interval pairs, so that the point estimate and its interval describe one sample;
 - confidence intervals (appended section of summary.md; ``share_ci_low``/``share_ci_high``, ``n`` and the
   ``vs_stale_*`` keys of each ``recovered``/``recovered_reward`` entry): over the seeds that sync, stale and
-  the method share (``n``, distinct seeds), a paired percentile bootstrap of the share (``BOOT_RESAMPLES``
-  resamples of the seeds with replacement, the same resampled seeds for the three groups, numpy generator
-  seeded with ``BOOT_SEED``, the 2.5% and 97.5% empirical quantiles of the resampled shares; a resample whose
-  gap is 0 has share +-inf by the sign of its numerator, or is dropped when that is 0 too), and the paired
-  difference method - stale, signed so that > 0 is better, with its t-interval and the two-sided paired
-  t-test's p-value (scipy.stats.ttest_rel); intervals are null with fewer than two seeds; the share and its
-  interval are null when sync or stale has no cells (``missing`` names them), the comparison when stale has
-  none;
-- ``vs_stale_p_adj``: that p-value adjusted by Holm's step-down method over the tests of its table (one family
-  each: ``recovered``, ``recovered_reward`` and each ablation table; :func:`~gacbench.bench.stats.holm_adjust`);
+  the method share (``n``, distinct seeds), Fieller's interval of the share (``share_ci_kind``: bounded,
+  exclusive or unbounded; :func:`~gacbench.bench.stats.fieller_interval`), and the paired difference method -
+  stale, signed so that > 0 is better, with its t-interval, the two-sided paired t-test's p-value
+  (scipy.stats.ttest_rel) and the exact sign-flip p (``vs_stale_p_signflip``); ``min_detectable_share``: the
+  smallest share these seeds detect at 80% power (:func:`~gacbench.bench.stats.min_detectable_share`);
+  intervals are null with fewer than two seeds; the share and its interval are null when sync or stale has no
+  cells (``missing`` names them), the comparison when stale has none;
+- ``recovered_by_version`` (rollout objectives): the same on the reward indexed by the policy version that
+  earned it, each comparison over the same window of versions (:func:`~gacbench.bench.stats.aligned_shares`),
+  also carried by each ``recovered_reward`` entry as ``final_by_version``;
+- ``vs_stale_p_adj`` (and ``vs_sync_p_adj``, ``cost_p_adj``): that p-value adjusted by Holm's step-down method
+  within its family, declared by the suite's ``families`` or the defaults
+  (:func:`~gacbench.bench.stats.apply_families`; listed in ``families``): one adjusted p per comparison;
   summary.md's ``*`` and fig_shares.png's filled markers read it;
 - a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
   ``DEGRADE_WINDOW`` steps, ends below its own running maximum, and ``reward_noise``, the standard deviation
@@ -97,6 +100,8 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     CI_LEVEL,
     REFERENCE_METHODS,
     ablation_key,
+    aligned_shares,
+    apply_families,
     headline_shares,
     holm_adjust,
     mean_bootstrap_ci,
@@ -113,9 +118,11 @@ from gacbench.provenance import environment_key
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
 
 
-def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str, Any]:
+def build_report(root: str | Path, cells: list[dict] | None = None,
+                 families: dict[str, dict] | None = None) -> dict[str, Any]:
     """Write summary.json, summary.md and the figures of ``root``. They cover every cell stored there:
-    ``cells`` (the cells of the grid just run, if given) and every other cell found on disk."""
+    ``cells`` (the cells of the grid just run, if given) and every other cell found on disk. ``families``: the
+    suite's multiplicity families (:func:`~gacbench.bench.stats.apply_families`; the defaults where None)."""
     root = Path(root)
     specs = list(cells or [])
     known = {cell_dir(root, c) for c in specs}
@@ -136,8 +143,13 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     regime = regime_points(cells_g, specs_g)
     timing = read_timing(root)
     mixed = mixed_version_groups(cells_g)
-    summary = {"cells": records, "groups": groups, "recovered": shares, "recovered_reward": reward_shares,
+    aligned = aligned_shares(groups, cells_g)
+    summary = {"cells": [{k: v for k, v in r.items() if k != "_by_version"} for r in records], "groups": groups,
+               "recovered": shares, "recovered_reward": reward_shares,
+               **({"recovered_by_version": aligned} if aligned else {}),
                "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {})}
+    tests = [("vs_stale", "final", shares), ("vs_stale", "reward_last", reward_shares),
+             ("vs_stale", "by_version", aligned)]
     # the on-policy controls and their staleness costs, per measure: (summary key suffix, cell key, md title)
     measures = [("", "final", "final metric")] + ([("_reward", "reward_last", "training reward (last 20% of steps)")]
                                                   if any("reward_last_mean" in g for g in groups) else [])
@@ -145,8 +157,10 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     if on_policy_controls(groups, cells_g):
         for suffix, key, title in measures:
             on_policy[title] = summary[f"on_policy{suffix}"] = on_policy_controls(groups, cells_g, key)
+            tests.append(("vs_sync", key, on_policy[title]))
         for suffix, key, title in measures:
             costs[title] = summary[f"staleness_cost{suffix}"] = staleness_costs(groups, cells_g, key)
+            tests.append(("cost", key, costs[title]))
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
@@ -154,6 +168,17 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
         summary["ablation_recovered_reward"] = recovered_shares(groups, "reward_last", cells=cells_g, ablation=True)
         ablation_rows = summary["ablation_recovered_reward" if ablation_key(abl) == "reward_last"
                                 else "ablation_recovered"]
+        tests += [("ablation", "final", summary["ablation_recovered"]),
+                  ("ablation", "reward_last", summary["ablation_recovered_reward"])]
+    summary["families"] = apply_families(tests, families)
+    by_version = {(r["task"], r["method"], r["staleness"]): r for r in aligned}
+    for r in reward_shares:  # the version-aligned reading beside the training reward's
+        a = by_version.get((r["task"], r["method"], r["staleness"]))
+        if a is not None:
+            r["final_by_version"] = {k: a[k] for k in (
+                "source", "versions", "lag_removed", "sync", "stale", "value", "gap", "share", "no_gap",
+                "share_ci_low", "share_ci_high", "share_ci_kind", "vs_stale_diff", "vs_stale_p", "vs_stale_p_adj",
+                "min_detectable_share", "n", "share_ci_excluded") if k in a}
     if regime:
         summary["regime"] = regime
         law = law_points(regime)
@@ -170,9 +195,9 @@ def build_report(root: str | Path, cells: list[dict] | None = None) -> dict[str,
     write_json(root / "summary.json", _json_safe(summary))
     (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed, on_policy, costs,
-                                                  sizes, trend))
+                                                  sizes, trend, aligned, summary["families"]))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
-    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares),
+    figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares, aligned),
                     sizes, trend) if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
@@ -190,7 +215,12 @@ def main(args) -> int:
     if not (root / "cells").is_dir():
         raise UsageError(f"{root} holds no benchmark cells (expected the folder {root / 'cells'}); "
                          f"run gacbench bench --out {root} first")
-    rep = build_report(root)
+    families = None
+    if getattr(args, "suite", None):
+        from gacbench.bench.validate import load_suite
+
+        families = load_suite(args.suite).get("families")
+    rep = build_report(root, families=families)
     for line in rep["incomplete"]:
         print(f"gacbench report: incomplete cell: {line}", file=sys.stderr)
     print(f"wrote {root / 'summary.json'}, {root / 'summary.md'} and {len(rep['figures'])} figures "

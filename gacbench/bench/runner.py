@@ -390,14 +390,14 @@ def main(args) -> int:
         done = sum(is_done(out, c) for c in cells)
         print(f"gacbench bench: stopped by {signal.Signals(stop.signum).name}: {done} of {len(cells)} cells done and "
               f"stored, the cells in flight will be recomputed; resume with: {resume_command(args)}", flush=True)
-        _write_summary(out, cells)
+        _write_summary(out, cells, suite.get("families"))
         return 128 + stop.signum
     except Exception as exc:
         _raise_if_disk_full(exc)
         raise
     finally:
         restore()
-    report = _write_summary(out, cells)
+    report = _write_summary(out, cells, suite.get("families"))
     for line in report["incomplete"]:
         console.print(f"[yellow]incomplete cell[/]: {line}", highlight=False)
     console.print(
@@ -422,14 +422,14 @@ def _raise_if_disk_full(exc: BaseException) -> None:
         raise UsageError(disk_full_message(full, DISK_FULL_FIX)) from None
 
 
-def _write_summary(out: Path, cells: list[dict] | None) -> dict[str, Any]:
-    """:func:`gacbench.bench.report.build_report` of ``out``, one process at a time per directory; a full disk is
-    a UsageError."""
+def _write_summary(out: Path, cells: list[dict] | None, families: dict | None = None) -> dict[str, Any]:
+    """:func:`gacbench.bench.report.build_report` of ``out`` with the suite's multiplicity ``families``, one process
+    at a time per directory; a full disk is a UsageError."""
     from gacbench.bench.report import build_report
 
     try:
         with summary_lock(out):
-            return build_report(out, cells=cells)  # every cell stored in --out, not only this grid's
+            return build_report(out, cells=cells, families=families)  # every cell in --out, not only this grid's
     except OSError as exc:
         _raise_if_disk_full(exc)
         raise

@@ -1,5 +1,7 @@
-"""Statistics over seeds: bootstrap intervals, the paired comparison to stale, and the recovered share of the
-stale-sync gap (definitions: :mod:`gacbench.bench.report`)."""
+"""Statistics over seeds: t and Fieller intervals (and the percentile bootstrap of Table 1's means), the paired
+comparison to stale with its exact sign-flip p, the recovered share of the stale-sync gap and its minimum
+detectable share, the multiplicity families, and the reward by policy version (definitions:
+:mod:`gacbench.bench.report`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from gacbench.bench.groups import per_seed
 
 REFERENCE_METHODS = ("sync", "stale")
 BOOT_RESAMPLES, BOOT_SEED, CI_LEVEL = 9999, 0, 0.95
+#: The power and two-sided level at which :func:`min_detectable_share` and :func:`seeds_needed` size an effect
+POWER, ALPHA = 0.8, 0.05
 #: The percentile of the resampled statistics: the smallest value whose empirical CDF reaches the level (no
 #: interpolation, so that an unbounded resample gives an unbounded end rather than inf - inf)
 QUANTILE_METHOD = "inverted_cdf"
@@ -72,7 +76,94 @@ def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = float(stats.ttest_rel(a, b).pvalue) if d.std() > 0 else math.nan
-    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p}
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p, "p_signflip": sign_flip_p(d)}
+
+
+def sign_flip_p(d: np.ndarray) -> float:
+    """The exact two-sided sign-flip (paired permutation) p-value of mean(d) = 0: the share of the 2^n sign
+    assignments of the paired differences whose |mean| reaches the observed one (scipy.stats.permutation_test,
+    permutation_type='samples', every assignment enumerated). It needs no normality, and it cannot go below
+    2 / 2^n (0.25 at n = 3, 0.0625 at n = 5). NaN below two pairs or when every difference is 0."""
+    from scipy import stats
+
+    d = np.asarray(d, dtype=np.float64)
+    if len(d) < 2 or not np.any(d != 0):
+        return math.nan
+    res = stats.permutation_test((d, np.zeros_like(d)), lambda x, y, axis=-1: np.mean(x - y, axis=axis),
+                                 permutation_type="samples", vectorized=True, n_resamples=math.inf,
+                                 alternative="two-sided")
+    return float(min(1.0, res.pvalue))
+
+
+def fieller_interval(num: np.ndarray, den: np.ndarray, level: float = CI_LEVEL) -> tuple[float, float, str]:
+    """Fieller's interval of the ratio mean(num) / mean(den) over paired seeds (row i of both is one seed): the
+    ratios r for which the paired t-test of num - r den does not reject at 1 - ``level``, i.e. the r with
+    (a - r b)^2 <= t^2 (v_aa - 2 r v_ab + r^2 v_bb), a and b the means, v the (co)variances of the means (ddof=1,
+    over n) and t = t_{(1+level)/2, n-1}. With normal per-seed noise it covers at exactly ``level`` for any n >= 2.
+    Returns (low, high, kind): ``bounded`` ([low, high]); ``exclusive`` (the denominator is not distinguishable
+    from 0 but the data rule out a band: every r <= low or >= high); ``unbounded`` (every r; low, high = -inf,
+    inf). NaNs and ``none`` below two seeds."""
+    from scipy import stats
+
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    n = len(num)
+    if n < 2:
+        return math.nan, math.nan, "none"
+    t2 = float(stats.t.ppf(0.5 + level / 2.0, n - 1)) ** 2
+    a, b = float(num.mean()), float(den.mean())
+    cov = np.cov(np.vstack([num, den]), ddof=1) / n
+    v_aa, v_ab, v_bb = float(cov[0, 0]), float(cov[0, 1]), float(cov[1, 1])
+    qa, qb, qc = b * b - t2 * v_bb, a * b - t2 * v_ab, a * a - t2 * v_aa  # qa r^2 - 2 qb r + qc <= 0
+    disc = qb * qb - qa * qc
+    scale = max(b * b, t2 * v_bb, 1e-300)
+    if qa > 1e-12 * scale:
+        root = math.sqrt(max(disc, 0.0))
+        return (qb - root) / qa, (qb + root) / qa, "bounded"
+    if qa < -1e-12 * scale and disc > 0:
+        r1, r2 = sorted(((qb + math.sqrt(disc)) / qa, (qb - math.sqrt(disc)) / qa))
+        return r1, r2, "exclusive"
+    return -math.inf, math.inf, "unbounded"
+
+
+def in_fieller(r: float, low: float, high: float, kind: str) -> bool:
+    """Whether the ratio ``r`` lies in a :func:`fieller_interval` result."""
+    if kind == "bounded":
+        return low <= r <= high
+    if kind == "exclusive":
+        return r <= low or r >= high
+    return kind == "unbounded"
+
+
+def detectable_multiplier(n: int, power: float = POWER, alpha: float = ALPHA) -> float:
+    """(t_{1-alpha/2, n-1} + t_{power, n-1}) / sqrt(n): the smallest mean paired difference, in units of the
+    differences' standard deviation, that a two-sided paired t-test at ``alpha`` on n seeds detects with
+    probability about ``power`` (the usual normal-approximation sizing, with t quantiles). NaN below two seeds."""
+    from scipy import stats
+
+    if n < 2:
+        return math.nan
+    return float((stats.t.ppf(1.0 - alpha / 2.0, n - 1) + stats.t.ppf(power, n - 1)) / math.sqrt(n))
+
+
+def min_detectable_share(sd_diff: float, gap: float, n: int, power: float = POWER, alpha: float = ALPHA) -> float:
+    """The smallest recovered share a paired test against stale on n seeds detects at ``power``:
+    :func:`detectable_multiplier` (n) * sd_diff / |gap|, sd_diff the sample (ddof=1) standard deviation of the
+    per-seed differences method - stale and gap the stale - sync gap. NaN below two seeds or without a gap."""
+    if n < 2 or not math.isfinite(sd_diff) or not math.isfinite(gap) or gap == 0:
+        return math.nan
+    return detectable_multiplier(n, power, alpha) * sd_diff / abs(gap)
+
+
+def seeds_needed(sd_diff: float, gap: float, target: float, power: float = POWER, alpha: float = ALPHA,
+                 most: int = 1000) -> int | None:
+    """The fewest seeds n >= 2 at which :func:`min_detectable_share` (sd_diff, gap, n) <= ``target``; None when
+    more than ``most`` would be needed (or the noise or gap is unknown)."""
+    if not (math.isfinite(sd_diff) and math.isfinite(gap)) or gap == 0 or target <= 0:
+        return None
+    for n in range(2, most + 1):
+        if min_detectable_share(sd_diff, gap, n, power, alpha) <= target:
+            return n
+    return None
 
 
 def holm_adjust(ps: list[float | None]) -> list[float | None]:
@@ -105,15 +196,25 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
     sync, stale, meth = seeds.get((task, "sync", 0), {}), seeds.get((task, "stale", s), {}), seeds.get((task, m, s), {})
     common = sorted(set(sync) & set(stale) & set(meth))
     paired = sorted(set(stale) & set(meth))
-    row.update({"n": len(common), "share_ci_low": None, "share_ci_high": None, "vs_stale_diff": None,
-                "vs_stale_ci_low": None, "vs_stale_ci_high": None, "vs_stale_p": None, "vs_stale_n": len(paired)})
+    row.update({"n": len(common), "share_ci_low": None, "share_ci_high": None, "share_ci_kind": None,
+                "vs_stale_diff": None, "vs_stale_ci_low": None, "vs_stale_ci_high": None, "vs_stale_p": None,
+                "vs_stale_p_signflip": None, "vs_stale_n": len(paired), "sd_diff": None,
+                "min_detectable_share": None})
     if paired:
         d, _ = oriented_difference(meth, stale, higher)  # > 0: the method is better
+        diffs = np.array([meth[k] - stale[k] for k in paired])
+        sd = float(diffs.std(ddof=1)) if len(paired) >= 2 else math.nan
         row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
-                    "vs_stale_p": d["p"]})
+                    "vs_stale_p": d["p"], "vs_stale_p_signflip": d.get("p_signflip"), "sd_diff": sd})
+        if not row.get("missing") and not row["no_gap"]:
+            row["min_detectable_share"] = min_detectable_share(sd, row["gap"], len(paired))
     if not row.get("missing") and not row["no_gap"]:
-        low, high = share_bootstrap_ci(*(np.array([g[k] for k in common]) for g in (sync, stale, meth)))
-        row.update({"share_ci_low": low, "share_ci_high": high})
+        x_sync, x_stale, x_meth = (np.array([g[k] for k in common]) for g in (sync, stale, meth))
+        low, high, kind = fieller_interval(x_stale - x_meth, x_stale - x_sync)
+        if kind == "exclusive":  # every share outside (low, high): the interval is the whole line but that band
+            row["share_ci_excluded"] = [low, high]
+            low, high = -math.inf, math.inf
+        row.update({"share_ci_low": low, "share_ci_high": high, "share_ci_kind": kind})
     return row
 
 
@@ -137,7 +238,8 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
     """Per stabilizer and staleness, on ``{key}_mean`` (``final``: the metric; ``reward_last``: the
     training reward over the last 20% of steps, for rollout objectives). With ``cells`` (the cell records)
     each row also gets its confidence intervals (module docstring) and ``vs_stale_p_adj``, its p-value against
-    stale adjusted by Holm's method over the rows returned (one family; :func:`holm_adjust`); a method whose sync
+    stale adjusted by Holm's method over the rows returned (one family; :func:`holm_adjust`; build_report re-adjusts
+    it within the suite's families: :func:`apply_families`); a method whose sync
     or stale group has no cells gets a row with ``missing`` naming them and null share. ``ablation=True``: the
     rows of the threshold ablation's groups instead, against the same sync and stale groups."""
     mean, std = f"{key}_mean", f"{key}_std"
@@ -234,18 +336,94 @@ def staleness_costs(groups: list[dict], cells: list[dict], key: str = "final") -
 
 
 def significant(row: dict, alpha: float = 0.05) -> bool:
-    """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment over
-    its table (``vs_stale_p_adj``)."""
+    """Whether a recovered-share row's paired test against stale rejects at ``alpha`` after Holm's adjustment within
+    its family (``vs_stale_p_adj``: :func:`apply_families`, or over the rows of one :func:`recovered_shares` call)."""
     return row.get("vs_stale_p_adj") is not None and row["vs_stale_p_adj"] < alpha
 
 
-def headline_shares(shares: list[dict], reward_shares: list[dict]) -> list[dict]:
-    """The recovered-share rows on the measure the summary reads for each task: the training reward
-    (``reward_shares``) for a task that has it (rollout objectives), else the final metric (``shares``). Copies,
-    each with ``measure`` (``reward_last`` or ``final``)."""
-    rewarded = {r["task"] for r in reward_shares}
-    return ([{**r, "measure": "reward_last"} for r in reward_shares]
+def headline_shares(shares: list[dict], reward_shares: list[dict],
+                    aligned: list[dict] | None = None) -> list[dict]:
+    """The recovered-share rows on the measure the summary reads for each task: the reward by policy version
+    (``aligned``: :func:`aligned_shares`) for a task that has it, else the training reward (``reward_shares``) for
+    a task that has it (rollout objectives), else the final metric (``shares``). Copies, each with ``measure``
+    (``by_version``, ``reward_last`` or ``final``)."""
+    aligned = aligned or []
+    versioned = {r["task"] for r in aligned}
+    rewarded = {r["task"] for r in reward_shares} | versioned
+    return ([{**r, "measure": "by_version"} for r in aligned]
+            + [{**r, "measure": "reward_last"} for r in reward_shares if r["task"] not in versioned]
             + [{**r, "measure": "final"} for r in shares if r["task"] not in rewarded])
+
+
+#: The share of a run's policy versions that the version-aligned measure averages (as ``reward_last``: 20%)
+VERSION_WINDOW = 0.2
+#: summary.md's name of each version-aligned measure
+VERSION_MEASURES = {"eval/policy_reward": "held-out reward of the policy theta_t itself (eval/policy_reward)",
+                    "reward/mean": "training reward indexed by the policy version that sampled it"}
+
+
+def aligned_values(cells: list[dict], task: str, s: int) -> dict | None:
+    """The version-aligned measure of one comparison: sync, stale at ``s`` and every other (non-ablation) method at
+    ``s`` on ``task``. Its measure is ``eval/policy_reward`` where every run of the comparison logs it, else the
+    training reward indexed by policy version (:func:`gacbench.bench.records.by_version`); its window is the last
+    W versions that every run has, W = VERSION_WINDOW of sync's versions (at least one): versions hi - W + 1 .. hi,
+    hi the smallest last version of the runs. Returns {measure, versions: [lo, hi], seeds: {(task, method, s'):
+    {seed: mean over the window}}}, or None where a run lacks versioned rewards or the comparison lacks sync or
+    stale."""
+    runs = [c for c in cells if c["status"] == "done" and c["task"] == task and not c.get("ablation")
+            and ((c["method"] == "sync" and c["staleness"] == 0) or (c["staleness"] == s and c["method"] != "sync"))]
+    if not any(c["method"] == "sync" for c in runs) or not any(c["method"] == "stale" for c in runs):
+        return None
+    if not all(c.get("_by_version", {}).get("reward/mean") for c in runs):
+        return None
+    measure = "eval/policy_reward" if all("eval/policy_reward" in c["_by_version"] for c in runs) else "reward/mean"
+    series = [(c, c["_by_version"][measure]) for c in runs]
+    hi = min(max(v) for _, v in series)
+    n_sync = max(len(c["_by_version"]["reward/mean"]) for c in runs if c["method"] == "sync")
+    lo = hi - max(1, int(n_sync * VERSION_WINDOW)) + 1
+    seeds: dict[tuple, dict[int, float]] = {}
+    for c, v in series:
+        window = [x for version, x in v.items() if lo <= version <= hi and math.isfinite(x)]
+        if window:
+            seeds.setdefault((task, c["method"], c["staleness"]), {})[c["seed"]] = float(np.mean(window))
+    return {"measure": measure, "versions": [lo, hi], "seeds": seeds}
+
+
+def aligned_shares(groups: list[dict], cells: list[dict]) -> list[dict]:
+    """The recovered shares on the version-aligned measure (:func:`aligned_values`), one row per stabilizer and
+    s > 0 of a rollout task: the means of sync, stale and the method over the seeds all three ran, the gap and
+    share as in :func:`recovered_shares` (larger is better), the same intervals and tests (``_with_ci``), and
+    ``source`` / ``source_name`` (which reward), ``versions`` (the window) and ``lag_removed`` (s: the lag
+    between the policy that is trained and the one whose reward the training reward logs)."""
+    rows, cache = [], {}
+    for g in groups:
+        task, m, s = g["task"], g["method"], g["staleness"]
+        if m in REFERENCE_METHODS or g["ablation"] or s == 0 or "reward_last_mean" not in g:
+            continue
+        if (task, s) not in cache:
+            cache[(task, s)] = aligned_values(cells, task, s)
+        al = cache[(task, s)]
+        if al is None:
+            continue
+        seeds = {k: al["seeds"].get(k, {}) for k in ((task, "sync", 0), (task, "stale", s), (task, m, s))}
+        common = sorted(set.intersection(*(set(v) for v in seeds.values())))
+        if not common:
+            continue
+        x_sync, x_stale, x_m = (np.array([v[k] for k in common]) for v in seeds.values())
+        n = len(common)
+        sync_v, stale_v, value = float(x_sync.mean()), float(x_stale.mean()), float(x_m.mean())
+        gap = stale_v - sync_v
+        se = math.sqrt((x_sync.var(ddof=1) + x_stale.var(ddof=1)) / n) if n >= 2 else math.nan
+        no_gap = not (abs(gap) > 1e-12 and gap < 0)
+        row = {"task": task, "method": m, "staleness": s, "share": math.nan if no_gap else (stale_v - value) / gap,
+               "sync": sync_v, "stale": stale_v, "value": value, "no_gap": no_gap, "gap": gap, "gap_se": se,
+               "gap_within_noise": None if math.isnan(se) else bool(abs(gap) < 2.0 * se),
+               "source": al["measure"], "source_name": VERSION_MEASURES[al["measure"]],
+               "versions": al["versions"], "lag_removed": s}
+        rows.append(_with_ci(row, seeds, "by_version", True))
+    for row, adj in zip(rows, holm_adjust([r["vs_stale_p"] for r in rows])):
+        row["vs_stale_p_adj"] = adj
+    return rows
 
 
 def ablation_key(abl: list[dict]) -> str:
@@ -260,3 +438,60 @@ def ablation_share_rows(groups: list[dict], cells: list[dict], given: list[dict]
     if given is not None:
         return given
     return recovered_shares(groups, ablation_key([g for g in groups if g["ablation"]]), cells=cells, ablation=True)
+
+
+#: The tests a family can hold, each with the keys of its raw and adjusted p in a row: ``vs_stale`` (a method
+#: against stale at its s: the recovered-share tables), ``vs_sync`` (a stabilizer at s = 0 against sync: the
+#: on-policy controls), ``cost`` (a method at s against its own s = 0 run: the staleness costs) and ``ablation``
+#: (a threshold setting against stale: the threshold ablation)
+FAMILY_TESTS = {"vs_stale": ("vs_stale_p", "vs_stale_p_adj"), "vs_sync": ("vs_sync_p", "vs_sync_p_adj"),
+                "cost": ("cost_p", "cost_p_adj"), "ablation": ("vs_stale_p", "vs_stale_p_adj")}
+#: What a family can be split by: one family per task, per measure (``final``, ``reward_last``, ``by_version``)
+#: and/or per staleness
+FAMILY_DIMS = ("task", "measure", "staleness")
+#: The families a suite that declares none gets, by question: does each method recover the gap at this s (every
+#: method against stale at one s, on one measure); is there an on-policy effect; what does staleness cost each
+#: method; which threshold setting helps
+DEFAULT_FAMILIES = {
+    "recovers the gap at s": {"test": "vs_stale", "per": ["task", "measure", "staleness"]},
+    "on-policy effect": {"test": "vs_sync", "per": ["task", "measure"]},
+    "staleness cost": {"test": "cost", "per": ["task", "measure"]},
+    "threshold ablation": {"test": "ablation", "per": ["task", "measure"]},
+}
+
+
+def resolve_families(declared: dict | None) -> dict[str, dict]:
+    """The families of a suite: its declared ones (checked by :func:`gacbench.bench.validate.check_families`), and
+    for each test they leave out, the default family of that test (:data:`DEFAULT_FAMILIES`)."""
+    declared = dict(declared or {})
+    tests = {f["test"] for f in declared.values()}
+    return {**declared, **{name: f for name, f in DEFAULT_FAMILIES.items() if f["test"] not in tests}}
+
+
+def apply_families(tables: list[tuple[str, str, list[dict]]], families: dict[str, dict] | None) -> list[dict]:
+    """Holm-adjust every test of ``tables`` (each (test, measure, rows): a test of :data:`FAMILY_TESTS`, the measure
+    its rows are read on, and the rows) within its family: the family of its test (:func:`resolve_families`),
+    split by the family's ``per`` keys. Each row gets ``family`` (the family's name) and its one adjusted p (the
+    test's adjusted key), replacing any per-table adjustment. Returns one entry per family instance: its name,
+    test, per, the values it is split on (``of``), its size ``m`` (the tests with a p-value) and its comparisons
+    (``TASK / METHOD / s=S / MEASURE``)."""
+    fams = resolve_families(families)
+    by_test = {f["test"]: (name, f) for name, f in fams.items()}
+    instances: dict[tuple, list[tuple[dict, str]]] = {}
+    for test, measure, rows in tables:
+        name, fam = by_test[test]
+        for r in rows:
+            of = tuple((k, measure if k == "measure" else r[k]) for k in fam["per"])
+            instances.setdefault((name, of), []).append((r, measure))
+    out = []
+    for (name, of), members in instances.items():
+        test = fams[name]["test"]
+        p_key, adj_key = FAMILY_TESTS[test]
+        adjusted = holm_adjust([r.get(p_key) for r, _ in members])
+        for (r, _), adj in zip(members, adjusted):
+            r[adj_key], r["family"] = adj, name
+        out.append({"name": name, "test": test, "per": list(fams[name]["per"]), "of": dict(of),
+                    "m": sum(adj is not None for adj in adjusted),
+                    "comparisons": [f"{r['task']} / {r['method']} / s={r['staleness']} / {measure}"
+                                    for r, measure in members]})
+    return out

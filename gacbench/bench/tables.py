@@ -12,8 +12,6 @@ from gacbench.bench.groups import nanmean, per_seed
 from gacbench.bench.records import DEGRADE_MARGIN, DEGRADE_SIGMAS, DEGRADE_WINDOW, DIAGNOSTICS
 from gacbench.bench.regime import PAPER_TABLE3, law_points
 from gacbench.bench.stats import (
-    BOOT_RESAMPLES,
-    BOOT_SEED,
     CI_LEVEL,
     ablation_key,
     ablation_share_rows,
@@ -34,6 +32,24 @@ def fmt_ci(low: float | None, high: float | None, digits: int = 2) -> str:
     return f"[{fmt(low + 0.0, digits)}, {fmt(high + 0.0, digits)}]"  # + 0.0: no "-0"
 
 
+def fmt_share_ci(r: dict, digits: int = 2) -> str:
+    """A share's Fieller interval (:func:`~gacbench.bench.stats.fieller_interval`): ``[a, b]``; ``(−∞, a] ∪ [b, ∞)``
+    where the gap is not distinguishable from 0 but a band is ruled out; ``(−∞, ∞)`` where nothing is; — without
+    one."""
+    kind = r.get("share_ci_kind")
+    if kind == "unbounded":
+        return "(−∞, ∞)"
+    if kind == "exclusive" and r.get("share_ci_excluded"):
+        a, b = r["share_ci_excluded"]
+        return f"(−∞, {fmt(a + 0.0, digits)}] ∪ [{fmt(b + 0.0, digits)}, ∞)"
+    return fmt_ci(r.get("share_ci_low"), r.get("share_ci_high"), digits)
+
+
+def mean_sd(mean: float | None, sd: float | None, n: int, digits: int = 4, sd_digits: int = 2) -> str:
+    """``mean ± sd`` over seeds, or ``mean (n = 1)`` for a single seed (no spread to show)."""
+    return f"{fmt(mean, digits)} (n = 1)" if n < 2 else f"{fmt(mean, digits)} ± {fmt(sd, sd_digits)}"
+
+
 def _method_table(title: str, groups: list[dict], cell, heading: str = "##") -> list[str]:
     """A markdown table, one row per method and one column per staleness, each entry ``cell(group)`` (``groups``:
     any rows with ``method`` and ``staleness``)."""
@@ -52,7 +68,10 @@ def _method_table(title: str, groups: list[dict], cell, heading: str = "##") -> 
 def _share_table(title: str, shares: list[dict]) -> list[str]:
     lines = [f"## {title}", "",
              "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
-             "| task | s | method | sync | stale | method | share |", "|---|---|---|---|---|---|---|"]
+             "Min. detectable share: the smallest share a paired test against stale on these seeds detects with 80% "
+             "power at α = 0.05, (t_{0.975,n−1} + t_{0.8,n−1}) · sd(method − stale) / √n / |gap|.", "",
+             "| task | s | method | sync | stale | method | share | min. detectable share |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in shares:
         if r.get("missing"):
             continue
@@ -65,7 +84,7 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
             share += f" (means over the {r['paired_seeds']} seeds all three ran)"
         lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {fmt(r['sync'], 4)} | "
                      f"{fmt(r['stale'], 4)} | "
-                     f"{fmt(r['value'], 4)} | {share} |")
+                     f"{fmt(r['value'], 4)} | {share} | {fmt(r.get('min_detectable_share'), 2)} |")
     return lines + [""]
 
 
@@ -75,7 +94,8 @@ def _on_policy_table(measure: str, rows: list[dict]) -> list[str]:
         return []
     lines = ["", f"## On-policy controls: stabilizers at s = 0 against sync, {measure}", "",
              "The paired difference method − sync over the seeds both ran (> 0: the method is better), its 95% "
-             "t-interval and paired t-test; p_adj: Holm over this table; * where p_adj < 0.05. An effect here "
+             "t-interval and paired t-test; p_adj: Holm within its family (Multiplicity families, below); * where "
+             "p_adj < 0.05. An effect here "
              "does not need staleness.", "",
              "| task | method | sync | method | difference [95% CI] | p | p_adj | seeds |",
              "|---|---|---|---|---|---|---|---|"]
@@ -93,13 +113,14 @@ def _cost_table(measure: str, rows: list[dict]) -> list[str]:
         return []
     lines = ["", f"## What staleness costs a method against its own on-policy run, {measure}", "",
              "cost: the method at s = 0 minus the method at s, paired over seeds (> 0: staleness hurts), with its "
-             "95% t-interval and p; beside it sync − stale at the same s. A method that removes staleness's harm "
-             "has cost 0 while sync − stale stays.", "",
-             "| task | method | s | cost [95% CI] | p | seeds | sync − stale [95% CI] | seeds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "95% t-interval, p and p adj. (Holm within its family); beside it sync − stale at the same s. A method "
+             "that removes staleness's harm has cost 0 while sync − stale stays.", "",
+             "| task | method | s | cost [95% CI] | p | p adj. | seeds | sync − stale [95% CI] | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['task']} | {r['method']} | {r['staleness']} | {fmt(r['cost'], 3)} "
-                     f"{fmt_ci(r['cost_ci_low'], r['cost_ci_high'], 3)} | {fmt(r['cost_p'], 2)} | {r['n']} | "
+                     f"{fmt_ci(r['cost_ci_low'], r['cost_ci_high'], 3)} | {fmt(r['cost_p'], 2)} | "
+                     f"{fmt(r.get('cost_p_adj'), 2)} | {r['n']} | "
                      f"{fmt(r['stale_cost'], 3)} {fmt_ci(r['stale_cost_ci_low'], r['stale_cost_ci_high'], 3)} | "
                      f"{r['stale_n']} |")
     return lines + [""]
@@ -130,19 +151,24 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
              versions: list[dict] | None = None, mixed: list[dict] | None = None,
              on_policy: dict[str, list[dict]] | None = None, costs: dict[str, list[dict]] | None = None,
-             sizes: list[dict] | None = None, size_trend: dict | None = None) -> str:
+             sizes: list[dict] | None = None, size_trend: dict | None = None,
+             aligned: list[dict] | None = None, families: list[dict] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
     more than one version. ``on_policy``: the on-policy controls (:func:`~gacbench.bench.stats.on_policy_controls`)
     per measure name; ``costs``: what staleness costs each of them (:func:`~gacbench.bench.stats.staleness_costs`)
     per measure name. ``sizes`` and ``size_trend``: the model-size table (:func:`~gacbench.bench.regime.size_points`)
-    and its trend."""
+    and its trend. ``aligned``: the shares on the version-aligned measure
+    (:func:`~gacbench.bench.stats.aligned_shares`);
+    ``families``: the multiplicity families (:func:`~gacbench.bench.stats.apply_families`), listed at the end. The
+    findings paragraph at the top reads the headline measure (:func:`findings`)."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     if versions and len(versions) > 1:
         lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
                   + _mixed_note(mixed or []), ""]
+    lines += findings(shares, reward_shares or [], aligned or [])
     tasks = sorted({g["task"] for g in groups})
     main = [g for g in groups if not g["ablation"]]
     for task in tasks:
@@ -153,7 +179,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std "
                                "over seeds "
                                "[diverged share]", tg,
-                               lambda g: f"{fmt(g['final_mean'], 4)} ± {fmt(g['final_std'], 2)}"
+                               lambda g: mean_sd(g["final_mean"], g["final_std"], g["n"])
                                          + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
     if shares:
         lines += _share_table("Recovered share of the stale–sync gap: (stale − method) / (stale − sync)", shares)
@@ -162,11 +188,12 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), "
                                "mean ± std "
                                "over seeds", [g for g in rewarded if g["task"] == task],
-                               lambda g: f"{fmt(g['reward_last_mean'], 3)} ± {fmt(g['reward_last_std'], 2)} "
+                               lambda g: f"{mean_sd(g['reward_last_mean'], g['reward_last_std'], g['n'], 3)} "
                                          f"({fmt(g['reward_first_mean'], 3)})")
     if reward_shares:
         lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)",
                               reward_shares)
+    lines += _aligned_section(aligned or [])
     for measure, rows in (on_policy or {}).items():
         lines += _on_policy_table(measure, rows)
     for measure, rows in (costs or {}).items():
@@ -222,8 +249,95 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _regime_section(regime or [])
     lines += _law_section(law_points(regime or []))
     lines += _size_section(sizes or [], size_trend)
+    lines += _families_section(families or [])
     lines += _versions_section(versions or [], mixed or [])
     return "\n".join(lines) + "\n"
+
+
+def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict]) -> list[str]:
+    """The findings paragraph: on the headline measure (:func:`~gacbench.bench.stats.headline_shares`), which methods
+    beat stale at which s (Holm-adjusted p < 0.05 within the family) with that p, and which do not, with the
+    smallest share their seeds could have detected; nothing without tests."""
+    from gacbench.bench.stats import headline_shares
+
+    rows = [r for r in headline_shares(shares, reward_shares, aligned)
+            if not r.get("missing") and r.get("vs_stale_p") is not None]
+    if not rows:
+        return []
+    names = {"by_version": "reward by policy version", "reward_last": "training reward (last 20% of steps)",
+             "final": "final metric"}
+    out = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        tr = [r for r in rows if r["task"] == task]
+        measure = names[tr[0]["measure"]]
+        if tr[0]["measure"] == "by_version":
+            measure = tr[0]["source_name"] + " (the last common versions of each comparison)"
+        better = [r for r in tr if significant(r) and r["vs_stale_diff"] > 0]
+        worse = [r for r in tr if significant(r) and r["vs_stale_diff"] < 0]
+        rest = [r for r in tr if not significant(r) and not r["no_gap"]]
+        no_gap = [r for r in tr if not significant(r) and r["no_gap"]]
+        parts = [f"**{task}**, on the {measure}: "]
+        if better:
+            parts.append("beat stale: " + "; ".join(
+                f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, p adj. {fmt(r['vs_stale_p_adj'], 2)})"
+                for r in better) + ". ")
+        if worse:
+            parts.append("worse than stale: " + "; ".join(
+                f"{r['method']} at s = {r['staleness']} (p adj. {fmt(r['vs_stale_p_adj'], 2)})" for r in worse) + ". ")
+        if rest:
+            parts.append("not distinguishable from stale: " + "; ".join(
+                f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, min. detectable share "
+                f"{fmt(r.get('min_detectable_share'), 2)})" for r in rest) + ". ")
+        if no_gap:
+            at = sorted({r["staleness"] for r in no_gap})
+            parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}: no gap to recover there ("
+                         + ", ".join(dict.fromkeys(r["method"] for r in no_gap)) + ").")
+        out.append("".join(parts).rstrip())
+    return ["## Findings", "",
+            "Each method against stale at the same s, paired over seeds (t-test, Holm-adjusted within its family; "
+            "significant: p adj. < 0.05). Min. detectable share: the smallest share a paired test on these seeds "
+            "and this noise detects with 80% power at α = 0.05 (docs/bench.md).", ""] + [x + "\n" for x in out]
+
+
+def _share_text(r: dict) -> str:
+    return "n/a: no gap" if r.get("no_gap") or r.get("share") is None or math.isnan(r["share"]) else f"{r['share']:.2f}"
+
+
+def _aligned_section(rows: list[dict]) -> list[str]:
+    """The recovered shares on the version-aligned measure beside the training reward's."""
+    if not rows:
+        return []
+    lines = ["## Recovered share by policy version", "",
+             "A stale run's training reward at step t is the reward of rollouts of theta_{t−s}: the training "
+             "reward's last 20% of steps compares sync's latest policies with stale's policies s versions older. "
+             "Here each run's reward is indexed by the version of the policy that earned it (step − stale/lag, or "
+             "eval/policy_reward, theta_t's own reward on held-out prompts, where every run logs it), and sync, "
+             "stale and the method are compared over the same window of versions: the last 20% of versions that "
+             "every run at that s has. This removes the lag of s versions from the comparison. Means over the seeds "
+             "all three ran; share interval: Fieller's; p adj.: Holm within its family.", "",
+             "| task | s | method | measure | versions | sync | stale | method | share [95% CI] | p adj. | "
+             "min. detectable share | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f} {fmt_share_ci(r)}"
+        lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {r['source']} | "
+                     f"{r['versions'][0]}–{r['versions'][1]} | {fmt(r['sync'], 4)} | {fmt(r['stale'], 4)} | "
+                     f"{fmt(r['value'], 4)} | {share} | {fmt(r.get('vs_stale_p_adj'), 2)} | "
+                     f"{fmt(r.get('min_detectable_share'), 2)} | {r['n']} |")
+    return lines + [""]
+
+
+def _families_section(families: list[dict]) -> list[str]:
+    """The multiplicity families: each adjusted p is Holm's within one of them."""
+    if not families:
+        return []
+    lines = ["", "## Multiplicity families", "",
+             "Every p adj. in this summary is Holm's adjustment within one family (the suite's families:, or the "
+             "defaults: docs/bench.md); each comparison belongs to one family and has one adjusted p.", "",
+             "| family | test | of | tests | comparisons |", "|---|---|---|---|---|"]
+    for f in families:
+        of = ", ".join(f"{k} = {v}" for k, v in f["of"].items()) or "all"
+        lines.append(f"| {f['name']} | {f['test']} | {of} | {f['m']} | {len(f['comparisons'])} |")
+    return lines
 
 
 def _mixed_note(mixed: list[dict]) -> str:
@@ -256,7 +370,7 @@ def _share_cell(r: dict) -> str:
     if r.get("missing") or r["no_gap"]:
         return ""
     star = " *" if significant(r) else ""
-    return f"{round(r['share'], 2) + 0.0:.2f} {fmt_ci(r['share_ci_low'], r['share_ci_high'])}{star}"
+    return f"{round(r['share'], 2) + 0.0:.2f} {fmt_share_ci(r)}{star}"
 
 
 def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
@@ -265,12 +379,14 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
     if not any("n" in r for r in shares + reward_shares):
         return []
     lines = ["", f"## Confidence intervals ({CI_LEVEL:.0%}) over seeds", "",
-             "Share: paired percentile bootstrap over the seeds that sync, stale and the method share "
-             f"({BOOT_RESAMPLES} resamples, seed {BOOT_SEED}). Method − stale: mean paired difference, > 0 = the "
-             "method is better, with its t-interval and the two-sided paired t-test's p-value, raw and adjusted by "
-             "Holm's method over the tests of its table (p adj.; each table one family). — = fewer than two "
-             "seeds (or no gap to recover). In the tables across s, * marks an adjusted p < 0.05 and an empty "
-             "entry a missing group or no gap."]
+             "Share: Fieller's interval of the ratio over the seeds that sync, stale and the method share (exact "
+             "under normal seed noise; unbounded, (−∞, ∞), or two rays where the gap itself is not distinguishable "
+             "from 0). Method − stale: mean paired difference, > 0 = the method is better, with its t-interval, the "
+             "two-sided paired t-test's p-value raw and adjusted by Holm's method within its family (p adj.), and "
+             "the exact sign-flip p (no normality; at least 2/2^n: 0.25 with 3 seeds). Min. det.: the smallest "
+             "share these seeds detect with 80% power at α = 0.05. — = fewer than two seeds (or no gap to "
+             "recover). In the tables across s, * marks an adjusted p < 0.05 and an empty entry a missing group "
+             "or no gap."]
     for title, rows in (("final metric", shares), ("training reward (last 20% of steps)", reward_shares)):
         rows = [r for r in rows if "n" in r]
         if not rows:
@@ -279,8 +395,9 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
             lines += [""] + _method_table(f"{task}: recovered share across s, {title}",
                                           [r for r in rows if r["task"] == task], _share_cell, heading="###")[:-1]
         lines += ["", f"### {title}", "",
-                  "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | p adj. | seeds |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| task | s | method | share | share 95% CI | method − stale | 95% CI | p | p adj. | sign-flip p | "
+                  "min. det. | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r.get("missing"):
                 share = f"n/a (no {' or '.join(r['missing'])} cells)"
@@ -289,9 +406,10 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
             else:
                 share = f"{r['share']:.2f}"
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {share} | "
-                         f"{fmt_ci(r['share_ci_low'], r['share_ci_high'])} | {fmt(r['vs_stale_diff'], 3)} | "
+                         f"{fmt_share_ci(r)} | {fmt(r['vs_stale_diff'], 3)} | "
                          f"{fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)} | {fmt(r['vs_stale_p'], 2)} | "
-                         f"{fmt(r.get('vs_stale_p_adj'), 2)} | {r['n']} |")
+                         f"{fmt(r.get('vs_stale_p_adj'), 2)} | {fmt(r.get('vs_stale_p_signflip'), 2)} | "
+                         f"{fmt(r.get('min_detectable_share'), 2)} | {r['n']} |")
     return lines
 
 
@@ -316,7 +434,8 @@ def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
     lines = ["", f"## Table 1: final metric under staleness s = {s_star} (synchronous reference at s = 0)", "",
              f"Mean over seeds [{CI_LEVEL:.0%} percentile bootstrap over seeds]. Δ: a GAC method's mean minus the "
              "strongest non-GAC stale method's (stale and the loss-side baselines), > 0 = GAC better (on the final "
-             "metric, sign-adjusted for lower-is-better metrics)."]
+             "metric, sign-adjusted for lower-is-better metrics). − stale: every method's mean minus stale's at the "
+             "same s, > 0 = better than stale (final metric, sign-adjusted)."]
     for task in sorted({g["task"] for g in groups}):
         rows = [g for g in groups if g["task"] == task and not g["ablation"]
                 and ((g["method"] == "sync" and g["staleness"] == 0) or g["staleness"] == s_star)]
@@ -329,8 +448,9 @@ def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
         rewarded = all("reward_last_mean" in g for g in rows)
         lines += ["", f"### {task}: final {rows[0]['metric']} ({'higher' if hib else 'lower'} is better)", "",
                   "| method | s | final | 95% CI | " + ("training reward | 95% CI | " if rewarded else "")
-                  + "Δ | seeds |",
-                  "|---|---|---|---|" + ("---|---|" if rewarded else "") + "---|---|"]
+                  + "− stale | Δ | seeds |",
+                  "|---|---|---|---|" + ("---|---|" if rewarded else "") + "---|---|---|"]
+        stale_g = next((g for g in rows if g["method"] == "stale" and g["staleness"] == s_star), None)
         order = lambda g: (g["staleness"] != 0, g["method"] != "stale", _is_gac(g["method"]), g["method"])  # noqa: E731
         for g in sorted(rows, key=order):
             key = (task, g["method"], g["staleness"])
@@ -343,7 +463,10 @@ def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
             delta = "–"
             if best is not None and _is_gac(g["method"]) and g["staleness"] == s_star:
                 delta = f"{sign * (g['final_mean'] - best['final_mean']):+.3g} (vs {best['method']})"
-            lines.append(cells_row + f"{delta} | {g['n']} |")
+            vs_stale = "–"
+            if stale_g is not None and g["staleness"] == s_star and g["method"] != "stale":
+                vs_stale = f"{sign * (g['final_mean'] - stale_g['final_mean']):+.3g}"
+            lines.append(cells_row + f"{vs_stale} | {delta} | {g['n']} |")
     return lines
 
 

@@ -105,6 +105,40 @@ def has_loss_on(objective: str) -> bool:
     return getattr(objective_class(objective), "loss_on", Objective.loss_on) is not Objective.loss_on
 
 
+def check_families(where: str, families: Any) -> dict[str, dict]:
+    """A suite's ``families``: a mapping of family names to ``{test: TEST, per: [KEY, ...]}``, TEST one of
+    :data:`~gacbench.bench.stats.FAMILY_TESTS` (each test in at most one family, so that every comparison gets one
+    adjusted p) and ``per`` a list of :data:`~gacbench.bench.stats.FAMILY_DIMS` (default: none, one family over
+    every task, measure and s). Raises a UsageError naming the family and the fix."""
+    from gacbench.bench.stats import FAMILY_DIMS, FAMILY_TESTS
+
+    example = "families: {recovers the gap at s: {test: vs_stale, per: [task, measure, staleness]}}"
+    if not isinstance(families, dict) or not families:
+        raise UsageError(f"{where}: families: must map family names to {{test: ..., per: [...]}}, e.g. {example}")
+    out, seen = {}, {}
+    for name, spec in families.items():
+        at = f"{where}: families: {name!r}"
+        if not isinstance(name, str) or not name.strip():
+            raise UsageError(f"{where}: families: a family name must be a non-empty string, not {name!r}")
+        if not isinstance(spec, dict) or "test" not in spec:
+            raise UsageError(f"{at} must be a mapping with test (one of {', '.join(FAMILY_TESTS)}) and optionally "
+                             f"per, e.g. {example}")
+        unknown = sorted(set(spec) - {"test", "per"})
+        if unknown:
+            raise UsageError(f"{at}: unknown key {unknown[0]!r}; a family sets test and per")
+        if spec["test"] not in FAMILY_TESTS:
+            raise UsageError(f"{at}: test {spec['test']!r} is not one of {', '.join(FAMILY_TESTS)}")
+        if spec["test"] in seen:
+            raise UsageError(f"{at}: test {spec['test']!r} is already in family {seen[spec['test']]!r}; each test "
+                             "belongs to one family (split it with per: instead)")
+        per = spec.get("per", [])
+        if not isinstance(per, list) or any(k not in FAMILY_DIMS for k in per) or len(set(per)) != len(per):
+            raise UsageError(f"{at}: per: {per!r} must be a list of distinct keys among {', '.join(FAMILY_DIMS)}")
+        seen[spec["test"]] = name
+        out[name] = {"test": spec["test"], "per": list(per)}
+    return out
+
+
 def load_suite(name: str) -> dict[str, Any]:
     """A suite YAML file, checked: a malformed or empty file, a missing key, or a value of the wrong kind
     raises a UsageError that names the file and the key."""
@@ -183,6 +217,8 @@ def load_suite(name: str) -> dict[str, Any]:
         if "extra_staleness" in spec and "extra_methods" not in spec:
             raise UsageError(f"{at}: extra_staleness: is the staleness of the task's extra_methods, and the task has "
                              "none; add extra_methods: or drop extra_staleness:")
+    if "families" in suite:
+        suite["families"] = check_families(where, suite["families"])
     ablation = suite.get("ablation")
     if ablation is not None:
         if not isinstance(ablation, dict) or not all(k in ablation for k in ("staleness", "c_low", "c_high")):

@@ -1,0 +1,237 @@
+"""Intervals that keep their coverage at a few seeds (Fieller's for the recovered share, the paired t for a gap),
+the exact sign-flip p, the minimum detectable share and ``gacbench power``, the multiplicity families, the reward
+indexed by policy version, and the findings paragraph."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+from conftest import report_cell
+from scipy import stats
+
+from gacbench.bench.power import main as power_main
+from gacbench.bench.power import power_rows
+from gacbench.bench.records import by_version
+from gacbench.bench.report import group_records, markdown, recovered_shares
+from gacbench.bench.stats import (
+    aligned_shares,
+    aligned_values,
+    apply_families,
+    fieller_interval,
+    in_fieller,
+    min_detectable_share,
+    paired_difference,
+    resolve_families,
+    seeds_needed,
+    sign_flip_p,
+)
+from gacbench.bench.validate import check_families, load_suite
+from gacbench.usage import UsageError
+
+
+def _simulate(n, reps, rng, share=0.5, gap=1.0, noise=0.6):
+    """Per-seed sync, stale and method values with a seed effect shared by the three runs of a seed and independent
+    normal noise per run: true gap stale - sync = -gap (higher is better), true share ``share``."""
+    seed_effect = rng.normal(0.0, noise, (reps, n, 1))
+    eps = rng.normal(0.0, noise, (reps, n, 3))
+    sync = 1.0 + seed_effect[..., 0] + eps[..., 0]
+    stale = 1.0 - gap + seed_effect[..., 0] + eps[..., 1]
+    method = 1.0 - gap + share * gap + seed_effect[..., 0] + eps[..., 2]
+    return sync, stale, method
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_fieller_share_and_t_gap_intervals_cover_at_few_seeds(n):
+    rng = np.random.default_rng(n)
+    reps = 2000
+    sync, stale, method = _simulate(n, reps, rng)
+    share_hits = gap_hits = 0
+    for i in range(reps):
+        low, high, kind = fieller_interval(stale[i] - method[i], stale[i] - sync[i])
+        share_hits += in_fieller(0.5, low, high, kind)
+        d = paired_difference(stale[i], sync[i])
+        gap_hits += d["ci_low"] <= -1.0 <= d["ci_high"]
+    print(f"\nn = {n}: simulated coverage of the 95% intervals over {reps} replications: Fieller share "
+          f"{share_hits / reps:.3f}, paired-t gap {gap_hits / reps:.3f}")
+    assert share_hits / reps >= 0.93 and gap_hits / reps >= 0.93
+
+
+def test_fieller_is_the_set_of_ratios_the_paired_t_test_keeps():
+    # property: r is in the interval exactly when the one-sample t-test of num - r den does not reject at 0.05
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        n = int(rng.integers(3, 8))
+        den = rng.normal(rng.choice([0.05, 1.0]), 0.5, n)
+        num = rng.normal(0.5, 0.5, n)
+        low, high, kind = fieller_interval(num, den)
+        assert kind in ("bounded", "exclusive", "unbounded")
+        for r in np.linspace(-6, 6, 61):
+            keep = stats.ttest_1samp(num - r * den, 0.0).pvalue >= 0.05
+            if abs(stats.ttest_1samp(num - r * den, 0.0).pvalue - 0.05) > 1e-6:
+                assert in_fieller(r, low, high, kind) == keep
+
+
+def test_fieller_kinds_by_hand():
+    # no noise in the denominator: the t-interval of the per-seed ratios
+    low, high, kind = fieller_interval(np.array([0.4, 0.5, 0.6]), np.ones(3))
+    half = stats.t.ppf(0.975, 2) * 0.1 / math.sqrt(3)
+    assert kind == "bounded" and (low, high) == pytest.approx((0.5 - half, 0.5 + half))
+    # a denominator that straddles 0 and a numerator that does too: nothing is ruled out
+    assert fieller_interval(np.array([1.0, -1.0, 0.5]), np.array([1.0, -1.0, 0.2]))[2] == "unbounded"
+    # a numerator clearly away from 0 over a denominator that is not: two rays
+    low, high, kind = fieller_interval(np.array([1.0, 1.1, 0.9]), np.array([1.0, -1.0, 0.3]))
+    assert kind == "exclusive" and low < high and not in_fieller((low + high) / 2, low, high, kind)
+    assert fieller_interval(np.ones(1), np.ones(1))[2] == "none"
+
+
+def test_sign_flip_p_enumerates_every_assignment():
+    d = np.array([0.3, -0.1, 0.5, 0.2])
+    means = [abs(np.mean(np.array(s) * d)) for s in itertools.product((1, -1), repeat=4)]
+    expected = sum(m >= abs(d.mean()) - 1e-12 for m in means) / 16
+    assert sign_flip_p(d) == pytest.approx(expected)
+    assert sign_flip_p(np.array([1.0, 2.0, 3.0])) == pytest.approx(0.25)  # the smallest p three seeds can give
+    assert math.isnan(sign_flip_p(np.zeros(3))) and math.isnan(sign_flip_p(np.ones(1)))
+    assert paired_difference(np.array([1.0, 2.0, 3.0]), np.zeros(3))["p_signflip"] == pytest.approx(0.25)
+
+
+def test_min_detectable_share_and_seeds_needed_by_hand():
+    # (t_{0.975,2} + t_{0.8,2}) / sqrt(3) = (4.3027 + 1.0607) / 1.7321 = 3.0966
+    assert min_detectable_share(1.0, -1.0, 3) == pytest.approx((4.302653 + 1.060660) / math.sqrt(3), rel=1e-5)
+    assert min_detectable_share(0.2, 0.5, 5) == pytest.approx(
+        (stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) / math.sqrt(5) * 0.2 / 0.5)
+    # target 0.5 with sd 0.1 and gap 0.5: (t + t) / sqrt(n) <= 2.5; n = 3 gives 3.10, n = 4 (3.182 + 0.978) / 2 = 2.08
+    assert seeds_needed(0.1, 0.5, 0.5) == 4
+    assert seeds_needed(0.1, 0.0, 0.5) is None and seeds_needed(10.0, 1e-6, 0.01) is None
+    assert math.isnan(min_detectable_share(0.1, 0.5, 1))
+
+
+def _pilot_summary():
+    row = {"task": "t", "method": "gac", "staleness": 16, "share": 0.3, "no_gap": False, "gap": -0.5,
+           "sd_diff": 0.1, "vs_stale_n": 3, "vs_stale_p": 0.2, "vs_stale_p_adj": 0.2}
+    return {"recovered": [], "recovered_reward": [row]}
+
+
+def test_power_command_on_a_pilot_summary(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(json.dumps(_pilot_summary()))
+    (row,) = power_rows(_pilot_summary(), 0.5)
+    assert row["seeds_needed"] == 4 and row["min_detectable_share"] == pytest.approx(
+        min_detectable_share(0.1, -0.5, 3))
+    args = SimpleNamespace(runs=str(tmp_path), target_share=0.5, power=0.8, alpha=0.05, json=False)
+    assert power_main(args) == 0
+    out = capsys.readouterr().out
+    assert "every entry detectable at 0.5: 4 seeds" in out
+    with pytest.raises(UsageError, match="summary.json does not exist"):
+        power_main(SimpleNamespace(**{**vars(args), "runs": str(tmp_path / "none")}))
+    with pytest.raises(UsageError, match="--power"):
+        power_main(SimpleNamespace(**{**vars(args), "power": 1.5}))
+
+
+def test_each_comparison_gets_one_adjusted_p_within_its_family():
+    rows8 = [{"task": "t", "method": m, "staleness": 8, "vs_stale_p": p} for m, p in (("a", 0.01), ("b", 0.04))]
+    rows16 = [{"task": "t", "method": m, "staleness": 16, "vs_stale_p": p} for m, p in (("a", 0.01), ("b", 0.04))]
+    on_policy = [{"task": "t", "method": "a", "staleness": 0, "vs_sync_p": 0.02}]
+    fams = apply_families([("vs_stale", "reward_last", rows8 + rows16), ("vs_sync", "reward_last", on_policy)], None)
+    # the default family of the vs-stale tests is split by s: {a, b} at s = 8 and {a, b} at s = 16, each m = 2
+    assert [r["vs_stale_p_adj"] for r in rows8] == pytest.approx([0.02, 0.04])
+    assert [r["vs_stale_p_adj"] for r in rows16] == pytest.approx([0.02, 0.04])
+    assert on_policy[0]["vs_sync_p_adj"] == pytest.approx(0.02) and on_policy[0]["family"] == "on-policy effect"
+    assert sorted((f["name"], f["m"]) for f in fams) == [("on-policy effect", 1), ("recovers the gap at s", 2),
+                                                        ("recovers the gap at s", 2)]
+    # a suite's family over every s: one family of four tests
+    apply_families([("vs_stale", "reward_last", rows8 + rows16)], {"all against stale": {"test": "vs_stale",
+                                                                                        "per": ["task"]}})
+    assert [r["vs_stale_p_adj"] for r in rows8 + rows16] == pytest.approx([0.04, 0.08, 0.04, 0.08])
+    assert {r["family"] for r in rows8 + rows16} == {"all against stale"}
+    assert set(resolve_families({"x": {"test": "vs_stale", "per": []}})) == {"x", "on-policy effect", "staleness cost",
+                                                                             "threshold ablation"}
+
+
+@pytest.mark.parametrize("families, message", [
+    ([1], "must map family names"),
+    ({"f": {"per": ["task"]}}, "must be a mapping with test"),
+    ({"f": {"test": "vs_foo"}}, "test 'vs_foo' is not one of"),
+    ({"f": {"test": "vs_stale"}, "g": {"test": "vs_stale", "per": ["staleness"]}}, "already in family 'f'"),
+    ({"f": {"test": "vs_stale", "per": ["seed"]}}, "per: \\['seed'\\] must be a list of distinct keys"),
+    ({"f": {"test": "vs_stale", "by": ["task"]}}, "unknown key 'by'"),
+])
+def test_bad_families_are_refused_with_the_fix(families, message):
+    with pytest.raises(UsageError, match=message):
+        check_families("suite x", families)
+
+
+def test_a_suite_declares_its_families(tmp_path):
+    suite = yaml.safe_load((Path(__file__).parents[1] / "tasks/suites/synthetic-smoke.yaml").read_text())
+    suite["families"] = {"recovers the gap": {"test": "vs_stale", "per": ["task", "staleness"]}}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    assert load_suite(str(path))["families"] == {"recovers the gap": {"test": "vs_stale",
+                                                                      "per": ["task", "staleness"]}}
+    suite["families"] = {"f": {"test": "nope"}}
+    path.write_text(yaml.safe_dump(suite))
+    with pytest.raises(UsageError, match="families: 'f': test 'nope'"):
+        load_suite(str(path))
+
+
+def test_the_training_reward_is_filed_under_the_policy_version_that_earned_it():
+    # s = 2: lag min(t, 2); steps 0, 1, 2 sample theta_0 and step t >= 2 samples theta_{t-2}
+    series = {"reward/mean": [(t, float(t)) for t in range(6)], "stale/lag": [(t, float(min(t, 2))) for t in range(6)]}
+    assert by_version(series) == {"reward/mean": {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}}
+    sync = {"reward/mean": [(t, float(t)) for t in range(3)], "eval/policy_reward": [(0, 0.5), (2, 0.7)]}
+    assert by_version(sync) == {"reward/mean": {0: 0.0, 1: 1.0, 2: 2.0}, "eval/policy_reward": {0: 0.5, 2: 0.7}}
+
+
+def _versioned(method, s, seed, rewards, lag):
+    rec = report_cell("t", method, s, seed, 0.0, reward=float(np.mean(rewards[-2:])))
+    rec["_by_version"] = by_version({"reward/mean": list(enumerate(rewards)),
+                                     "stale/lag": [(t, float(min(t, lag))) for t in range(len(rewards))]})
+    return rec
+
+
+def test_the_version_aligned_share_compares_the_same_policy_versions():
+    # 10 steps; sync's reward at version v is v / 10; stale (s = 2) earns 0.8 of it, gac 0.9, at the version
+    # that sampled it. The window: 20% of sync's 10 versions = 2, ending at the last version every run has (7)
+    cells, noise = [], [0.0, 0.01, -0.01]
+    for k in range(3):
+        cells.append(_versioned("sync", 0, k, [v / 10 + noise[k] for v in range(10)], 0))
+        for m, f in (("stale", 0.8), ("gac", 0.9)):
+            cells.append(_versioned(m, 2, k, [f * max(t - 2, 0) / 10 + noise[k] for t in range(10)], 2))
+    al = aligned_values(cells, "t", 2)
+    assert al["measure"] == "reward/mean" and al["versions"] == [6, 7]
+    assert al["seeds"][("t", "sync", 0)][1] == pytest.approx(0.65 + 0.01)
+    assert al["seeds"][("t", "stale", 2)][1] == pytest.approx(0.8 * 0.65 + 0.01)
+    (row,) = aligned_shares(group_records(cells), cells)
+    # share = (stale - gac) / (stale - sync) = (0.8 - 0.9) / (0.8 - 1) = 0.5 on every seed
+    assert row["share"] == pytest.approx(0.5) and row["lag_removed"] == 2 and row["source"] == "reward/mean"
+    assert row["share_ci_low"] == pytest.approx(0.5) and row["share_ci_high"] == pytest.approx(0.5)
+    # the training reward of the last 2 steps compares sync's versions 8-9 with stale's 6-7: a wider gap
+    last = {m: np.mean([c["reward_last"] for c in cells if c["method"] == m]) for m in ("sync", "stale")}
+    assert last["sync"] - last["stale"] > row["sync"] - row["stale"] + 0.1
+    # eval/policy_reward is the measure where every run of the comparison logs it
+    for c in cells:
+        c["_by_version"]["eval/policy_reward"] = {v: 1.0 for v in range(10)}
+    assert aligned_values(cells, "t", 2)["measure"] == "eval/policy_reward"
+
+
+def test_findings_single_seeds_and_the_difference_to_stale_in_table_1():
+    diffs = {"gac": [0.5, 0.55, 0.6], "tis": [0.05, -0.05, 0.01]}
+    cells = ([report_cell("t", "sync", 0, k, 1.0 + 0.01 * k) for k in range(3)]
+             + [report_cell("t", "stale", 16, k, 0.2 + 0.01 * k) for k in range(3)]
+             + [report_cell("t", m, 16, k, 0.2 + 0.01 * k + d[k]) for m, d in diffs.items() for k in range(3)]
+             + [report_cell("t", "m2po", 16, 0, 0.3)])
+    groups = group_records(cells)
+    shares = recovered_shares(groups, cells=cells)
+    md = markdown(cells, groups, shares, Path("x"))
+    top = md[md.index("## Findings"):md.index("## t: final")]
+    assert "beat stale: gac at s = 16" in top and "not distinguishable from stale: " in top
+    tis = next(r for r in shares if r["method"] == "tis")
+    assert f"tis at s = 16 (share {tis['share']:.2f}, min. detectable share {tis['min_detectable_share']:.2g})" in top
+    assert "| m2po |  | 0.3 (n = 1) |" in md  # one seed: no ± 0
+    table1 = md[md.index("### t: final reward"):].splitlines()
+    assert table1[2].endswith("− stale | Δ | seeds |")
+    assert next(x for x in table1 if x.startswith("| tis |")).endswith(f"| {0.01 / 3:+.3g} | – | 3 |")
+    assert next(x for x in table1 if x.startswith("| m2po |")).split(" | ")[-3] == f"{0.3 - 0.21:+.3g}"
