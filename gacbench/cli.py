@@ -236,7 +236,7 @@ def _run(argv: list[str]) -> int:
 
         return run(args)
     if args.command == "warm-start":
-        from gacbench.llm.warmstart import main as run
+        from gacbench.bench.warm_start import main as run
 
         return run(args)
     if args.command == "gpu-check":

@@ -1,0 +1,45 @@
+"""``gacbench warm-start``: rebuild the start points of a suite's GRPO tasks (or of one model and task) from scratch,
+in a fresh directory, and print each one's weights hash beside its pin (:mod:`gacbench.llm.pinned`)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from gacbench.bench.validate import load_suite
+from gacbench.llm import pinned
+from gacbench.llm.warmstart import build_warm_start, start_point
+from gacbench.provenance import cpu_description, weights_sha256
+
+
+def main(args) -> int:
+    """``gacbench warm-start``: build the start points of a suite's GRPO tasks (or of one model and task) from
+    scratch, in a fresh directory, and print each one's weights hash beside its pin."""
+    if args.suite:
+        suite = load_suite(args.suite)
+        points = {}
+        for name, spec in suite["tasks"].items():
+            if spec["objective"] == "grpo" and (sp := start_point(spec.get("params", {}))) is not None:
+                points.setdefault(sp[0], (sp, []))[1].append(name)
+    else:
+        sp = start_point({"model": {"size": args.size, "warm_steps": args.warm_steps},
+                          "task": {"name": args.task, "max_ops": args.max_ops, "max_operand": args.max_operand}})
+        points = {sp[0]: (sp, [args.task])}
+    isa = cpu_description().get("isa")
+    out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gacbench-warm-"))
+    differ = 0
+    for name, ((_, config, task, steps), tasks) in points.items():
+        path = out_root / name
+        if path.exists():
+            shutil.rmtree(path)
+        print(f"{name} ({', '.join(tasks)}): building {steps} supervised steps in {path} ...", flush=True)
+        build_warm_start(path, config, task, steps, cache_dir=out_root)
+        digest, pin = weights_sha256(path), pinned.pin_of(name)
+        verdict = "no pin" if pin is None else ("= the pin" if digest == pin else f"!= the pin {pin}")
+        differ += pin is not None and digest != pin
+        print(f"  weights SHA-256 {digest} {verdict} (isa {isa})", flush=True)
+    if differ:
+        print(f"{differ} start point(s) built here differ from the pinned θ₀: runs here use the shipped "
+              f"checkpoints ({pinned.models_root()}); a machine without them is refused", flush=True)
+    return 1 if differ else 0
