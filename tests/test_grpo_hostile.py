@@ -225,3 +225,61 @@ def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_p
     assert err.strip().splitlines()[-1] == (f"gacbench {command[0]}: interrupted ({name}) before it finished; {out} "
                                             "marked incomplete") and "Traceback" not in err, err
     assert json.loads(out.read_text()) == {"complete": False, "command": command[0], "signal": name}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
+def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path):
+    from conftest import TINY_TASK
+
+    cfg = tmp_path / "ckpt.yaml"
+    cfg.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                   "      init_args: {every_n_train_steps: 2, save_top_k: -1}\n")
+    args = ["--config", TINY, "--config", str(cfg), "--model.model.path", tiny_llm_dir, "--model.engine.name", "hf",
+            "--model.rollout.prompts", "2", "--model.rollout.group", "2", "--model.rollout.max_tokens", "4",
+            "--model.eval_size", "4", "--model.eval_every", "2", "--model.task.max_ops", str(TINY_TASK["max_ops"]),
+            "--model.task.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir",
+            str(tmp_path), "--trainer.max_steps", "1000"]
+    run_dir = tmp_path / "tiny" / "sync-s0-seed0"
+    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():  # in the middle of fit
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted (SIGINT) after" in err and "Traceback" not in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 1000 and summary["eval_acc_final"] is None
+
+
+# -- engine shutdown --------------------------------------------------------------------------------------------
+CLOSING = """import atexit, torch
+from gacbench.rollout.engines import acquire_engine, register_engine
+
+class Closing:
+    version = 0
+    def close(self):
+        print("engine closed", flush=True)
+
+register_engine("test-closing", lambda spec, **kw: Closing())
+atexit.register(print, "process group released")  # registered first, as GRPOModule.setup does before the engine
+policy = torch.nn.Linear(2, 2)
+first = acquire_engine("test-closing", model_path=".", policy=policy, eos_token_id=0, pad_token_id=0)
+atexit.register(print, "a later handler")
+assert acquire_engine("test-closing", model_path=".", policy=policy, eos_token_id=0, pad_token_id=0) is first
+"""
+
+
+def test_a_held_engine_is_closed_at_exit_before_the_handlers_registered_before_its_last_acquire(tmp_path):
+    out = subprocess.run([sys.executable, "-c", CLOSING], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["engine closed", "a later handler", "process group released"], out.stdout
