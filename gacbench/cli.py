@@ -36,10 +36,14 @@ class Interrupted(BaseException):
 @contextlib.contextmanager
 def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
     """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread; the previous
-    handlers come back after it."""
+    handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes."""
+    import threading
+
     def handler(signum, frame):
         raise Interrupted(signum)
 
+    if threading.current_thread() is not threading.main_thread():
+        signals = ()
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
