@@ -14,42 +14,19 @@ signals themselves (``gacbench bench --help``; :mod:`gacbench.llm.cli`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 
-from gacbench.usage import UsageError, check_output_dir, check_output_file  # noqa: F401  (re-exported)
+from gacbench.usage import (  # noqa: F401  (re-exported)
+    Interrupted,
+    UsageError,
+    check_output_dir,
+    check_output_file,
+    raise_on_signals,
+)
 
 #: the commands :func:`run_interruptible` runs: SIGINT / SIGTERM end them with exit 130 / 143
 INTERRUPTIBLE = ("overhead", "rollout-bench", "async-bench", "step-profile", "theory", "demo")
-
-
-class Interrupted(BaseException):
-    """Raised in the main thread by :func:`raise_on_signals`' handler: a BaseException, so that neither an
-    ``except Exception`` nor Lightning's KeyboardInterrupt handling (which exits 1) takes it for something else."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
-    """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread; the previous
-    handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes."""
-    import threading
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
-    if threading.current_thread() is not threading.main_thread():
-        signals = ()
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def _signal_of(exc: BaseException) -> int | None:

@@ -227,7 +227,6 @@ def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_p
     assert json.loads(out.read_text()) == {"complete": False, "command": command[0], "signal": name}
 
 
-@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
 def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path):
     from conftest import TINY_TASK

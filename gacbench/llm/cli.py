@@ -75,9 +75,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from gacbench.cli import Interrupted
 from gacbench.llm.grpo import GRPOModule
-from gacbench.usage import UsageError
+from gacbench.usage import Interrupted, UsageError
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
 
@@ -522,7 +521,7 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
         trainer.fit(model, ckpt_path=ckpt)
     except SIGTERMException:  # Lightning stops the fit at the end of the current step
         terminated = signal.SIGTERM
-    except Interrupted as exc:  # SIGINT (gacbench.cli.raise_on_signals): at once, in the middle of the step
+    except Interrupted as exc:  # SIGINT (gacbench.usage.raise_on_signals): at once, in the middle of the step
         terminated = exc.signum
     finally:  # also when the session fails: the earlier rows go back into metrics.csv
         if keeper is not None:
