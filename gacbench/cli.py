@@ -4,14 +4,68 @@ so ``gacbench --help`` stays fast.
 Input the user can fix (an option's value, a suite file, an output path, a checkpoint) raises
 :class:`UsageError`; :func:`main` prints it as one line, ``gacbench CMD: error: MESSAGE``, and returns 2,
 as argparse does for its own errors. Any other exception is a bug and keeps its traceback.
+
+SIGINT or SIGTERM ends a long command (:data:`INTERRUPTIBLE`, through :func:`run_interruptible`) with one line on
+stderr, its ``--json`` file (when given) holding ``{"complete": false, ...}`` in place of the record it did not
+finish, and exit status 130 (SIGINT) or 143 (SIGTERM), 128 + the signal. ``bench`` and ``grpo`` handle the two
+signals themselves (``gacbench bench --help``; :mod:`gacbench.llm.cli`).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-from gacbench.usage import UsageError, check_output_dir, check_output_file  # noqa: F401  (re-exported)
+from gacbench.usage import (  # noqa: F401  (re-exported)
+    Interrupted,
+    UsageError,
+    check_output_dir,
+    check_output_file,
+    raise_on_signals,
+)
+
+#: the commands :func:`run_interruptible` runs: SIGINT / SIGTERM end them with exit 130 / 143
+INTERRUPTIBLE = ("overhead", "rollout-bench", "async-bench", "step-profile", "theory", "demo", "warm-start",
+                 "gpu-check", "power")
+
+
+def _signal_of(exc: BaseException) -> int | None:
+    """The signal behind ``exc``: :class:`Interrupted`'s, KeyboardInterrupt's SIGINT, or SIGTERM for Lightning's
+    SIGTERMException (its own handler replaces ours while a fit runs); None for anything else."""
+    if isinstance(exc, Interrupted):
+        return exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if type(exc).__name__ == "SIGTERMException":
+        return signal.SIGTERM
+    return None
+
+
+def run_interruptible(command: str, run, args, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
+    """``run(args)``, ended by one of ``signals`` with one line on stderr, ``{"complete": false, "command",
+    "signal"}`` written to ``args.json`` (when set), and exit status 128 + the signal (130, 143)."""
+    try:
+        with raise_on_signals(signals):
+            return run(args)
+    except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
+        signum = _signal_of(exc)
+        if signum is None:
+            raise
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second signal while the marker is written is ignored
+        signal.signal(s, signal.SIG_IGN)
+    name = signal.Signals(signum).name
+    json_path = getattr(args, "json", None)
+    note = ""
+    if isinstance(json_path, str):
+        from pathlib import Path
+
+        from gacbench.jsonio import write_json
+
+        write_json(Path(json_path), {"complete": False, "command": command, "signal": name})
+        note = f"; {json_path} marked incomplete"
+    print(f"gacbench {command}: interrupted ({name}) before it finished{note}", file=sys.stderr)
+    return 128 + signum
 
 
 def _suite_names() -> str:
@@ -201,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["grpo"]:  # LightningCLI parses its own arguments
-        from gacbench.llm.cli import run as run_grpo
-
-        return run_grpo(argv[1:])
+        # SIGTERM stays Lightning's (the fit stops at the end of its step): only SIGINT is raised at once
+        return run_interruptible("grpo", _grpo, argv[1:], signals=(signal.SIGINT,))
     parser = build_parser()
     args = parser.parse_args(argv)
     for option in ("json", "figure"):  # output files are checked before any work is done
@@ -215,6 +268,18 @@ def _run(argv: list[str]) -> int:
 
         print(__version__)
         return 0
+    if args.command in INTERRUPTIBLE:  # the handlers are in place before the command's imports
+        return run_interruptible(args.command, _dispatch, args)
+    return _dispatch(args)
+
+
+def _grpo(argv: list[str]) -> int:
+    from gacbench.llm.cli import run
+
+    return run(argv)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "overhead":
         from gacbench.bench.overhead import main as run
 
@@ -279,7 +344,7 @@ def _run(argv: list[str]) -> int:
         from gacbench.bench.demo import main as run
 
         return run(args)
-    parser.print_help()
+    build_parser().print_help()
     return 2
 
 

@@ -2,17 +2,49 @@
 
 :class:`UsageError` is raised for bad input (an option's value, a suite file, an output path, a checkpoint);
 ``gacbench``'s ``main`` prints it as one line, ``gacbench CMD: error: MESSAGE``, and returns 2. It lives at
-the bottom of the package so that every room can raise it.
+the bottom of the package so that every room can raise it. :class:`Interrupted` and :func:`raise_on_signals`
+turn SIGINT / SIGTERM into an exception that ``gacbench``'s commands end on with 130 / 143
+(``gacbench.cli.run_interruptible``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from pathlib import Path
 
 
 class UsageError(ValueError):
     """Bad input that the user can fix; the message names the option or file and the fix."""
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by :func:`raise_on_signals`' handler: a BaseException, so that neither an
+    ``except Exception`` nor Lightning's KeyboardInterrupt handling (which exits 1) takes it for something else."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+    """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread; the previous
+    handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes."""
+    import threading
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        signals = ()
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def check_output_file(option: str, path: str) -> None:

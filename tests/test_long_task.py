@@ -85,7 +85,8 @@ def test_registry_builds_the_task_with_its_options_and_default_reward():
     assert task == ScratchpadTask(min_ops=2, max_ops=3, max_operand=5, seed=7)
     assert reward_fn(task.default_reward) is final_line_reward
     assert build_task(TaskConfig(name="scratchpad", eval_fraction=0.2), 0).eval_fraction == 0.2
-    with pytest.raises(UsageError, match="unknown task.options ops.*min_ops, max_ops and max_operand"):
+    with pytest.raises(ValueError, match="task.options 'ops': not an option of task 'scratchpad'.*min_ops, max_ops, "
+                                         "max_operand"):
         build_task(TaskConfig(name="scratchpad", options={"ops": 2}), 0)
 
 

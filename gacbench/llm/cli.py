@@ -23,6 +23,17 @@ A fresh run (no ``--ckpt_path``) whose directory already holds a run (its ``summ
 fixes: another version or save directory, ``--ckpt_path last``, or ``--overwrite``, which deletes those files
 (and the ``*.ckpt`` of a checkpoint directory inside the run's) and starts afresh.
 
+A run claims its directory (the logger's) for as long as it runs, as the bench runner claims a cell: an exclusive
+``flock`` on ``.claim`` there, recording its pid. A second run on a directory held by a live run is refused in one
+line naming the holder's pid; a claim left by a run that was killed is taken over, saying so on stderr.
+
+Every checkpoint records the run's config hash (:func:`run_hash`: the method, ``seed_everything`` and the ``model``
+section less ``model.steps``, since a resume with a larger ``trainer.max_steps`` continues the same run). A
+checkpoint of another run (a ``ModelCheckpoint`` directory shared by two runs) is refused at ``--ckpt_path``,
+naming it and both hashes. A resume of a finished run (its checkpoint at ``max_steps`` and its summary
+``finished``) changes nothing: it says so in one line and exits 0; ``--refresh_summary`` evaluates it again and
+rewrites its summary.json.
+
 A resume keeps what the earlier sessions wrote. Lightning's CSVLogger deletes ``metrics.csv`` when fit
 starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed session ends,
 whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows before the checkpoint's
@@ -37,9 +48,10 @@ counters of the whole run (``dropped``, ``regenerated``, ``worker_restarts``); a
 there is recorded as the mode (``"method": "async"``).
 
 SIGTERM (a scheduler's pre-emption, ``kill``) stops the fit at the end of the current step (Lightning's
-signal handling); the run then writes ``summary.json`` with ``"status": "interrupted"``, the steps done and no
-final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM). It resumes with ``--ckpt_path
-last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal).
+signal handling), SIGINT (Ctrl-C) at once; the run then writes ``summary.json`` with ``"status": "interrupted"``,
+the steps done and no final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM) or 130 (SIGINT).
+SIGINT before the fit starts (while the model loads) ends the command with one line and exit 130. It resumes
+with ``--ckpt_path last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal).
 
 A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
 from ``gacbench``), naming the option and the fix.
@@ -47,21 +59,24 @@ from ``gacbench``), naming the option and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import warnings
 from pathlib import Path
 
+from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gacbench.llm.grpo import GRPOModule
-from gacbench.usage import UsageError
+from gacbench.usage import Interrupted, UsageError
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
 
@@ -79,6 +94,10 @@ class GRPOCLI(LightningCLI):
         parser.add_argument("--overwrite", action="store_true",
                             help="replace the run already in the logger's directory (its metrics, config, summary and "
                                  "checkpoints are deleted first); without it such a run is refused")
+
+        parser.add_argument("--refresh_summary", action="store_true",
+                            help="with --ckpt_path, let the resume of a finished run (its checkpoint at max_steps) "
+                                 "evaluate it again and rewrite its summary.json; without it that run is left as is")
 
         parser.link_arguments("trainer.max_steps", "model.steps")
 
@@ -222,16 +241,106 @@ class RunConfigSaver(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
-def checkpoint_step(path: Path) -> int:
-    """The ``global_step`` recorded inside a Lightning checkpoint (its tensors memory-mapped, not read);
-    raises for a file that cannot be read as one."""
+RUN_KEY = "gacbench_run"  # a checkpoint's record of the run it belongs to: {"config_hash": ...}
+HASH_EXCLUDED = ("steps",)  # model settings a resume may change: more steps continue the same run
+
+
+def run_hash(config) -> str:
+    """The identity of a run, recorded in its checkpoints: a hash of its method, ``seed_everything`` and ``model``
+    section (every GRPOModule argument), less ``model.steps`` (``trainer.max_steps``: resuming with more steps
+    continues the same run). The trainer's other settings (devices, logging, checkpointing) are left out too:
+    a run may resume on another machine or with another logger."""
+    import hashlib
+
+    model = config.model.as_dict() if hasattr(config.model, "as_dict") else dict(config.model)
+    ident = {"method": config.method, "seed_everything": config.get("seed_everything"),
+             "model": {k: v for k, v in model.items() if k not in HASH_EXCLUDED}}
+    text = json.dumps(ident, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class RunRecorder(Callback):
+    """Writes the run's :func:`run_hash` into every checkpoint it saves (``checkpoint["gacbench_run"]``)."""
+
+    def __init__(self, config_hash: str) -> None:
+        self.config_hash = config_hash
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[RUN_KEY] = {"config_hash": self.config_hash}
+
+
+def read_checkpoint(path: Path) -> tuple[int, str | None]:
+    """``(global_step, config_hash)`` recorded inside a Lightning checkpoint (its tensors memory-mapped, not read;
+    the hash None for a checkpoint written without :class:`RunRecorder`); raises for a file that cannot be read
+    as one."""
     import torch
 
     ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
     if not isinstance(step, int):
         raise ValueError("it records no global_step (not a Lightning checkpoint)")
-    return step
+    record = ckpt.get(RUN_KEY)
+    return step, record.get("config_hash") if isinstance(record, dict) else None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The ``global_step`` recorded inside a Lightning checkpoint; raises for a file that cannot be read as one."""
+    return read_checkpoint(path)[0]
+
+
+def check_checkpoint_run(path: str | Path, config_hash: str | None) -> None:
+    """Refuse a checkpoint that records another run's hash than ``config_hash`` (a ModelCheckpoint directory
+    shared by two runs), naming the checkpoint and both hashes."""
+    if config_hash is None:
+        return
+    _, recorded = read_checkpoint(Path(path))
+    if recorded is not None and recorded != config_hash:
+        raise UsageError(f"--ckpt_path: {path} belongs to another run (its config hash {recorded}, this run's "
+                         f"{config_hash}: another method, seed or model setting); resume from a checkpoint of this "
+                         "run, or give each run its own ModelCheckpoint dirpath")
+
+
+def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
+    """Claim the run directory ``log_dir`` for this process until ``stack`` closes (an exclusive ``flock`` on
+    ``log_dir/.claim``, recording pid, host and start time, as the bench runner claims a cell): a directory
+    another live process holds is refused in one line naming its pid; a claim whose holder is gone is taken
+    over, saying so on stderr."""
+    from gacbench.bench.cell import CLAIM_FILE, hold
+    from gacbench.jsonio import pid_alive
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / CLAIM_FILE
+    held = stack.enter_context(hold(path, wait=False))
+    if held:  # a clean end clears the record (before the lock is released), so a record found here is stale
+        stack.callback(path.write_text, "")
+    try:
+        holder = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        holder = {}
+    holder = holder if isinstance(holder, dict) else {}
+    if not held:
+        pid = holder.get("pid", "unknown: it has not written its record yet")
+        raise UsageError(f"{log_dir} is in use by another gacbench grpo run (pid {pid}"
+                         f"{' on ' + str(holder['host']) if holder.get('host') else ''}); wait for it to end, or give "
+                         "this run another directory (--trainer.logger.init_args.version NAME)")
+    pid = holder.get("pid")
+    if isinstance(pid, int) and pid != os.getpid():  # its holder ended without releasing it (killed, crashed)
+        state = "no longer running" if not pid_alive(pid) else "no longer holding it"
+        print(f"gacbench grpo: taking over {log_dir}: the run that claimed it (pid {pid}) is {state}",
+              file=sys.stderr)
+    path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+
+
+def finished_run(log_dir: str | None, ckpt_step: int | None, max_steps: int) -> bool:
+    """Whether a resume (``ckpt_step`` not None) has nothing left to do: its checkpoint is at ``max_steps`` or
+    beyond and the run's summary.json records ``"status": "finished"``."""
+    if ckpt_step is None or log_dir is None or ckpt_step < max_steps:
+        return False
+    try:
+        summary = json.loads((Path(log_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("status") == "finished"
 
 
 def _reason(exc: BaseException) -> str:
@@ -243,14 +352,16 @@ def _name_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def resolve_ckpt(trainer, ckpt_path: str | None) -> tuple[str | None, int | None]:
+def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None) -> tuple[str | None, int | None]:
     """``(path, step)`` of the checkpoint to resume from, or ``(None, None)`` for a fresh run.
 
     ``last``: of the run's checkpoint directory, the checkpoint with the highest ``global_step`` recorded
     inside it (not the newest file: a copied run directory has arbitrary modification times; at equal steps
     a ``step=N`` file before ``last.ckpt``). An unreadable checkpoint that may be newer than the best readable
     one (a higher ``step=N`` in its name, or, without one, a later modification time) is refused, naming it
-    and the previous good one; older unreadable ones are skipped with a warning."""
+    and the previous good one; older unreadable ones are skipped with a warning. With ``config_hash`` (the run's
+    :func:`run_hash`), a checkpoint chosen that records another run's hash is refused
+    (:func:`check_checkpoint_run`)."""
     if ckpt_path is None:
         return None, None
     if ckpt_path != "last":
@@ -259,10 +370,12 @@ def resolve_ckpt(trainer, ckpt_path: str | None) -> tuple[str | None, int | None
             raise UsageError(f"--ckpt_path {ckpt_path}: no such checkpoint file "
                              "(--ckpt_path last takes the run's latest)")
         try:
-            return str(path), checkpoint_step(path)
+            step = checkpoint_step(path)
         except Exception as exc:  # any failure to read the file: the file is the problem
             raise UsageError(f"--ckpt_path {path} cannot be read as a checkpoint ({_reason(exc)}); give another "
                              "checkpoint of the run, or --ckpt_path last") from None
+        check_checkpoint_run(path, config_hash)
+        return str(path), step
     ckpt_dir = _ckpt_dir(trainer)
     found = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir and ckpt_dir.is_dir() else []
     if not found:
@@ -285,6 +398,7 @@ def resolve_ckpt(trainer, ckpt_path: str | None) -> tuple[str | None, int | None
                              f"previous good one is {best[1]} (step {best[0]}): resume from it with --ckpt_path "
                              f"{best[1]}, after moving {path} out of {ckpt_dir}")
         warnings.warn(f"--ckpt_path last: skipping the unreadable older checkpoint {path} ({reason})", stacklevel=2)
+    check_checkpoint_run(best[1], config_hash)
     return str(best[1]), best[0]
 
 
@@ -377,10 +491,24 @@ def run(argv: list[str]) -> int:
                       trainer_defaults=cli_trainer_defaults(),
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
-    ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path)
-    if ckpt is None and trainer.global_rank == 0:  # DDP: the other ranks start once rank 0 is in fit
-        guard_earlier_run(trainer, cli.config.overwrite)
+    config_hash = run_hash(cli.config)
+    trainer.callbacks.append(RunRecorder(config_hash))
+    ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path, config_hash)
     log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+    if finished_run(trainer.log_dir, ckpt_step, trainer.max_steps) and not cli.config.refresh_summary:
+        print(f"gacbench grpo: {trainer.log_dir} is a finished run ({ckpt_step} of {trainer.max_steps} steps): left "
+              "unchanged; raise --trainer.max_steps to continue it, or pass --refresh_summary to evaluate it again "
+              "and rewrite its summary.json", file=sys.stderr)
+        return 0
+    with contextlib.ExitStack() as stack:
+        if trainer.global_rank == 0:  # DDP: the other ranks start once rank 0 is in fit
+            claim_run_dir(Path(trainer.log_dir or "."), stack)
+            if ckpt is None:
+                guard_earlier_run(trainer, cli.config.overwrite)
+        return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir)
+
+
+def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: str | None) -> int:
     keeper = MetricsKeeper(log_dir) if ckpt and log_dir else None
     device = trainer.strategy.root_device
     model.policy.to(device)  # evaluate where training runs (Lightning moves the module only inside fit)
@@ -388,11 +516,13 @@ def run(argv: list[str]) -> int:
     if keeper is not None:
         keeper.before_resume()
     t0 = time.perf_counter()
-    terminated = False
+    terminated = 0  # the signal that ended the fit
     try:
         trainer.fit(model, ckpt_path=ckpt)
     except SIGTERMException:  # Lightning stops the fit at the end of the current step
-        terminated = True
+        terminated = signal.SIGTERM
+    except Interrupted as exc:  # SIGINT (gacbench.usage.raise_on_signals): at once, in the middle of the step
+        terminated = exc.signum
     finally:  # also when the session fails: the earlier rows go back into metrics.csv
         if keeper is not None:
             keeper.after_resume(ckpt_step)
@@ -419,8 +549,9 @@ def run(argv: list[str]) -> int:
     print(text)
     print(f"wrote {out / 'summary.json'}")
     if terminated:
-        print(f"gacbench grpo: terminated (SIGTERM) after {trainer.global_step} of {trainer.max_steps} steps; resume "
+        how = "terminated (SIGTERM)" if terminated == signal.SIGTERM else "interrupted (SIGINT)"
+        print(f"gacbench grpo: {how} after {trainer.global_step} of {trainer.max_steps} steps; resume "
               "with --ckpt_path last (from the run's last checkpoint)", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return 128 + terminated
     return 0
 

@@ -270,7 +270,8 @@ class GRPOModule(Objective):
     @classmethod
     def check_settings(cls, params: Mapping[str, Any]) -> None:
         """The sections' keys and values and the module's own, without loading a model or starting an engine:
-        engine.name a registered engine, task.name a registered task, task.reward None or a registered reward,
+        engine.name a registered engine, task.name a registered task and its settings
+        (:func:`gacbench.llm.tasks.check_task_settings`), task.reward None or a registered reward,
         model.size a known size (without model.path), staleness >= 0 and the rollout mode's settings
         (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts, max_tokens and
         logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
@@ -281,7 +282,7 @@ class GRPOModule(Objective):
         super().check_settings({k: v for k, v in params.items() if k != "optimizer"})
         from gacbench.llm.async_source import resolve_mode
         from gacbench.llm.model import MODEL_SIZES
-        from gacbench.llm.tasks import REWARDS, task_factory
+        from gacbench.llm.tasks import REWARDS, check_task_settings, task_factory
         from gacbench.objectives.base import check_lookup, check_name, check_range
         from gacbench.rollout.engines import engine_names
 
@@ -294,6 +295,7 @@ class GRPOModule(Objective):
         o = _section(OptimizerConfig, params.get("optimizer"), "optimizer")
         check_name(owner, "engine.name", e.name, engine_names(), "a registered engine")
         check_lookup(owner, "task.name", t.name, task_factory)
+        check_task_settings(t, owner)
         if t.reward is not None:
             check_name(owner, "task.reward", t.reward, REWARDS, "a registered reward")
         if m.path is None:

@@ -45,6 +45,7 @@ After a failed generation or sync, :func:`discard_engine` closes the engine and 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import gc
@@ -169,6 +170,7 @@ def acquire_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_
     _factory(spec.name)  # an unknown name fails before anything is closed
     key = engine_key(spec, model_path=model_path, policy=policy, max_model_len=max_model_len)
     held = _LIVE.get(spec.name)
+    _close_at_exit()
     if held is not None:
         if held[0] == key:
             engine = held[1]
@@ -179,6 +181,28 @@ def acquire_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_
                           pad_token_id=pad_token_id, max_model_len=max_model_len, seed=seed)
     _LIVE[spec.name] = (key, engine)
     return engine
+
+
+def _close_at_exit() -> None:
+    """(Re-)register :func:`_close_engines_at_exit` with ``atexit``, so that it runs before every exit handler
+    registered before this call (``atexit`` is last in, first out), among them
+    :func:`gacbench.functional.collective.release_process_group_at_exit`'s, which destroys the default process
+    group that vLLM's engine core destroys again in its own shutdown."""
+    atexit.unregister(_close_engines_at_exit)
+    atexit.register(_close_engines_at_exit)
+
+
+def _close_engines_at_exit() -> None:
+    """Close the engines this process holds while the interpreter is whole. Left to the interpreter's
+    finalization, vLLM's engine core shuts down after the other exit handlers and prints a traceback
+    (``ValueError: Invalid process group specified``) although the work is done. A spawned bench pool
+    worker is skipped: it ends with ``os._exit`` (gacbench.bench.executors.exit_without_teardown) and runs
+    no finalizer."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        return
+    release_engines()
 
 
 def cached_engine(name: str) -> RolloutEngine | None:

@@ -1,0 +1,284 @@
+"""Hostile inputs to `gacbench grpo` and the long commands: task settings a task does not use or out of range, two
+runs in one run directory, another run's checkpoint, a redundant resume of a finished run, and SIGINT / SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gacbench.cli import UsageError, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "tasks/llm/tiny.yaml")
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """The one error line of a command that must exit 2 without a traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+# -- task settings ------------------------------------------------------------------------------------------------
+def test_a_task_setting_the_task_does_not_read_or_out_of_range_is_refused_naming_the_key():
+    from gacbench.llm.grpo import GRPOModule
+    from gacbench.objectives.base import SettingError
+
+    cases = [  # (task section, key named, text of the message)
+        ({"path": "/nonexistent/data.jsonl"}, "task.path", "not a setting of task 'arithmetic'"),
+        ({"options": {"zzz": 1}}, "task.options", "'zzz': not an option of task 'arithmetic'"),
+        ({"eval_fraction": 1.5}, "task.eval_fraction", "in (0, 1)"),
+        ({"eval_fraction": 0.0}, "task.eval_fraction", "in (0, 1)"),
+        ({"max_ops": 0}, "task.max_ops", ">= 1"),
+        ({"name": "scratchpad", "max_ops": 4}, "task.max_ops", "not a setting of task 'scratchpad'"),
+        ({"name": "scratchpad", "options": {"min_ops": 4}}, "task.options.min_ops", "min_ops=4 > max_ops=3"),
+        ({"name": "scratchpad", "options": {"max_operand": 0}}, "task.options.max_operand", ">= 1"),
+        ({"name": "math"}, "task.path", "needs task.path"),
+        ({"name": "math", "path": "x.jsonl", "max_operand": 3}, "task.max_operand", "task 'math'"),
+        ({"name": "math", "path": "x.jsonl", "options": {"ops": 1}}, "task.options", "prompt_key, answer_key"),
+    ]
+    for task, key, text in cases:
+        with pytest.raises(SettingError, match=text.replace("(", r"\(").replace(")", r"\)")) as exc:
+            GRPOModule.check_settings({"task": task})
+        assert exc.value.key == key, (task, exc.value)
+    # what a task reads is accepted; the arithmetic task's settings list is in the message of a refusal
+    for task in ({}, {"max_ops": 3, "eval_fraction": 0.5}, {"name": "scratchpad", "options": {"min_ops": 1}},
+                 {"name": "math", "path": "x.jsonl", "template": "Q: {problem}", "options": {"prompt_key": "q"}}):
+        GRPOModule.check_settings({"task": task})
+    with pytest.raises(SettingError) as exc:
+        GRPOModule.check_settings({"task": {"template": "Q: {problem}"}})
+    assert "takes task.name, task.reward, task.max_ops, task.max_operand, task.eval_fraction" in str(exc.value)
+
+
+def test_the_arithmetic_task_holds_out_its_eval_fraction():
+    from gacbench.llm.task import _is_eval
+    from gacbench.llm.tasks import TaskConfig, build_task
+
+    task = build_task(TaskConfig(eval_fraction=0.5), seed=0)
+    assert task.eval_fraction == 0.5
+    assert all(_is_eval(p.prompt, 0.5) for p in task.batch("eval", 0, 50))
+    assert not any(_is_eval(p.prompt, 0.5) for p in task.batch("train", 0, 50))
+    assert build_task(TaskConfig(), 0).batch("train", 0, 20) == build_task(TaskConfig(), 0).batch("train", 0, 20)
+
+
+def test_grpo_and_bench_refuse_unused_and_out_of_range_task_settings_before_loading_a_model(capsys, tmp_path,
+                                                                                           monkeypatch):
+    import gacbench.llm.grpo as grpo
+
+    monkeypatch.setattr(grpo, "load", lambda *a: pytest.fail("a model was loaded"))
+    line = _refused(capsys, ["grpo", "--config", TINY, "--model.task.path", "/nonexistent/data.jsonl"])
+    assert "task.path='/nonexistent/data.jsonl' is not a setting of task 'arithmetic'" in line
+    line = _refused(capsys, ["grpo", "--config", TINY, "--model.task.options", '{"zzz": 1}'])
+    assert "'zzz': not an option of task 'arithmetic'" in line
+    line = _refused(capsys, ["grpo", "--config", TINY, "--model.task.eval_fraction", "1.5"])
+    assert "task.eval_fraction=1.5" in line and "(0, 1)" in line
+    out = tmp_path / "grid"
+    line = _refused(capsys, ["bench", "--suite", "llm-smoke", "--param", "task.eval_fraction=1.5", "--out", str(out)])
+    assert line.startswith("gacbench bench: error: --param task.eval_fraction:") and "(0, 1)" in line
+    assert not out.exists()
+
+
+# -- the run directory's claim ----------------------------------------------------------------------------------
+HOLD = """import contextlib, sys, time
+from pathlib import Path
+from gacbench.llm.cli import claim_run_dir
+with contextlib.ExitStack() as stack:
+    claim_run_dir(Path(sys.argv[1]), stack)
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_run_directory_held_by_a_live_run_is_refused_naming_its_pid_and_a_dead_ones_is_taken_over(tmp_path,
+                                                                                                   capsys):
+    import contextlib
+
+    from gacbench.llm.cli import claim_run_dir
+
+    run_dir = tmp_path / "tiny" / "stale-s2-seed0"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=f"{run_dir} is in use by another gacbench grpo run \\(pid {proc.pid}"):
+            with contextlib.ExitStack() as stack:
+                claim_run_dir(run_dir, stack)
+        proc.kill()  # killed: the lock goes with it, its record stays
+        proc.wait()
+        with contextlib.ExitStack() as stack:
+            claim_run_dir(run_dir, stack)
+            assert json.loads((run_dir / ".claim").read_text())["pid"] == os.getpid()
+        assert f"taking over {run_dir}: the run that claimed it (pid {proc.pid}) is no longer running" in \
+            capsys.readouterr().err
+        assert (run_dir / ".claim").read_text() == ""  # a clean end clears the record: the next claim is silent
+        with contextlib.ExitStack() as stack:
+            claim_run_dir(run_dir, stack)
+        assert "taking over" not in capsys.readouterr().err
+    finally:
+        proc.kill()
+
+
+# -- another run's checkpoint ---------------------------------------------------------------------------------------
+def test_the_run_hash_leaves_out_steps_only_and_another_runs_checkpoint_is_refused_by_name(tmp_path):
+    import torch
+    from jsonargparse import Namespace
+
+    from gacbench.llm.cli import check_checkpoint_run, resolve_ckpt, run_hash
+
+    def config(**changes):
+        model = {"staleness": 2, "seed": 0, "steps": 4, "lr": 1e-4, "task": {"name": "arithmetic", "max_ops": 2}}
+        base = {"method": "stale", "seed_everything": 0, **changes.pop("top", {})}
+        return Namespace(**base, model=Namespace(**{**model, **changes}))
+
+    h = run_hash(config())
+    assert run_hash(config(steps=400)) == h  # more steps continue the same run
+    others = [config(seed=1), config(staleness=3), config(lr=2e-4), config(task={"name": "arithmetic", "max_ops": 3}),
+              config(top={"method": "gac"}), config(top={"seed_everything": 1})]
+    assert len({h, *map(run_hash, others)}) == 1 + len(others)
+
+    d = tmp_path / "shared"
+    d.mkdir()
+    torch.save({"global_step": 4, "gacbench_run": {"config_hash": "0123456789abcdef"}}, d / "last.ckpt")
+    check_checkpoint_run(d / "last.ckpt", "0123456789abcdef")
+    check_checkpoint_run(d / "last.ckpt", None)
+    message = f"{d / 'last.ckpt'} belongs to another run \\(its config hash 0123456789abcdef, this run's {h}"
+    with pytest.raises(UsageError, match=message):
+        check_checkpoint_run(d / "last.ckpt", h)
+    trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(d)), loggers=[])
+    with pytest.raises(UsageError, match=message):
+        resolve_ckpt(trainer, "last", h)
+    with pytest.raises(UsageError, match=message):
+        resolve_ckpt(trainer, str(d / "last.ckpt"), h)
+    torch.save({"global_step": 2}, d / "old.ckpt")  # written without a record: accepted
+    assert resolve_ckpt(trainer, str(d / "old.ckpt"), h) == (str(d / "old.ckpt"), 2)
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
+def test_a_shared_checkpoint_dir_and_a_redundant_resume_of_a_finished_run(tiny_llm_dir, tmp_path, capsys):
+    from conftest import TINY_TASK
+
+    shared = tmp_path / "shared-ckpts"
+    cfg = tmp_path / "ckpt.yaml"
+    cfg.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                   f"      init_args: {{dirpath: {shared}, every_n_train_steps: 2}}\n")
+    args = ["--config", TINY, "--config", str(cfg), "--model.model.path", tiny_llm_dir, "--model.engine.name", "hf",
+            "--model.rollout.prompts", "2", "--model.rollout.group", "2", "--model.rollout.max_tokens", "4",
+            "--model.eval_size", "4", "--model.eval_every", "2", "--model.task.max_ops", str(TINY_TASK["max_ops"]),
+            "--model.task.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir",
+            str(tmp_path), "--method", "stale", "--model.staleness", "1", "--trainer.max_steps", "2"]
+    assert main(["grpo", *args]) == 0
+    run_dir = tmp_path / "tiny" / "stale-s1-seed0"
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    ckpts = {p.name: p.read_bytes() for p in shared.glob("*.ckpt")}
+    capsys.readouterr()
+    assert main(["grpo", *args, "--ckpt_path", "last"]) == 0  # nothing left to do: left byte for byte
+    err = capsys.readouterr().err
+    assert f"{run_dir} is a finished run (2 of 2 steps): left unchanged" in err and "--refresh_summary" in err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+    assert {p.name: p.read_bytes() for p in shared.glob("*.ckpt")} == ckpts
+    # another seed sharing the checkpoint directory does not adopt the first run's checkpoint
+    line = _refused(capsys, ["grpo", *args, "--model.seed", "1", "--ckpt_path", "last"])
+    assert f"{shared}" in line and "belongs to another run (its config hash" in line
+    assert main(["grpo", *args, "--ckpt_path", "last", "--refresh_summary"]) == 0  # asked for: rewritten
+    assert (run_dir / "summary.json").read_bytes() != files["summary.json"]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+# -- signals --------------------------------------------------------------------------------------------------------
+def _handles(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` installed (/proc's SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("command,sig", [(["theory"], signal.SIGTERM), (["theory"], signal.SIGINT),
+                                         (["demo", "--steps", "100000"], signal.SIGTERM)])
+def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_plus_the_signal(tmp_path, command,
+                                                                                               sig):
+    out = tmp_path / "out.json"
+    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, *command, "--json", str(out)], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _handles(proc.pid, signal.SIGTERM):  # the command's handlers are in place: it has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1] == (f"gacbench {command[0]}: interrupted ({name}) before it finished; {out} "
+                                            "marked incomplete") and "Traceback" not in err, err
+    assert json.loads(out.read_text()) == {"complete": False, "command": command[0], "signal": name}
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
+def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path):
+    from conftest import TINY_TASK
+
+    cfg = tmp_path / "ckpt.yaml"
+    cfg.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+                   "      init_args: {every_n_train_steps: 2, save_top_k: -1}\n")
+    args = ["--config", TINY, "--config", str(cfg), "--model.model.path", tiny_llm_dir, "--model.engine.name", "hf",
+            "--model.rollout.prompts", "2", "--model.rollout.group", "2", "--model.rollout.max_tokens", "4",
+            "--model.eval_size", "4", "--model.eval_every", "2", "--model.task.max_ops", str(TINY_TASK["max_ops"]),
+            "--model.task.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir",
+            str(tmp_path), "--trainer.max_steps", "1000"]
+    run_dir = tmp_path / "tiny" / "sync-s0-seed0"
+    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():  # in the middle of fit
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted (SIGINT) after" in err and "Traceback" not in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 1000 and summary["eval_acc_final"] is None
+
+
+# -- engine shutdown --------------------------------------------------------------------------------------------
+CLOSING = """import atexit, torch
+from gacbench.rollout.engines import acquire_engine, register_engine
+
+class Closing:
+    version = 0
+    def close(self):
+        print("engine closed", flush=True)
+
+register_engine("test-closing", lambda spec, **kw: Closing())
+atexit.register(print, "process group released")  # registered first, as GRPOModule.setup does before the engine
+policy = torch.nn.Linear(2, 2)
+first = acquire_engine("test-closing", model_path=".", policy=policy, eos_token_id=0, pad_token_id=0)
+atexit.register(print, "a later handler")
+assert acquire_engine("test-closing", model_path=".", policy=policy, eos_token_id=0, pad_token_id=0) is first
+"""
+
+
+def test_a_held_engine_is_closed_at_exit_before_the_handlers_registered_before_its_last_acquire(tmp_path):
+    out = subprocess.run([sys.executable, "-c", CLOSING], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["engine closed", "a later handler", "process group released"], out.stdout
