@@ -48,12 +48,12 @@ class Consumed(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         original = pl_module.policy_loss
 
-        def spy(data):
+        def spy(data, *args):
             self.rows.append({"step": trainer.global_step,
                               "versions": data["versions"].tolist() if "versions" in data else None,
                               "lag": data["sample_lag"].tolist() if "sample_lag" in data else None,
                               "ids": data["packed"]["ids"].clone(), "rewards": data["rewards"].clone()})
-            return original(data)
+            return original(data, *args)
 
         pl_module.policy_loss = spy
 
@@ -159,9 +159,9 @@ class BehaviourIsEngine(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         original = pl_module.policy_loss
 
-        def spy(data):
+        def spy(data, *args):
             self.same.append(torch.equal(data["logp_behav"], data["engine_logp"]))
-            return original(data)
+            return original(data, *args)
 
         pl_module.policy_loss = spy
 
