@@ -50,11 +50,11 @@ if len(versions) > 1 and not allow:
 PY
 }
 
-# bandit-baselines: every registered method on the bandit at s in {8, 16, 32} + sync, 3 seeds (129 cells,
-# about 2 min), a part of the synthetic suite stored on its own
+# bandit-baselines: every registered method on the bandit, with gac-step and the staleness-scaled lr beside GAC, at
+# s in {8, 16, 32} + sync, 3 seeds (192 cells, about 3 min), a part of the synthetic suite stored on its own
 bandit_baselines() {
     "$GACBENCH" bench --suite synthetic --tasks bandit --staleness 0,8,16,32 --out "$RUNS/bandit-baselines" \
-        --methods sync,stale,gac,gac-calibrated,m2po,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo
+        --methods sync,stale,gac,gac-calibrated,gac-step,lr-scaled,m2po,m2po-threshold,bapo,tis,decoupled-ppo,dual-clip,gspo,cispo,tis-engine,mis,icepop,vcpo,opsm,geo-seq-mask,vespo,a3po
 }
 
 # llm-readings: the part of llm-headline that compares every reading of GAC: sync, and stale, gac, gac-calibrated,
