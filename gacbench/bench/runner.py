@@ -54,7 +54,7 @@ from gacbench.bench.cell import (
     engine_key,
     identity_diff,
     show_change,
-    stored_config,
+    stored_diff,
     stored_done,
     stored_done_cells,
     stored_environment,
@@ -217,7 +217,7 @@ def check_stored(cells: list[dict], root: Path) -> None:
     for c in cells:
         done = stored_done(root, c)
         if done is not None:
-            diff = identity_diff(stored_config(root, c, done), c)
+            diff = stored_diff(root, c, done)
             if diff:
                 mismatched.append((cell_dir(root, c), c["task"], diff))
     others = 0
@@ -239,19 +239,20 @@ def check_stored(cells: list[dict], root: Path) -> None:
         for key, (old, new) in diff.items():
             change = show_change(key, old, new)
             changes[change] = changes.get(change, 0) + 1
-    lines = [f"{root} holds {len(mismatched)} finished cell(s) computed with other settings than this run asks for:"]
-    lines += [f"  {change}, in {n} cell(s)" for change, n in changes.items()]
+    lines = [f"{root} holds {len(mismatched)} finished cell(s) computed with other settings than this run asks for: "
+             + "; ".join(f"{change}, in {n} cell(s)" for change, n in changes.items()) + "."]
     dirs = [str(d) for d, _, _ in mismatched]
-    lines.append("  cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more" if len(dirs) > 3 else ""))
+    lines.append("Cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more." if len(dirs) > 3 else "."))
     tasks = sorted({task for _, task, _ in mismatched})
     if others:
         lines.append(f"{others} of them are cells of task(s) {', '.join(tasks)} outside this grid (another method, "
                      "staleness or seed): the cells of one task in one directory share its objective, parameters and "
                      "steps, since the summary averages them over seeds and compares them across methods.")
-    lines.append("A finished cell is reused only for the same objective, parameters, steps and method. Fix: use "
+    lines.append("A finished cell is reused only for the same task, objective, parameters, steps, warm-up, method, "
+                 "staleness and seed. Fix: use "
                  "another --out, or delete the stored cells to recompute them with these settings ("
                  + "; ".join(f"rm -r {root / 'cells' / t}" for t in tasks) + " removes every cell of a task).")
-    raise CellMismatchError("\n".join(lines))
+    raise CellMismatchError(" ".join(lines))  # one line: gacbench prints it and exits 2
 
 
 def check_references(cells: list[dict], root: Path) -> None:
@@ -382,8 +383,6 @@ def main(args) -> int:
         timing = run_grid(cells, out, args.workers, args.executor, console,
                           rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads)
         check_stop()  # a stop whose raise was lost in the grid's last cell
-    except CellMismatchError as exc:
-        raise SystemExit(f"gacbench bench: {exc}") from None
     except GridInterrupted as stop:
         done = sum(is_done(out, c) for c in cells)
         print(f"gacbench bench: stopped by {signal.Signals(stop.signum).name}: {done} of {len(cells)} cells done and "
