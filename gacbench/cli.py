@@ -15,11 +15,15 @@ from gacbench.usage import UsageError, check_output_dir, check_output_file  # no
 
 
 def _suite_names() -> str:
-    """The suites shipped in tasks/suites/ (read without importing the runner, which imports torch)."""
+    """The suites shipped in tasks/suites/ of a checkout, or packed in the wheel (read without importing the
+    runner, which imports torch: the same rule as :func:`gacbench.bench.validate.suites_dir`)."""
     from pathlib import Path
 
-    names = sorted(x.stem for x in (Path(__file__).resolve().parents[1] / "tasks" / "suites").glob("*.yaml"))
-    return ", ".join(names) or "none found: run from a clone of the repository"
+    here = Path(__file__).resolve().parent
+    checkout, packaged = here.parent / "tasks" / "suites", here / "_tasks" / "suites"
+    folder = checkout if checkout.is_dir() or not packaged.is_dir() else packaged
+    names = sorted(x.stem for x in folder.glob("*.yaml"))
+    return ", ".join(names) or f"none found in {folder}"
 
 
 def _kernel_list(text: str) -> str:

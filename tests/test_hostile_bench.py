@@ -3,12 +3,21 @@ grid flags that leave methods out, task names that are not one path component, u
 disk, clashing stabilizer plug-ins, and the suites a wheel install must find."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
+import pytest
 from conftest import bench, quadratic_suite
 
 from gacbench.bench.cell import cell_dir
+from gacbench.bench.validate import SUITES_DIR, suites_dir
+from gacbench.usage import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _copy_cell(out: Path, src: dict, dst: dict) -> None:
@@ -56,3 +65,55 @@ def test_a_cell_computed_with_another_warmup_is_refused(tmp_path, capsys):
     capsys.readouterr()
     assert bench(quadratic_suite(tmp_path / "w", methods=["sync", "stale"], warmup=9), out) == 2
     assert "warmup: 5 (stored) -> 9 (now)" in capsys.readouterr().err
+
+
+# -- a task name is one path component ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", "/abs"])
+def test_a_task_name_that_is_not_one_path_component_is_refused(tmp_path, capsys, name):
+    suite = quadratic_suite(tmp_path, methods=["sync"], staleness=[0],
+                            tasks={name: {"objective": "quadratic", "params": {"lr": 0.1}}})
+    out = tmp_path / "deep" / "out"
+    capsys.readouterr()
+    assert bench(suite, out) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "one path component" in err and repr(name) in err
+    assert not list(tmp_path.rglob("status.json")) and not list(tmp_path.rglob("config.json"))
+    with pytest.raises(UsageError, match="not one path component"):  # the store itself refuses too
+        cell_dir(out, {"task": name, "method": "sync", "staleness": 0, "seed": 0})
+
+
+# -- the suites ship in the wheel -----------------------------------------------------------------------------
+def test_the_suite_lookup_uses_the_checkout_else_the_packed_copy(tmp_path):
+    packed = tmp_path / "site" / "gacbench" / "_tasks"
+    (packed / "suites").mkdir(parents=True)
+    shutil.copy(REPO / "tasks" / "suites" / "synthetic-smoke.yaml", packed / "suites")
+    assert suites_dir(tmp_path / "site", packed) == packed / "suites"  # a wheel install: no tasks/ beside it
+    assert suites_dir(REPO, packed) == REPO / "tasks" / "suites"  # a checkout wins
+    assert SUITES_DIR == REPO / "tasks" / "suites"
+
+
+def test_the_wheel_carries_every_suite_and_llm_config(tmp_path):
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "gacbench", src / "gacbench", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "tasks", src / "tasks")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("gacbench-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        smoke = z.read("gacbench/_tasks/suites/synthetic-smoke.yaml")
+    assert smoke == (REPO / "tasks" / "suites" / "synthetic-smoke.yaml").read_bytes()
+    for pattern in ("suites/*.yaml", "llm/*.yaml"):
+        for f in (REPO / "tasks").glob(pattern):
+            assert f"gacbench/_tasks/{f.relative_to(REPO / 'tasks')}" in names
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    found = subprocess.run([sys.executable, "-c", "from gacbench.cli import _suite_names; print(_suite_names())"],
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+                           check=True).stdout
+    assert "synthetic-smoke" in found and "llm-smoke" in found

@@ -140,7 +140,16 @@ def engine_key(cell: dict) -> tuple[str, str]:
     return cell["objective"], json.dumps(cell.get("params", {}), sort_keys=True, default=str)
 
 
+def is_path_component(name: Any) -> bool:
+    """Whether ``name`` is a non-empty string naming one folder: no ``/``, ``\\`` or NUL, not ``.`` or ``..``."""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
 def cell_dir(root: Path, cell: dict) -> Path:
+    task = cell["task"]
+    if not is_path_component(task):
+        raise UsageError(f"task name {task!r} is not one path component: its cells would be stored outside "
+                         f"{Path(root) / 'cells'}; rename the task (no '/', '\\' or NUL, not '.' or '..')")
     method = "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in cell["method"])
     return root / "cells" / cell["task"] / method / f"s{cell['staleness']}" / f"seed{cell['seed']}"
 
