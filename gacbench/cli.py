@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)'; the keyword ablation "
                         "adds the suite's threshold-ablation cells (default: the suite's methods and its ablation)")
     p.add_argument("--staleness", default=None,
-                   help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
+                   help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's). sync runs only at "
+                        "0 and the stale methods only above 0: a list without 0 leaves sync out, and the run says so "
+                        "in a note naming each method left out")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
     p.add_argument("--tasks", default=None, help="comma-separated task names of the suite (default: all)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",

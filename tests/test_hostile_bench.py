@@ -117,3 +117,20 @@ def test_the_wheel_carries_every_suite_and_llm_config(tmp_path):
                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
                            check=True).stdout
     assert "synthetic-smoke" in found and "llm-smoke" in found
+
+
+# -- a grid never drops a method silently ---------------------------------------------------------------------
+def test_a_staleness_list_without_zero_names_sync_as_left_out(tmp_path, capsys):
+    suite, out = quadratic_suite(tmp_path, methods=["sync", "stale"]), tmp_path / "out"
+    capsys.readouterr()
+    assert bench(suite, out, "--staleness", "4") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "method sync is left out of this grid: it runs only at staleness 0" in text
+    assert "method stale is left out" not in text
+    assert not (out / "cells" / "quadratic" / "sync").exists() and (out / "cells" / "quadratic" / "stale").exists()
+    assert bench(suite, tmp_path / "zero", "--staleness", "0") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "method stale is left out of this grid: it runs only at a staleness > 0" in text
+    assert "method sync is left out" not in text
+    assert bench(suite, tmp_path / "all") == 0  # the suite's own grid leaves nothing out
+    assert "left out" not in capsys.readouterr().out

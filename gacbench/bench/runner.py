@@ -172,6 +172,29 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     return cells
 
 
+def left_out(suite: dict, methods: list[str] | None, cells: list[dict]) -> list[str]:
+    """One line per method of the grid (``methods``, else the suite's) that has no cell in ``cells``, saying why:
+    ``sync`` runs only at staleness 0 and the stale methods only at a staleness > 0, so a ``--staleness`` list
+    without 0 leaves sync out and one of 0 alone leaves the stale methods out; a task's own method list may
+    leave a method out too."""
+    asked = [m for m in (methods or suite["methods"]) if m != ABLATION]
+    present = {c["method"] for c in cells}
+    grid_s = sorted({int(c["staleness"]) for c in cells})
+    lines = []
+    for m in asked:
+        if m in present:
+            continue
+        stale = parse_method(m)[0].stale
+        if not stale and 0 not in grid_s:
+            why = "it runs only at staleness 0, which the staleness list leaves out (add 0 to --staleness to run it)"
+        elif stale and not any(s > 0 for s in grid_s):
+            why = "it runs only at a staleness > 0, and the staleness list has none"
+        else:
+            why = "no task of the grid runs it (a task's own methods: list leaves it out)"
+        lines.append(f"method {m} is left out of this grid: {why}")
+    return lines
+
+
 def check_lag(cells: list[dict]) -> None:
     """Refuse a staleness that no step of its cell would reach: the lag at step t is min(t, s), and t < steps,
     so a cell with s >= steps would be labelled s while its gradients are never more than steps - 1 old."""
@@ -366,6 +389,8 @@ def main(args) -> int:
     if not cells:
         raise UsageError("the grid has no cells: sync runs only at staleness 0 and the other methods only at a "
                          "staleness > 0; check --methods and --staleness")
+    for line in left_out(suite, methods, cells):
+        console.print(f"[yellow]note[/]: {line}", highlight=False)
     overrides = parse_params(getattr(args, "param", None) or [])
     for c in cells:
         c["params"] = merge_params(c["params"], overrides)
