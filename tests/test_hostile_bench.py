@@ -2,6 +2,7 @@
 grid flags that leave methods out, task names that are not one path component, unwritable summaries, a full
 disk, clashing stabilizer plug-ins, and the suites a wheel install must find."""
 
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from conftest import bench, quadratic_suite
 
 from gacbench.bench.cell import cell_dir
 from gacbench.bench.validate import SUITES_DIR, suites_dir
+from gacbench.cli import main
+from gacbench.jsonio import write_text
 from gacbench.usage import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,3 +137,67 @@ def test_a_staleness_list_without_zero_names_sync_as_left_out(tmp_path, capsys):
     assert "method sync is left out" not in text
     assert bench(suite, tmp_path / "all") == 0  # the suite's own grid leaves nothing out
     assert "left out" not in capsys.readouterr().out
+
+
+# -- an unwritable summary: one line naming the cause and the path; never a half-written file ------------------
+def _fail_writes_of(monkeypatch, name: str, err: int) -> None:
+    """Make every write of a file whose (temporary) name holds ``name`` raise OSError(err) with no file name, as
+    a failed write() does."""
+    real = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if name in self.name:
+            raise OSError(err, os.strerror(err))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("name", ["summary.json", "summary.md"])
+def test_a_full_disk_while_writing_a_summary_is_one_line_naming_it_and_leaves_the_old_file_whole(
+        tmp_path, capsys, monkeypatch, name):
+    suite, out = quadratic_suite(tmp_path, methods=["sync", "stale"]), tmp_path / "out"
+    assert bench(suite, out) == 0
+    before = (out / name).read_bytes()
+    _fail_writes_of(monkeypatch, name, errno.ENOSPC)
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("gacbench report: error: ") and f"cannot write {out / name}" in line
+    assert "No space left on device (ENOSPC)" in line
+    assert (out / name).read_bytes() == before and not list(out.glob(".*.tmp"))
+
+
+def test_write_text_replaces_atomically_and_a_failed_write_names_the_file(tmp_path, monkeypatch):
+    target = tmp_path / "timing.json"
+    write_text(target, "old")
+    _fail_writes_of(monkeypatch, "timing.json", errno.ENOSPC)
+    with pytest.raises(OSError) as exc:
+        write_text(target, "new")
+    assert exc.value.errno == errno.ENOSPC and exc.value.filename == str(target)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["timing.json"]
+
+
+def test_report_on_a_read_only_directory_is_one_line_naming_the_path(tmp_path, capsys, monkeypatch):
+    suite, out = quadratic_suite(tmp_path, methods=["sync", "stale"]), tmp_path / "out"
+    assert bench(suite, out) == 0
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):  # a read-only mount: creating or writing under out is refused
+        if str(path).startswith(str(out)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("gacbench report: error: cannot write ") and str(out) in line
+    assert "Read-only file system (EROFS)" in line and "Traceback" not in line
+
+
+# -- refusals are usage errors: one line, exit 2 ---------------------------------------------------------------
+def test_an_unknown_theory_check_is_one_line_and_exit_2(capsys):
+    assert main(["theory", "--checks", "no-such-check"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("gacbench theory: error: --checks: unknown check(s) no-such-check; the checks are: ")

@@ -34,6 +34,7 @@ after each of its cells.
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import signal
@@ -444,6 +445,22 @@ def _raise_if_disk_full(exc: BaseException) -> None:
         raise UsageError(disk_full_message(full, DISK_FULL_FIX)) from None
 
 
+#: the errors of a folder or file this process may not write: permissions, a read-only file system
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _raise_if_unwritable(exc: BaseException, fix: str = DISK_FULL_FIX) -> None:
+    """A full disk (:func:`_raise_if_disk_full`, its fix ``fix``), a read-only folder or a denied permission
+    behind ``exc`` becomes a one-line UsageError naming the path and the cause."""
+    full = disk_full(exc)
+    if full is not None:
+        raise UsageError(disk_full_message(full, fix)) from None
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
+        cause = exc.strerror or os.strerror(exc.errno)
+        raise UsageError(f"cannot write {exc.filename or 'a file'}: {cause} ({errno.errorcode[exc.errno]}); make the "
+                         "folder writable, or copy the bench directory to a writable place and run there") from None
+
+
 def _write_summary(out: Path, cells: list[dict] | None) -> dict[str, Any]:
     """:func:`gacbench.bench.report.build_report` of ``out``, one process at a time per directory; a full disk is
     a UsageError."""
@@ -453,24 +470,25 @@ def _write_summary(out: Path, cells: list[dict] | None) -> dict[str, Any]:
         with summary_lock(out):
             return build_report(out, cells=cells)  # every cell stored in --out, not only this grid's
     except OSError as exc:
-        _raise_if_disk_full(exc)
+        _raise_if_unwritable(exc)
         raise
 
 
 def report_command(args) -> int:
     """``gacbench report DIR``: :func:`gacbench.bench.report.main` with the stray temporaries of dead processes
-    removed first, one summary writer at a time per directory, and a full disk as a UsageError."""
+    removed first, one summary writer at a time per directory, and a full disk, a read-only folder or a denied
+    permission as a one-line UsageError naming the path."""
     from gacbench.bench.report import main as report_main
 
     root = Path(args.dir)
     if not (root / "cells").is_dir():
         return report_main(args)  # refused there, naming the folder
-    remove_stray_temporaries(root)
     try:
+        remove_stray_temporaries(root)
         with summary_lock(root):
             return report_main(args)
     except OSError as exc:
-        _raise_if_disk_full(exc)
+        _raise_if_unwritable(exc, "free space (or raise the quota) and rerun gacbench report: the cells are intact")
         raise
 
 
