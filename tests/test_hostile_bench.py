@@ -201,3 +201,20 @@ def test_an_unknown_theory_check_is_one_line_and_exit_2(capsys):
     assert main(["theory", "--checks", "no-such-check"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("gacbench theory: error: --checks: unknown check(s) no-such-check; the checks are: ")
+
+
+# -- a diverged run counts at its starting value ---------------------------------------------------------------
+def test_a_diverged_cell_counts_at_its_starting_value_in_the_group_and_per_seed():
+    from gacbench.bench.groups import group_records, per_seed
+
+    common = {"task": "t", "method": "stale", "staleness": 8, "status": "done", "metric": "loss",
+              "higher_is_better": False, "ablation": False, "initial": 10.0, "cos_median": 0.1, "cos_abs_q90": 0.5,
+              "cos_abs_le_005": 0.2}
+    cells = [{**common, "seed": 0, "final": 1e6, "diverged": True},  # finite, but diverged (10x worse than start)
+             {**common, "seed": 1, "final": float("nan"), "diverged": False},  # non-finite: also its start
+             {**common, "seed": 2, "final": 4.0, "diverged": False}]
+    (g,) = group_records(cells)
+    assert g["final_mean"] == pytest.approx((10 + 10 + 4) / 3)
+    assert g["final_std"] == pytest.approx(8 ** 0.5)  # population std of (10, 10, 4): sqrt((4 + 4 + 16) / 3)
+    assert g["diverged_frac"] == pytest.approx(1 / 3) and g["n"] == 3
+    assert per_seed(cells, "final") == {("t", "stale", 8): {0: 10.0, 1: 10.0, 2: 4.0}}
