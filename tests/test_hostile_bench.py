@@ -218,3 +218,17 @@ def test_a_diverged_cell_counts_at_its_starting_value_in_the_group_and_per_seed(
     assert g["final_std"] == pytest.approx(8 ** 0.5)  # population std of (10, 10, 4): sqrt((4 + 4 + 16) / 3)
     assert g["diverged_frac"] == pytest.approx(1 / 3) and g["n"] == 3
     assert per_seed(cells, "final") == {("t", "stale", 8): {0: 10.0, 1: 10.0, 2: 4.0}}
+
+
+# -- steps: 0 is refused where the suite is read ---------------------------------------------------------------
+@pytest.mark.parametrize("where", ["suite", "task"])
+@pytest.mark.parametrize("steps", [0, -3])
+def test_a_suite_or_task_with_no_steps_is_refused_before_anything_runs(tmp_path, capsys, where, steps):
+    task = {"objective": "quadratic", "params": {"lr": 0.1}, **({"steps": steps} if where == "task" else {})}
+    suite = quadratic_suite(tmp_path, methods=["sync", "stale"], tasks={"quadratic": task},
+                            **({"steps": steps} if where == "suite" else {}))
+    capsys.readouterr()
+    assert bench(suite, tmp_path / "out") == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"steps: {steps} is not a positive integer" in line and str(suite) in line
+    assert not (tmp_path / "out" / "cells").exists()
