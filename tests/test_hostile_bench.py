@@ -232,3 +232,23 @@ def test_a_suite_or_task_with_no_steps_is_refused_before_anything_runs(tmp_path,
     (line,) = capsys.readouterr().err.splitlines()
     assert f"steps: {steps} is not a positive integer" in line and str(suite) in line
     assert not (tmp_path / "out" / "cells").exists()
+
+
+# -- a cell another runner stored as failed is taken as failed, not rerun --------------------------------------
+def test_a_cell_another_runner_marked_failed_is_reported_not_rerun(tmp_path):
+    from rich.console import Console
+
+    from gacbench.bench.executors import Dependencies, Display, wait_for_claims
+    from gacbench.jsonio import write_json
+
+    out = tmp_path / "out"
+    failed = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 5, "method": "stale",
+              "staleness": 2, "seed": 0}
+    killed = {**failed, "seed": 1}  # its holder died before storing anything
+    cell_dir(out, failed).mkdir(parents=True)
+    cell_dir(out, killed).mkdir(parents=True)
+    write_json(cell_dir(out, failed) / "status.json", {"status": "failed", "error": "RuntimeError: boom", "cell": failed})
+    deps = Dependencies([], out)
+    results = wait_for_claims(out, [failed, killed], deps, Display(2, 0, Console(quiet=True)), poll_s=0.01)
+    assert [(r["status"], r["error"], r["reused"]) for r in results] == [("failed", "RuntimeError: boom", True)]
+    assert deps.ready == [killed]  # only the cell nobody stored goes back to be run
