@@ -252,3 +252,24 @@ def test_a_cell_another_runner_marked_failed_is_reported_not_rerun(tmp_path):
     results = wait_for_claims(out, [failed, killed], deps, Display(2, 0, Console(quiet=True)), poll_s=0.01)
     assert [(r["status"], r["error"], r["reused"]) for r in results] == [("failed", "RuntimeError: boom", True)]
     assert deps.ready == [killed]  # only the cell nobody stored goes back to be run
+
+
+# -- VCPO's importance cap -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cap", [8.0, 2.0])
+def test_vcpo_truncates_a_sequence_weight_above_its_cap(cap):
+    import math
+
+    import torch
+
+    from gacbench.stabilizers import VCPO, PolicyBatch
+
+    d = torch.float64
+    # sequence weights w = exp(sum_t log(pi_prox / pi_behav)) = [1, 20]; r = 1 (prox = current)
+    logp = torch.tensor([[0.0, 0.0], [math.log(20.0), 0.0]], dtype=d, requires_grad=True)
+    batch = PolicyBatch(logp, torch.zeros(2, 2, dtype=d), torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=d),
+                        torch.ones(2, 2, dtype=torch.bool))
+    loss, m = VCPO(baseline=False, is_cap=cap).policy_loss(batch)
+    assert loss.item() == pytest.approx(-(1 * 1 + min(20.0, cap) * -1) / 2)  # -agg(min(w, C) r A)
+    assert float(m["is/truncated_frac"]) == pytest.approx(0.5)
+    loss.backward()  # the weight is a constant: d/dlogp = -min(w, C) A r / (tokens in the batch)
+    assert logp.grad.reshape(-1).tolist() == pytest.approx([-1 / 4, -1 / 4, cap / 4, cap / 4])
