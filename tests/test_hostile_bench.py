@@ -247,7 +247,8 @@ def test_a_cell_another_runner_marked_failed_is_reported_not_rerun(tmp_path):
     killed = {**failed, "seed": 1}  # its holder died before storing anything
     cell_dir(out, failed).mkdir(parents=True)
     cell_dir(out, killed).mkdir(parents=True)
-    write_json(cell_dir(out, failed) / "status.json", {"status": "failed", "error": "RuntimeError: boom", "cell": failed})
+    write_json(cell_dir(out, failed) / "status.json",
+               {"status": "failed", "error": "RuntimeError: boom", "cell": failed})
     deps = Dependencies([], out)
     results = wait_for_claims(out, [failed, killed], deps, Display(2, 0, Console(quiet=True)), poll_s=0.01)
     assert [(r["status"], r["error"], r["reused"]) for r in results] == [("failed", "RuntimeError: boom", True)]
