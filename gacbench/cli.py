@@ -69,11 +69,15 @@ def run_interruptible(command: str, run, args, signals: tuple[int, ...] = (signa
 
 
 def _suite_names() -> str:
-    """The suites shipped in tasks/suites/ (read without importing the runner, which imports torch)."""
+    """The suites shipped in tasks/suites/ of a checkout, or packed in the wheel (read without importing the
+    runner, which imports torch: the same rule as :func:`gacbench.bench.validate.suites_dir`)."""
     from pathlib import Path
 
-    names = sorted(x.stem for x in (Path(__file__).resolve().parents[1] / "tasks" / "suites").glob("*.yaml"))
-    return ", ".join(names) or "none found: run from a clone of the repository"
+    here = Path(__file__).resolve().parent
+    checkout, packaged = here.parent / "tasks" / "suites", here / "_tasks" / "suites"
+    folder = checkout if checkout.is_dir() or not packaged.is_dir() else packaged
+    names = sorted(x.stem for x in folder.glob("*.yaml"))
+    return ", ".join(names) or f"none found in {folder}"
 
 
 def _kernel_list(text: str) -> str:
@@ -124,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated method specs, e.g. sync,stale,gac,'gac(c_low=0.02)'; the keyword ablation "
                         "adds the suite's threshold-ablation cells (default: the suite's methods and its ablation)")
     p.add_argument("--staleness", default=None,
-                   help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's)")
+                   help="comma-separated staleness values, e.g. 0,8,16,32 (default: the suite's). sync runs only at "
+                        "0 and the stale methods only above 0: a list without 0 leaves sync out, and the run says so "
+                        "in a note naming each method left out")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: the suite's)")
     p.add_argument("--tasks", default=None, help="comma-separated task names of the suite (default: all)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",

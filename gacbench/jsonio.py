@@ -1,9 +1,9 @@
 """JSON files written atomically, and values made strict-JSON safe (NaN and infinities as null).
 
-:func:`write_json` writes ``.NAME.PID.tmp`` beside the target and renames it over the target, so a reader sees
-the old file or the new one, never a part. A write that fails (a full disk: ``ENOSPC``, a quota: ``EDQUOT``)
-removes its temporary file and raises the OSError with the target's path; a process killed between the write
-and the rename leaves its temporary behind, and :func:`remove_stray_temporaries` removes those of processes
+:func:`write_json` and :func:`write_text` write ``.NAME.PID.tmp`` beside the target and rename it over the target,
+so a reader sees the old file or the new one, never a part. A write that fails (a full disk: ``ENOSPC``, a quota:
+``EDQUOT``) removes its temporary file and raises the OSError with the target's path; a process killed between the
+write and the rename leaves its temporary behind, and :func:`remove_stray_temporaries` removes those of processes
 that are gone.
 """
 
@@ -29,9 +29,18 @@ def temporary_path(path: Path) -> Path:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON in ``path``, written atomically (:func:`write_text`)."""
+    write_text(path, json.dumps(obj, indent=2, default=str))
+
+
+def write_text(path: Path, text: str) -> None:
+    """``text`` in ``path``, atomically: written to :func:`temporary_path` in the same folder, then renamed over
+    ``path`` (``os.replace``), so a failed write leaves the old file whole. A failure removes the temporary and
+    raises its OSError naming ``path`` (a failed ``write()`` names no file)."""
+    path = Path(path)
     tmp = temporary_path(path)
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

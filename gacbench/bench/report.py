@@ -113,6 +113,7 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
 )
 from gacbench.bench.tables import markdown, table1_staleness  # noqa: F401  (re-exported)
 from gacbench.bench.versions import code_versions, mixed_version_groups
+from gacbench.jsonio import write_text
 from gacbench.provenance import environment_key
 
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
@@ -193,7 +194,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     if timing is not None:
         summary["timing"] = timing
     write_json(root / "summary.json", _json_safe(summary))
-    (root / "summary.md").write_text(markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
+    write_text(root / "summary.md", markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed, on_policy, costs,
                                                   sizes, trend, aligned, summary["families"]))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}

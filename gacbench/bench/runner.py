@@ -34,6 +34,7 @@ after each of its cells.
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import signal
@@ -54,7 +55,7 @@ from gacbench.bench.cell import (
     engine_key,
     identity_diff,
     show_change,
-    stored_config,
+    stored_diff,
     stored_done,
     stored_done_cells,
     stored_environment,
@@ -173,6 +174,29 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     return cells
 
 
+def left_out(suite: dict, methods: list[str] | None, cells: list[dict]) -> list[str]:
+    """One line per method of the grid (``methods``, else the suite's) that has no cell in ``cells``, saying why:
+    ``sync`` runs only at staleness 0 and the stale methods only at a staleness > 0, so a ``--staleness`` list
+    without 0 leaves sync out and one of 0 alone leaves the stale methods out; a task's own method list may
+    leave a method out too."""
+    asked = [m for m in (methods or suite["methods"]) if m != ABLATION]
+    present = {c["method"] for c in cells}
+    grid_s = sorted({int(c["staleness"]) for c in cells})
+    lines = []
+    for m in asked:
+        if m in present:
+            continue
+        stale = parse_method(m)[0].stale
+        if not stale and 0 not in grid_s:
+            why = "it runs only at staleness 0, which the staleness list leaves out (add 0 to --staleness to run it)"
+        elif stale and not any(s > 0 for s in grid_s):
+            why = "it runs only at a staleness > 0, and the staleness list has none"
+        else:
+            why = "no task of the grid runs it (a task's own methods: list leaves it out)"
+        lines.append(f"method {m} is left out of this grid: {why}")
+    return lines
+
+
 def check_lag(cells: list[dict]) -> None:
     """Refuse a staleness that no step of its cell would reach: the lag at step t is min(t, s), and t < steps,
     so a cell with s >= steps would be labelled s while its gradients are never more than steps - 1 old."""
@@ -218,7 +242,7 @@ def check_stored(cells: list[dict], root: Path) -> None:
     for c in cells:
         done = stored_done(root, c)
         if done is not None:
-            diff = identity_diff(stored_config(root, c, done), c)
+            diff = stored_diff(root, c, done)
             if diff:
                 mismatched.append((cell_dir(root, c), c["task"], diff))
     others = 0
@@ -240,19 +264,20 @@ def check_stored(cells: list[dict], root: Path) -> None:
         for key, (old, new) in diff.items():
             change = show_change(key, old, new)
             changes[change] = changes.get(change, 0) + 1
-    lines = [f"{root} holds {len(mismatched)} finished cell(s) computed with other settings than this run asks for:"]
-    lines += [f"  {change}, in {n} cell(s)" for change, n in changes.items()]
+    lines = [f"{root} holds {len(mismatched)} finished cell(s) computed with other settings than this run asks for: "
+             + "; ".join(f"{change}, in {n} cell(s)" for change, n in changes.items()) + "."]
     dirs = [str(d) for d, _, _ in mismatched]
-    lines.append("  cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more" if len(dirs) > 3 else ""))
+    lines.append("Cells: " + ", ".join(dirs[:3]) + (f" and {len(dirs) - 3} more." if len(dirs) > 3 else "."))
     tasks = sorted({task for _, task, _ in mismatched})
     if others:
         lines.append(f"{others} of them are cells of task(s) {', '.join(tasks)} outside this grid (another method, "
                      "staleness or seed): the cells of one task in one directory share its objective, parameters and "
                      "steps, since the summary averages them over seeds and compares them across methods.")
-    lines.append("A finished cell is reused only for the same objective, parameters, steps and method. Fix: use "
+    lines.append("A finished cell is reused only for the same task, objective, parameters, steps, warm-up, method, "
+                 "staleness and seed. Fix: use "
                  "another --out, or delete the stored cells to recompute them with these settings ("
                  + "; ".join(f"rm -r {root / 'cells' / t}" for t in tasks) + " removes every cell of a task).")
-    raise CellMismatchError("\n".join(lines))
+    raise CellMismatchError(" ".join(lines))  # one line: gacbench prints it and exits 2
 
 
 def check_references(cells: list[dict], root: Path) -> None:
@@ -366,6 +391,8 @@ def main(args) -> int:
     if not cells:
         raise UsageError("the grid has no cells: sync runs only at staleness 0 and the other methods only at a "
                          "staleness > 0; check --methods and --staleness")
+    for line in left_out(suite, methods, cells):
+        console.print(f"[yellow]note[/]: {line}", highlight=False)
     overrides = parse_params(getattr(args, "param", None) or [])
     for c in cells:
         c["params"] = merge_params(c["params"], overrides)
@@ -384,8 +411,6 @@ def main(args) -> int:
         timing = run_grid(cells, out, args.workers, args.executor, console,
                           rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads)
         check_stop()  # a stop whose raise was lost in the grid's last cell
-    except CellMismatchError as exc:
-        raise SystemExit(f"gacbench bench: {exc}") from None
     except GridInterrupted as stop:
         done = sum(is_done(out, c) for c in cells)
         print(f"gacbench bench: stopped by {signal.Signals(stop.signum).name}: {done} of {len(cells)} cells done and "
@@ -422,6 +447,22 @@ def _raise_if_disk_full(exc: BaseException) -> None:
         raise UsageError(disk_full_message(full, DISK_FULL_FIX)) from None
 
 
+#: the errors of a folder or file this process may not write: permissions, a read-only file system
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _raise_if_unwritable(exc: BaseException, fix: str = DISK_FULL_FIX) -> None:
+    """A full disk (:func:`_raise_if_disk_full`, its fix ``fix``), a read-only folder or a denied permission
+    behind ``exc`` becomes a one-line UsageError naming the path and the cause."""
+    full = disk_full(exc)
+    if full is not None:
+        raise UsageError(disk_full_message(full, fix)) from None
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
+        cause = exc.strerror or os.strerror(exc.errno)
+        raise UsageError(f"cannot write {exc.filename or 'a file'}: {cause} ({errno.errorcode[exc.errno]}); make the "
+                         "folder writable, or copy the bench directory to a writable place and run there") from None
+
+
 def _write_summary(out: Path, cells: list[dict] | None, families: dict | None = None) -> dict[str, Any]:
     """:func:`gacbench.bench.report.build_report` of ``out`` with the suite's multiplicity ``families``, one process
     at a time per directory; a full disk is a UsageError."""
@@ -431,24 +472,25 @@ def _write_summary(out: Path, cells: list[dict] | None, families: dict | None = 
         with summary_lock(out):
             return build_report(out, cells=cells, families=families)  # every cell in --out, not only this grid's
     except OSError as exc:
-        _raise_if_disk_full(exc)
+        _raise_if_unwritable(exc)
         raise
 
 
 def report_command(args) -> int:
     """``gacbench report DIR``: :func:`gacbench.bench.report.main` with the stray temporaries of dead processes
-    removed first, one summary writer at a time per directory, and a full disk as a UsageError."""
+    removed first, one summary writer at a time per directory, and a full disk, a read-only folder or a denied
+    permission as a one-line UsageError naming the path."""
     from gacbench.bench.report import main as report_main
 
     root = Path(args.dir)
     if not (root / "cells").is_dir():
         return report_main(args)  # refused there, naming the folder
-    remove_stray_temporaries(root)
     try:
+        remove_stray_temporaries(root)
         with summary_lock(root):
             return report_main(args)
     except OSError as exc:
-        _raise_if_disk_full(exc)
+        _raise_if_unwritable(exc, "free space (or raise the quota) and rerun gacbench report: the cells are intact")
         raise
 
 

@@ -20,14 +20,25 @@ from typing import Any
 import yaml
 
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo)
-from gacbench.bench.cell import engine_key, flat_params
+from gacbench.bench.cell import engine_key, flat_params, is_path_component
 from gacbench.bench.theta0 import check_suite_theta0
 from gacbench.methods import canonical_method, method_callbacks, parse_method, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
 from gacbench.usage import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SUITES_DIR = REPO_ROOT / "tasks" / "suites"
+#: where a wheel install keeps the task files (setup.py copies tasks/ there when it builds the wheel)
+PACKAGED_TASKS = Path(__file__).resolve().parents[1] / "_tasks"
+
+
+def suites_dir(repo_root: Path = REPO_ROOT, packaged: Path = PACKAGED_TASKS) -> Path:
+    """The folder of the shipped suites: a checkout's ``tasks/suites`` when the package sits in one (an editable
+    install, or ``PYTHONPATH``), else the copy packed into the wheel (``gacbench/_tasks/suites``)."""
+    checkout = repo_root / "tasks" / "suites"
+    return checkout if checkout.is_dir() or not (packaged / "suites").is_dir() else packaged / "suites"
+
+
+SUITES_DIR = suites_dir()
 
 
 def suite_path(name: str) -> Path:
@@ -40,8 +51,22 @@ def suite_path(name: str) -> Path:
         return candidate
     known = sorted(x.stem for x in SUITES_DIR.glob("*.yaml")) if SUITES_DIR.exists() else []
     raise UsageError(f"--suite: unknown suite {name!r}; known suites: "
-                     f"{', '.join(known) or 'none (run from a clone of the repository)'}, "
+                     f"{', '.join(known) or f'none in {SUITES_DIR}'}, "
                      "or give the path of a suite YAML file")
+
+
+def check_task_name(where: str, task: Any) -> None:
+    """Refuse a task name that is not one path component: a cell's directory is ``OUT/cells/TASK/...``, so a
+    ``/``, a ``..`` or an absolute path would put it outside ``--out``."""
+    if not is_path_component(task):
+        raise UsageError(f"{where}: the task name must be one path component (it names the folder "
+                         "OUT/cells/TASK): no '/', '\\' or NUL, and not '.' or '..'; rename the task, e.g. "
+                         f"{_component(task)!r}")
+
+
+def _component(task: Any) -> str:
+    name = "".join(ch if ch.isalnum() or ch in "-_+." else "-" for ch in str(task)).strip(".-")
+    return name or "task"
 
 
 SEED_MAX = 2**32 - 1  # the seeds numpy (hence Lightning's seed_everything) accepts: 0..2**32 - 1
@@ -176,6 +201,7 @@ def load_suite(name: str) -> dict[str, Any]:
         raise UsageError(f"{where}: tasks: must map task names to {{objective: NAME, params: {{...}}}}")
     for task, spec in suite["tasks"].items():
         at = f"{where}, task {task!r}"
+        check_task_name(at, task)
         if not isinstance(spec, dict):
             raise UsageError(f"{at}: must be a mapping such as {{objective: quadratic, params: {{lr: 0.1}}}}")
         if not is_registered(spec.get("objective")):

@@ -11,6 +11,8 @@ import warnings
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from gacbench.usage import UsageError
+
 ENTRY_POINT_GROUP = "gacbench.stabilizers"
 KINDS = ("gradient", "loss")
 
@@ -38,17 +40,20 @@ def _builtins() -> dict[str, type]:
 
 
 def available() -> dict[str, dict[str, Any]]:
-    """name -> {"cls", "kind", "source", "help"}; a name declared twice is an error naming both sources."""
+    """name -> {"cls", "kind", "source", "package", "help"}; a name declared twice (a plug-in with a built-in's
+    name, or two plug-ins with one name) is a UsageError naming both packages."""
     found: dict[str, dict[str, Any]] = {}
     for name, cls in _builtins().items():
-        found[name] = {"cls": cls, "source": "gacbench"}
+        found[name] = {"cls": cls, "source": "gacbench", "package": "gacbench (built in)"}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in found:
-            raise ValueError(f"stabilizer {ep.name!r} is declared twice: by {found[ep.name]['source']} and by "
-                             f"{ep.value} (entry point group {ENTRY_POINT_GROUP}); rename one of them")
+            first = found[ep.name]
+            raise UsageError(f"stabilizer {ep.name!r} is declared twice (entry point group {ENTRY_POINT_GROUP}): by "
+                             f"{first['package']} ({first['source']}) and by {_package(ep)} ({ep.value}); uninstall "
+                             "one of the two packages, or rename the entry point in one package's pyproject.toml")
         cls = _load(ep)
         if cls is not None:
-            found[ep.name] = {"cls": cls, "source": ep.value}
+            found[ep.name] = {"cls": cls, "source": ep.value, "package": _package(ep)}
     for name, info in found.items():
         kind = getattr(info["cls"], "kind", None)
         if kind not in KINDS:
@@ -58,6 +63,12 @@ def available() -> dict[str, dict[str, Any]]:
         doc = " ".join((info["cls"].__doc__ or "").split())
         info["help"] = doc.split(". ")[0].rstrip(".") + "." if doc else ""
     return found
+
+
+def _package(ep: EntryPoint) -> str:
+    """The distribution that declares ``ep`` (``package 'NAME'``), or its module when that is not known."""
+    dist = getattr(getattr(ep, "dist", None), "name", None)
+    return f"package {dist!r}" if dist else f"module {ep.module!r}"
 
 
 def _load(ep: EntryPoint) -> type | None:

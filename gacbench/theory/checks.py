@@ -23,6 +23,7 @@ from gacbench.functional import gac_project
 from gacbench.objectives import NoisyQuadratic
 from gacbench.theory import bounds
 from gacbench.theory import delayed_quadratic as dq
+from gacbench.usage import UsageError
 
 
 @dataclass
@@ -255,7 +256,7 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
 def run_checks(names: list[str] | None = None) -> list[CheckResult]:
     unknown = [n for n in names or [] if n not in CHECKS]
     if unknown:
-        raise ValueError(f"unknown check(s) {', '.join(unknown)}; the checks are: {', '.join(CHECKS)}")
+        raise UsageError(f"--checks: unknown check(s) {', '.join(unknown)}; the checks are: {', '.join(CHECKS)}")
     return [CHECKS[n]() for n in (names or list(CHECKS))]
 
 
