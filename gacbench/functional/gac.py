@@ -88,9 +88,10 @@ def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float)
         for rb, gb in zip(rf.split(block), gf.split(block)):
             out = scratch[: rb.numel()]
             out.copy_(rb)  # exact: r's values are representable in g's precision
-            if a != 1.0:
-                out.mul_(a)
-            out.add_(gb, alpha=b)  # a r + b g in g's precision
+            if b == 1.0:
+                torch.add(gb, out, alpha=a, out=out)  # g + a r in one operation, as the fused AdamW kernel forms it
+            else:
+                out.mul_(a).add_(gb, alpha=b)  # a r + b g in g's precision
             rb.copy_(out)  # the one rounding
 
 
