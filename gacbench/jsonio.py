@@ -9,12 +9,15 @@ that are gone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +114,27 @@ def disk_full_message(exc: OSError, fix: str) -> str:
     """One line: the path that could not be written, the cause, and ``fix``."""
     cause = exc.strerror or os.strerror(exc.errno)
     return f"cannot write {exc.filename or 'a file'}: {cause} ({errno.errorcode.get(exc.errno, exc.errno)}); {fix}"
+
+
+#: the file a run or cell directory is claimed through (an exclusive flock, and the holder's record)
+CLAIM_FILE = ".claim"
+
+
+@contextlib.contextmanager
+def hold(path: Path, wait: bool) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block: yields True when this
+    process holds it; without ``wait``, False at once when another holds it. The file stays (removing a lock
+    file while another process opens it would let two processes hold it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -122,11 +122,19 @@ def test_warm_task_is_the_runs_task_for_scratchpad_and_arithmetic_otherwise(tmp_
     assert warm_task(arith, build_task(arith, seed=4)) == ArithmeticTask(max_ops=1, max_operand=4)
 
     # the arithmetic warm-start's cache directory keeps its name: an existing checkpoint there is reused as is
+    # (300 steps: a start point no suite pins, so the cache decides)
     config = tiny_config()
-    kept = tmp_path / f"warm-{config_key(config)}-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0"
+    kept = tmp_path / f"warm-{config_key(config)}-max_ops2-max_operand9-eval_fraction0.1-seed0-sft300-seed0"
     kept.mkdir()
     (kept / "config.json").write_text("{}")
-    assert warm_started_dir(config, ArithmeticTask(), steps=400, cache_dir=tmp_path) == kept
+    assert warm_started_dir(config, ArithmeticTask(), steps=300, cache_dir=tmp_path) == kept
+    # a pinned start point (the shipped suites' 400 steps) is the shipped checkpoint, whatever the cache holds
+    from gacbench.llm import pinned
+
+    name = kept.name.replace("sft300", "sft400")
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text("{}")
+    assert warm_started_dir(config, ArithmeticTask(), steps=400, cache_dir=tmp_path) == pinned.models_root() / name
 
 
 def test_warm_start_on_the_scratchpad_task_learns_and_is_cached_apart(tmp_path):

@@ -22,7 +22,6 @@ lock when the holder ends, also when it is killed, so a claim never outlives its
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -42,7 +41,14 @@ from lightning.pytorch.loggers import CSVLogger
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
 from gacbench.bench.timing import cell_parts
 from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, DriftMonitor, StalenessSimulator
-from gacbench.jsonio import DISK_FULL, json_safe, read_json, write_json  # noqa: F401  (json_safe re-exported)
+from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE and hold re-exported)
+    CLAIM_FILE,
+    DISK_FULL,
+    hold,
+    json_safe,
+    read_json,
+    write_json,
+)
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
 from gacbench.provenance import environment_key, provenance
@@ -59,7 +65,6 @@ OPTIONAL_IDENTITY_KEYS = ("assumptions",)
 #: the identity keys every cell of one task in one output directory shares (not the method, staleness or seed)
 TASK_IDENTITY_KEYS = ("objective", "params", "steps", "warmup", "assumptions")
 #: the lock file a cell is claimed with, in its directory
-CLAIM_FILE = ".claim"
 
 
 class StepTimer(pl.Callback):
@@ -357,26 +362,6 @@ class CellMismatchError(UsageError):
 
 def _holder() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-
-
-@contextlib.contextmanager
-def hold(path: Path, wait: bool) -> Iterator[bool]:
-    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block: yields True when this
-    process holds it; without ``wait``, False at once when another holds it. The file stays (removing a lock
-    file while another process opens it would let two processes hold it)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

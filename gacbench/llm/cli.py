@@ -305,8 +305,7 @@ def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
     ``log_dir/.claim``, recording pid, host and start time, as the bench runner claims a cell): a directory
     another live process holds is refused in one line naming its pid; a claim whose holder is gone is taken
     over, saying so on stderr."""
-    from gacbench.bench.cell import CLAIM_FILE, hold
-    from gacbench.jsonio import pid_alive
+    from gacbench.jsonio import CLAIM_FILE, hold, pid_alive
 
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / CLAIM_FILE
