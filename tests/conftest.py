@@ -166,3 +166,27 @@ def bench(suite: Path, out: Path, *extra: str) -> int:
     from gacbench.cli import main
 
     return main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", *extra])
+
+
+def signal_grpo_mid_fit(args: list[str], run_dir: Path, cwd: Path, signum: int) -> tuple[int, str]:
+    """Run ``gacbench grpo ARGS`` in a child process (this checkout's gacbench), send it ``signum`` once its first
+    checkpoint (step 2) is written, in the middle of fit; returns (exit status, stderr)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args], cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    return proc.returncode, err

@@ -369,27 +369,13 @@ def test_an_async_run_has_its_own_directory_and_its_summary_says_async(tiny_llm_
 @pytest.mark.slow
 @RESUME_WARNINGS
 def test_sigterm_ends_a_run_as_interrupted_with_exit_143_and_it_resumes(tiny_llm_dir, tmp_path):
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
+
+    from conftest import signal_grpo_mid_fit
 
     args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
-    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args, "--trainer.max_steps", "1000"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():  # in the middle of fit
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+    returncode, err = signal_grpo_mid_fit([*args, "--trainer.max_steps", "1000"], run_dir, tmp_path, signal.SIGTERM)
+    assert returncode == 143, err[-3000:]
     assert "terminated (SIGTERM) after" in err and "resume with --ckpt_path last" in err
     summary = _strict_json(run_dir / "summary.json")
     steps = summary["steps"]

@@ -229,7 +229,7 @@ def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_p
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
 def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path):
-    from conftest import TINY_TASK
+    from conftest import TINY_TASK, signal_grpo_mid_fit
 
     cfg = tmp_path / "ckpt.yaml"
     cfg.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
@@ -240,20 +240,8 @@ def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_di
             "--model.task.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir",
             str(tmp_path), "--trainer.max_steps", "1000"]
     run_dir = tmp_path / "tiny" / "sync-s0-seed0"
-    code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():  # in the middle of fit
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    returncode, err = signal_grpo_mid_fit(args, run_dir, tmp_path, signal.SIGINT)
+    assert returncode == 130, err[-3000:]
     assert "interrupted (SIGINT) after" in err and "Traceback" not in err, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 2 <= summary["steps"] < 1000 and summary["eval_acc_final"] is None
