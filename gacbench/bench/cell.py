@@ -63,8 +63,7 @@ IDENTITY_KEYS = ("task", "objective", "params", "steps", "warmup", "method", "st
 #: identity keys a cell may leave unset (unset and absent from a stored config compare equal)
 OPTIONAL_IDENTITY_KEYS = ("assumptions",)
 #: the identity keys every cell of one task in one output directory shares (not the method, staleness or seed)
-TASK_IDENTITY_KEYS = ("objective", "params", "steps", "warmup", "assumptions")
-#: the lock file a cell is claimed with, in its directory
+TASK_IDENTITY_KEYS = tuple(k for k in IDENTITY_KEYS if k not in ("task", "method", "staleness", "seed"))
 
 
 class StepTimer(pl.Callback):
@@ -297,18 +296,6 @@ def stored_diff(root: Path, cell: dict, status: dict | None = None) -> dict[str,
             for key, change in identity_diff(stored, cell).items():
                 diff.setdefault(key, change)
     return diff
-
-
-def stored_config(root: Path, cell: dict, status: dict | None = None) -> dict:
-    """The cell a directory's run was computed for: the status's copy, else ``config.json``."""
-    if status is not None and isinstance(status.get("cell"), dict):
-        return status["cell"]
-    path = cell_dir(root, cell) / "config.json"
-    try:
-        stored = read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return stored if isinstance(stored, dict) else {}
 
 
 def _canonical(value: Any) -> Any:

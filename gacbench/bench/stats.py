@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from gacbench.bench.groups import per_seed
+from gacbench.bench.records import POLICY_REWARD
 
 REFERENCE_METHODS = ("sync", "stale")
 BOOT_RESAMPLES, BOOT_SEED, CI_LEVEL = 9999, 0, 0.95
@@ -358,7 +359,7 @@ def headline_shares(shares: list[dict], reward_shares: list[dict],
 #: The share of a run's policy versions that the version-aligned measure averages (as ``reward_last``: 20%)
 VERSION_WINDOW = 0.2
 #: summary.md's name of each version-aligned measure
-VERSION_MEASURES = {"eval/policy_reward": "held-out reward of the policy theta_t itself (eval/policy_reward)",
+VERSION_MEASURES = {POLICY_REWARD: "held-out reward of the policy theta_t itself (eval/policy_reward)",
                     "reward/mean": "training reward indexed by the policy version that sampled it"}
 
 
@@ -376,7 +377,7 @@ def aligned_values(cells: list[dict], task: str, s: int) -> dict | None:
         return None
     if not all(c.get("_by_version", {}).get("reward/mean") for c in runs):
         return None
-    measure = "eval/policy_reward" if all("eval/policy_reward" in c["_by_version"] for c in runs) else "reward/mean"
+    measure = POLICY_REWARD if all(POLICY_REWARD in c["_by_version"] for c in runs) else "reward/mean"
     series = [(c, c["_by_version"][measure]) for c in runs]
     hi = min(max(v) for _, v in series)
     n_sync = max(len(c["_by_version"]["reward/mean"]) for c in runs if c["method"] == "sync")

@@ -122,7 +122,8 @@ class StepGAC:
     def _delta(self, now: Tensor, before: Tensor) -> Tensor:
         """now - before into the scratch buffer (valid until the next call)."""
         out = self._scratch[torch.promote_types(now.dtype, torch.float32)][: now.numel()].view_as(now)
-        return torch.sub(now, before, out=out)
+        # widened first: torch.sub(now, before, out=out) would subtract in now's dtype and only then cast
+        return out.copy_(now).sub_(before)
 
     def _blocks(self, now: list[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
         """(theta_{t+1}, theta, r) as matching flat blocks: on the CPU of the size alignment_scalars works in, so

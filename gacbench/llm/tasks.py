@@ -114,7 +114,7 @@ def check_task_settings(cfg: TaskConfig, owner: str = "GRPOModule") -> None:
         if declared is not None and key in declared[1] and key in opts:
             check_range(owner, f"task.options.{key}", opts[key], 1, integer=True)
     if declared is not None and {"min_ops", "max_ops"} <= set(declared[1]):
-        lo, hi = opts.get("min_ops", 3), opts.get("max_ops", 3)
+        lo, hi = opts.get("min_ops", ScratchpadTask.min_ops), opts.get("max_ops", ScratchpadTask.max_ops)
         if lo > hi:
             raise SettingError(f"{owner}: task.options min_ops={lo} > max_ops={hi}; need 1 <= min_ops <= max_ops",
                                "task.options.min_ops", lo)

@@ -25,6 +25,7 @@ from gacbench.stabilizers.base import (
     PolicyBatch,
     check_positive,
     clipped_surrogate,
+    safe_log_ratio,
     sanitize,
 )
 
@@ -45,16 +46,20 @@ def sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
     return sanitize(x, mask).sum(-1) / mask.sum(-1).clamp_min(1).to(x.dtype)
 
 
-def opsm_keep(logp: Tensor, logp_sampling: Tensor, adv: Tensor, mask: Tensor, delta: float = 1e-4) -> Tensor:
-    """Off-policy sequence masking, (B,) bool keep-decision per response.
+def opsm_kl(logp: Tensor, logp_sampling: Tensor, mask: Tensor) -> Tensor:
+    """(B,) KL_i = mean_t (log mu(y_t) - log pi_theta(y_t)) over each response's tokens, both detached."""
+    return sequence_mean(safe_log_ratio(logp_sampling.detach(), logp.detach(), mask), mask)
+
+
+def opsm_keep(logp: Tensor, logp_sampling: Tensor, adv: Tensor, mask: Tensor, delta: float = 1e-4,
+              kl: Tensor | None = None) -> Tensor:
+    """Off-policy sequence masking, (B,) bool keep-decision per response (``kl``: :func:`opsm_kl`, if computed).
 
     KL_i = mean_t (log mu(y_t) - log pi_theta(y_t)) over the response's tokens (the k1 estimate of
     KL(mu || pi_theta) on tokens sampled from mu), A_i = mean_t A_t over the same tokens; the response is dropped
     when A_i < 0 and KL_i > delta (both strict), kept otherwise."""
     mask = mask.bool()
-    diff = (sanitize(logp_sampling.detach(), mask) - sanitize(logp.detach(), mask)).clamp(-LOG_RATIO_CLAMP,
-                                                                                          LOG_RATIO_CLAMP)
-    kl = sequence_mean(diff, mask)
+    kl = opsm_kl(logp, logp_sampling, mask) if kl is None else kl
     seq_adv = sequence_mean(adv.detach(), mask)
     return ~((seq_adv < 0) & (kl > delta))
 
@@ -64,13 +69,13 @@ def opsm_loss(batch: PolicyBatch, delta: float = 1e-4, sampling: str = "behav") 
     (B, T); dropped responses stay in the denominator."""
     m = batch.mask
     mu = sampling_logp(batch, sampling, "opsm")
-    keep = opsm_keep(batch.logp, mu, batch.adv, m, delta)
+    kl = opsm_kl(batch.logp, mu, m.bool())
+    keep = opsm_keep(batch.logp, mu, batch.adv, m, delta, kl=kl)
     weight = keep.unsqueeze(-1).expand_as(m).to(batch.logp.dtype)
     loss, metrics = clipped_surrogate(batch, weight=weight)
     has_tokens = m.any(-1)
-    diff = (sanitize(mu.detach(), m) - sanitize(batch.logp.detach(), m)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics.update({"opsm/masked_frac": (~keep & has_tokens).sum() / has_tokens.sum().clamp_min(1),
-                    "opsm/seq_kl_mean": sequence_mean(diff, m)[has_tokens].mean() if has_tokens.any() else 0.0,
+                    "opsm/seq_kl_mean": kl[has_tokens].mean() if has_tokens.any() else 0.0,
                     "opsm/delta": delta})
     return loss, metrics
 
