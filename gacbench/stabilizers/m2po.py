@@ -120,7 +120,7 @@ def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, t
     at_cut_local = cand & (v == cut)
     tied_global = vals == cut
     n_take = k - int((desc > cut).sum())
-    tied_before = int(tied_global[: _rank_offset(int(cand.sum()), v.device)].sum()) if tied_global.any() else 0
+    tied_before = int(tied_global[: _rank_offset(int(cand.sum()), v.device)].sum())  # cut is one of vals: >= 1 tie
     order = torch.cumsum(at_cut_local.flatten().long(), 0).reshape(v.shape) + tied_before  # 1-based rank among ties
     drop = (cand & (v > cut)) | (at_cut_local & (order <= n_take))
     return mask & ~drop
