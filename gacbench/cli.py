@@ -226,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "conservative Holm sizing)")
     p.add_argument("--json", action="store_true", help="print JSON rows for machines")
 
+    from gacbench.bench.time_to_quality import ASSUMES
+    from gacbench.bench.time_to_quality import add_arguments as add_time_to_quality_arguments
+
+    p = sub.add_parser("time-to-quality", help="wall-clock time each method and s needs to reach a reward (sync's "
+                       "final, 90%% of it), from a grid's reward-per-version curves and a pipeline model of "
+                       "asynchronous rollouts (G, T, n); --from-async-bench checks the model against measured runs",
+                       description="For each method and s of a GRPO grid and each setting (G, T, n[, c]): the "
+                                   "steady step time of the pipeline model, and the wall-clock time to reach "
+                                   "fractions of sync's final reward on the seed-mean reward-per-version curve "
+                                   "(docs/bench.md, 'Time to quality'). " + ASSUMES)
+    add_time_to_quality_arguments(p)
+
     p = sub.add_parser("methods", help="list the registered methods")
 
     p = sub.add_parser("stabilizers", help="list the registered stabilizers (built-in and from the "
@@ -320,6 +332,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run(args)
     if args.command == "power":
         from gacbench.bench.power import main as run
+
+        return run(args)
+    if args.command == "time-to-quality":
+        from gacbench.bench.time_to_quality import main as run
 
         return run(args)
     if args.command == "methods":
