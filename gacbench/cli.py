@@ -351,8 +351,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         stabs = available()
         if args.json:
-            print(json.dumps([{"name": n, "kind": i["kind"], "source": i["source"], "help": i["help"]}
-                              for n, i in stabs.items()], indent=2))
+            print(json.dumps([{"name": n, "kind": i["kind"], "source": i["source"], "help": i["help"],
+                               "on_policy_identity": i["on_policy_identity"]} for n, i in stabs.items()], indent=2))
 
         else:
             for n, i in stabs.items():

@@ -377,6 +377,22 @@ def _check_combination(spec: str, callbacks: list[Callback]) -> None:
         raise ValueError(f"method {spec!r}: {exc}") from None
 
 
+def on_policy_identity(spec: str) -> bool:
+    """Whether the method of ``spec`` leaves a synchronous run unchanged, so that its on-policy control (the method
+    at s = 0) is sync itself: every callback it builds (with the spec's settings) declares ``on_policy_identity``
+    True (:class:`gacbench.stabilizers.base.Stabilizer`; a callback that declares nothing counts as False). The
+    synchronous reference and ``stale``, which build no callback, are True. False for a spec that does not parse or
+    names a stabilizer that is not installed."""
+    try:
+        method, kwargs = parse_method(spec)
+        if method.reference is not None:
+            kwargs = {**kwargs, "calibration": None}  # built without thresholds: enough to read the declarations
+        callbacks = method.build(**kwargs)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return all(getattr(cb, "on_policy_identity", False) is True for cb in callbacks)
+
+
 def method_callbacks(spec: str, cell: dict | None = None) -> list[Callback]:
     """The callbacks of a method spec. A method with a reference (``gac-calibrated``) takes its calibration
     from ``cell["calibration"]`` (written by the bench runner); without it, the callbacks refuse to train."""

@@ -147,8 +147,8 @@ def test_each_comparison_gets_one_adjusted_p_within_its_family():
                                                                                         "per": ["task"]}})
     assert [r["vs_stale_p_adj"] for r in rows8 + rows16] == pytest.approx([0.04, 0.08, 0.04, 0.08])
     assert {r["family"] for r in rows8 + rows16} == {"all against stale"}
-    assert set(resolve_families({"x": {"test": "vs_stale", "per": []}})) == {"x", "on-policy effect", "staleness cost",
-                                                                             "threshold ablation"}
+    assert set(resolve_families({"x": {"test": "vs_stale", "per": []}})) == {
+        "x", "on-policy effect", "staleness cost", "recovers beyond the on-policy effect at s", "threshold ablation"}
 
 
 @pytest.mark.parametrize("families, message", [

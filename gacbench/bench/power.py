@@ -4,7 +4,9 @@ For every recovered-share entry of the pilot grid's summary (the headline measur
 :func:`~gacbench.bench.stats.headline_shares`), the paired noise of its seeds (sd of method - stale) and its
 stale - sync gap give the smallest share that n seeds detect with the given power at level alpha
 (:func:`~gacbench.bench.stats.min_detectable_share`); the command prints, per entry, that share at the pilot's n
-and the fewest seeds at which it falls to the target (:func:`~gacbench.bench.stats.seeds_needed`).
+and the fewest seeds at which it falls to the target (:func:`~gacbench.bench.stats.seeds_needed`). A summary with
+shares beyond the on-policy effect (:mod:`gacbench.bench.beyond`) adds one entry per such share on the headline
+measure, sized from the noise of its difference-in-differences (``share``: ``beyond``; the others ``recovered``).
 """
 
 from __future__ import annotations
@@ -13,24 +15,29 @@ import json
 import math
 from pathlib import Path
 
+from gacbench.bench.beyond import BEYOND_MEASURES, headline_beyond
 from gacbench.bench.stats import ALPHA, POWER, headline_shares, min_detectable_share, seeds_needed
 from gacbench.usage import UsageError
 
 
 def power_rows(summary: dict, target: float, power: float = POWER, alpha: float = ALPHA) -> list[dict]:
-    """Per recovered-share entry of ``summary`` (summary.json) on its headline measure: task, method, s, measure,
-    the pilot's seeds ``n``, ``sd_diff``, ``gap``, ``min_detectable_share`` at n and ``seeds_needed`` for
-    ``target`` (None where the noise or gap is unknown or more than 1000 seeds would be needed)."""
-    rows = headline_shares(summary.get("recovered", []), summary.get("recovered_reward", []),
-                           summary.get("recovered_by_version"))
+    """Per recovered-share entry of ``summary`` (summary.json) on its headline measure, then per share beyond the
+    on-policy effect on its headline measure: task, method, s, measure, ``share`` (``recovered`` or ``beyond``),
+    the pilot's seeds ``n``, ``sd_diff`` (of method - stale, or of the difference-in-differences), ``gap``,
+    ``min_detectable_share`` at n and ``seeds_needed`` for ``target`` (None where the noise or gap is unknown or
+    more than 1000 seeds would be needed)."""
+    rows = [(r, "recovered", r.get("vs_stale_n") or 0) for r in headline_shares(
+        summary.get("recovered", []), summary.get("recovered_reward", []), summary.get("recovered_by_version"))]
+    beyond = headline_beyond({key: summary.get(f"beyond_on_policy{suffix}", []) for suffix, key, _ in BEYOND_MEASURES})
+    rows += [(r, "beyond", r.get("n") or 0) for r in beyond]
     out = []
-    for r in rows:
-        sd, gap, n = r.get("sd_diff"), r.get("gap"), r.get("vs_stale_n") or 0
+    for r, kind, n in rows:
+        sd, gap = r.get("sd_diff"), r.get("gap")
         if r.get("missing") or r.get("no_gap") or sd is None or gap is None:
             continue
         out.append({"task": r["task"], "method": r["method"], "staleness": r["staleness"], "measure": r["measure"],
-                    "n": n, "sd_diff": sd, "gap": gap, "min_detectable_share": min_detectable_share(sd, gap, n, power,
-                                                                                                      alpha),
+                    "share": kind, "n": n, "sd_diff": sd, "gap": gap,
+                    "min_detectable_share": min_detectable_share(sd, gap, n, power, alpha),
                     "seeds_needed": seeds_needed(sd, gap, target, power, alpha)})
     return out
 
@@ -52,13 +59,13 @@ def main(args) -> int:
         return 0
     print(f"seeds for a detectable share of {args.target_share:g} (power {args.power:g}, two-sided alpha "
           f"{args.alpha:g}; noise and gap from {path}):")
-    print(f"{'task':24s} {'method':22s} {'s':>3s}  {'measure':11s} {'pilot n':>7s} {'sd(m-stale)':>11s} {'gap':>8s} "
-          f"{'min. det. at n':>14s} {'seeds needed':>12s}")
+    print(f"{'task':24s} {'method':22s} {'s':>3s}  {'measure':11s} {'share':9s} {'pilot n':>7s} {'sd(diff)':>9s} "
+          f"{'gap':>8s} {'min. det. at n':>14s} {'seeds needed':>12s}")
     for r in rows:
         needed = "> 1000" if r["seeds_needed"] is None else str(r["seeds_needed"])
         mds = "—" if math.isnan(r["min_detectable_share"]) else f"{r['min_detectable_share']:.3g}"
-        print(f"{r['task'][:24]:24s} {r['method'][:22]:22s} {r['staleness']:3d}  {r['measure']:11s} {r['n']:7d} "
-              f"{r['sd_diff']:11.3g} {r['gap']:8.3g} {mds:>14s} {needed:>12s}")
+        print(f"{r['task'][:24]:24s} {r['method'][:22]:22s} {r['staleness']:3d}  {r['measure']:11s} {r['share']:9s} "
+              f"{r['n']:7d} {r['sd_diff']:9.3g} {r['gap']:8.3g} {mds:>14s} {needed:>12s}")
     known = [r["seeds_needed"] for r in rows if r["seeds_needed"] is not None]
     if known:
         print(f"every entry detectable at {args.target_share:g}: {max(known)} seeds"

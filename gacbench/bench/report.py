@@ -31,8 +31,8 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 - ``recovered_by_version`` (rollout objectives): the same on the reward indexed by the policy version that
   earned it, each comparison over the same window of versions (:func:`~gacbench.bench.stats.aligned_shares`),
   also carried by each ``recovered_reward`` entry as ``final_by_version``;
-- ``vs_stale_p_adj`` (and ``vs_sync_p_adj``, ``cost_p_adj``): that p-value adjusted by Holm's step-down method
-  within its family, declared by the suite's ``families`` or the defaults
+- ``vs_stale_p_adj`` (and ``vs_sync_p_adj``, ``cost_p_adj``, ``beyond_p_adj``): that p-value adjusted by Holm's
+  step-down method within its family, declared by the suite's ``families`` or the defaults
   (:func:`~gacbench.bench.stats.apply_families`; listed in ``families``): one adjusted p per comparison;
   summary.md's ``*`` and fig_shares.png's filled markers read it;
 - a cell's ``reward_drop`` (rollout objectives): how far its training reward, smoothed over
@@ -56,6 +56,15 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   such method at each s > 0, what staleness costs it against its own on-policy run (m at s = 0 minus m at s,
   paired over seeds, > 0: staleness hurts) beside what it costs plain GRPO (sync minus stale at s)
   (:func:`~gacbench.bench.stats.staleness_costs`);
+- ``beyond_on_policy`` / ``beyond_on_policy_reward`` / ``beyond_on_policy_by_version`` (a task with on-policy
+  controls): for each method at each s > 0, the share of the stale-sync gap it removes beyond its on-policy effect,
+  a paired difference-in-differences over seeds against its control (its s = 0 cells, or sync for a method whose
+  update at s = 0 is sync's: ``gacbench.methods.on_policy_identity``), with Fieller's interval, the paired test
+  and ``beyond_p_adj``, beside the raw share (:func:`~gacbench.bench.beyond.beyond_on_policy`); the methods with
+  neither control are listed in ``beyond_on_policy_uncontrolled``; fig_beyond.png plots the headline measure's;
+- ``regime_checks`` (a task whose sync and stale cells log ``eval/policy_reward``): does sync's policy reward rise
+  from its first eval point to its last, and does stale lose a gap at each s, each in standard errors over seeds
+  against 3 (:func:`~gacbench.bench.beyond.regime_checks`);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``
   (:mod:`gacbench.bench.versions`), and the groups that mix keys;
@@ -65,7 +74,8 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
 
 This module builds the report; each job has its module: :mod:`~gacbench.bench.records` (each stored cell's
 record), :mod:`~gacbench.bench.groups` (cells averaged over seeds), :mod:`~gacbench.bench.stats` (bootstrap,
-paired tests, recovered shares), :mod:`~gacbench.bench.regime` (the regime map), :mod:`~gacbench.bench.tables`
+paired tests, recovered shares), :mod:`~gacbench.bench.beyond` (the shares beyond the on-policy effect and the
+regime checks), :mod:`~gacbench.bench.regime` (the regime map), :mod:`~gacbench.bench.tables`
 (summary.md), :mod:`~gacbench.bench.figures` (one function per figure) and :mod:`~gacbench.bench.versions` (the
 code versions of the cells).
 """
@@ -77,6 +87,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gacbench.bench.beyond import BEYOND_MEASURES, beyond_on_policy, controlled_tasks, headline_beyond, regime_checks
 from gacbench.bench.cell import cell_dir, json_safe, stored_provenance, write_json
 from gacbench.bench.figures import figure_legend_entries, figures  # noqa: F401  (re-exported)
 from gacbench.bench.groups import group_records, label_by_settings
@@ -162,6 +173,22 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
         for suffix, key, title in measures:
             costs[title] = summary[f"staleness_cost{suffix}"] = staleness_costs(groups, cells_g, key)
             tests.append(("cost", key, costs[title]))
+    beyond, uncontrolled = {}, []
+    if controlled_tasks(groups):
+        from gacbench.methods import on_policy_identity
+
+        for suffix, key, _ in BEYOND_MEASURES:
+            rows, missing = beyond_on_policy(groups, cells_g, key, on_policy_identity)
+            if rows:
+                beyond[key] = summary[f"beyond_on_policy{suffix}"] = rows
+                tests.append(("beyond", key, rows))
+            if key == "final":  # the measure every cell has: it lists every s
+                uncontrolled = missing
+        if uncontrolled:
+            summary["beyond_on_policy_uncontrolled"] = uncontrolled
+    checks = regime_checks(cells_g)
+    if checks:
+        summary["regime_checks"] = checks
     abl = [g for g in groups if g["ablation"]]
     ablation_rows = None
     if abl:
@@ -196,10 +223,11 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     write_json(root / "summary.json", _json_safe(summary))
     write_text(root / "summary.md", markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed, on_policy, costs,
-                                                  sizes, trend, aligned, summary["families"]))
+                                                  sizes, trend, aligned, summary["families"], beyond, uncontrolled,
+                                                  checks))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares, aligned),
-                    sizes, trend) if groups else [])
+                    sizes, trend, headline_beyond(beyond)) if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]

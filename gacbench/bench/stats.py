@@ -363,16 +363,18 @@ VERSION_MEASURES = {POLICY_REWARD: "held-out reward of the policy theta_t itself
                     "reward/mean": "training reward indexed by the policy version that sampled it"}
 
 
-def aligned_values(cells: list[dict], task: str, s: int) -> dict | None:
+def aligned_values(cells: list[dict], task: str, s: int, on_policy: bool = False) -> dict | None:
     """The version-aligned measure of one comparison: sync, stale at ``s`` and every other (non-ablation) method at
-    ``s`` on ``task``. Its measure is ``eval/policy_reward`` where every run of the comparison logs it, else the
+    ``s`` on ``task`` (``on_policy``: and every method other than sync and stale at s = 0, the on-policy controls).
+    Its measure is ``eval/policy_reward`` where every run of the comparison logs it, else the
     training reward indexed by policy version (:func:`gacbench.bench.records.by_version`); its window is the last
     W versions that every run has, W = VERSION_WINDOW of sync's versions (at least one): versions hi - W + 1 .. hi,
     hi the smallest last version of the runs. Returns {measure, versions: [lo, hi], seeds: {(task, method, s'):
     {seed: mean over the window}}}, or None where a run lacks versioned rewards or the comparison lacks sync or
     stale."""
     runs = [c for c in cells if c["status"] == "done" and c["task"] == task and not c.get("ablation")
-            and ((c["method"] == "sync" and c["staleness"] == 0) or (c["staleness"] == s and c["method"] != "sync"))]
+            and ((c["method"] == "sync" and c["staleness"] == 0) or (c["staleness"] == s and c["method"] != "sync")
+                 or (on_policy and c["staleness"] == 0 and c["method"] not in REFERENCE_METHODS))]
     if not any(c["method"] == "sync" for c in runs) or not any(c["method"] == "stale" for c in runs):
         return None
     if not all(c.get("_by_version", {}).get("reward/mean") for c in runs):
@@ -443,20 +445,23 @@ def ablation_share_rows(groups: list[dict], cells: list[dict], given: list[dict]
 
 #: The tests a family can hold, each with the keys of its raw and adjusted p in a row: ``vs_stale`` (a method
 #: against stale at its s: the recovered-share tables), ``vs_sync`` (a stabilizer at s = 0 against sync: the
-#: on-policy controls), ``cost`` (a method at s against its own s = 0 run: the staleness costs) and ``ablation``
-#: (a threshold setting against stale: the threshold ablation)
+#: on-policy controls), ``cost`` (a method at s against its own s = 0 run: the staleness costs), ``beyond`` (a
+#: method's gain over stale at s against its on-policy effect: the shares beyond the on-policy effect,
+#: :mod:`gacbench.bench.beyond`) and ``ablation`` (a threshold setting against stale: the threshold ablation)
 FAMILY_TESTS = {"vs_stale": ("vs_stale_p", "vs_stale_p_adj"), "vs_sync": ("vs_sync_p", "vs_sync_p_adj"),
-                "cost": ("cost_p", "cost_p_adj"), "ablation": ("vs_stale_p", "vs_stale_p_adj")}
+                "cost": ("cost_p", "cost_p_adj"), "beyond": ("beyond_p", "beyond_p_adj"),
+                "ablation": ("vs_stale_p", "vs_stale_p_adj")}
 #: What a family can be split by: one family per task, per measure (``final``, ``reward_last``, ``by_version``)
 #: and/or per staleness
 FAMILY_DIMS = ("task", "measure", "staleness")
 #: The families a suite that declares none gets, by question: does each method recover the gap at this s (every
 #: method against stale at one s, on one measure); is there an on-policy effect; what does staleness cost each
-#: method; which threshold setting helps
+#: method; does each method recover the gap beyond its on-policy effect at this s; which threshold setting helps
 DEFAULT_FAMILIES = {
     "recovers the gap at s": {"test": "vs_stale", "per": ["task", "measure", "staleness"]},
     "on-policy effect": {"test": "vs_sync", "per": ["task", "measure"]},
     "staleness cost": {"test": "cost", "per": ["task", "measure"]},
+    "recovers beyond the on-policy effect at s": {"test": "beyond", "per": ["task", "measure", "staleness"]},
     "threshold ablation": {"test": "ablation", "per": ["task", "measure"]},
 }
 

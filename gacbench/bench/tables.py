@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gacbench.bench.beyond import BEYOND_MEASURES
 from gacbench.bench.groups import nanmean, per_seed
 from gacbench.bench.records import DEGRADE_MARGIN, DEGRADE_SIGMAS, DEGRADE_WINDOW, DIAGNOSTICS
 from gacbench.bench.regime import PAPER_TABLE3, law_points
@@ -126,6 +127,71 @@ def _cost_table(measure: str, rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _beyond_section(tables: dict[str, list[dict]], uncontrolled: list[dict]) -> list[str]:
+    """The share of the gap each method removes beyond its on-policy effect (``tables``: measure -> rows of
+    :func:`~gacbench.bench.beyond.beyond_on_policy`, headline measure first), and the methods left without one."""
+    if not tables and not uncontrolled:
+        return []
+    titles = {key: title for _, key, title in BEYOND_MEASURES}
+    lines = []
+    for key, rows in tables.items():
+        sources = sorted({r["source"] for r in rows if r.get("source")})
+        lines += ["", f"## Recovered share beyond the on-policy effect, {titles[key]}"
+                  + (f" ({', '.join(sources)})" if sources else ""), "",
+                  "Per seed, larger is better: d = (method at s − stale at s) − (control − sync), g = sync − stale at "
+                  "s; share beyond = mean(d) / mean(g) with its 95% Fieller interval, p the paired t-test of "
+                  "mean(d) = 0, p adj. Holm within its family (* where < 0.05). The control is the method at s = 0, "
+                  "or sync where the method's update at s = 0 is sync's (its on-policy effect is then 0 and the "
+                  "share beyond is its raw share). Raw share: (method − stale) / (sync − stale) on the same seeds; "
+                  "on-policy effect: mean(control − sync); gap: mean(g).", "",
+                  "| task | s | method | control | share beyond the on-policy effect [95% CI] | p | p adj. | "
+                  "raw share | on-policy effect | gap | min. detectable share | seeds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["no_gap"]:
+                share = "n/a (stale no worse than sync)"
+            else:
+                ci = fmt_share_ci({"share_ci_kind": r["beyond_ci_kind"], "share_ci_low": r["beyond_ci_low"],
+                                   "share_ci_high": r["beyond_ci_high"],
+                                   "share_ci_excluded": r.get("beyond_ci_excluded")})
+                star = " *" if r.get("beyond_p_adj") is not None and r["beyond_p_adj"] < 0.05 else ""
+                share = f"{r['beyond_on_policy_share']:.2f} {ci}{star}"
+            lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {r['control']} | {share} | "
+                         f"{fmt(r['beyond_p'], 2)} | {fmt(r.get('beyond_p_adj'), 2)} | {fmt(r['raw_share'], 2)} | "
+                         f"{fmt(r['on_policy_effect'], 3)} | {fmt(r['gap'], 3)} | "
+                         f"{fmt(r.get('min_detectable_share'), 2)} | {r['n']} |")
+    if uncontrolled:
+        listed = "; ".join(f"{u['method']} ({u['task']}, s = {', '.join(map(str, u['staleness']))})"
+                           for u in uncontrolled)
+        lines += ["", f"No share beyond the on-policy effect (no s = 0 cells, and an update at s = 0 that is not "
+                      f"sync's): {listed}. Their raw share only, in the recovered-share tables."]
+    return lines + [""]
+
+
+def _regime_checks_section(checks: list[dict]) -> list[str]:
+    """The regime criteria recomputed from the cells (:func:`~gacbench.bench.beyond.regime_checks`)."""
+    if not checks:
+        return []
+    yes = {True: "yes", False: "no", None: "—"}
+    lines = ["", "## Regime checks: does sync learn, does stale lose a gap?", "",
+             "On the policy's own reward (eval/policy_reward), per seed, then the mean over seeds, its standard error "
+             "(sd / √n) and the mean in standard errors; a criterion holds at "
+             f"{checks[0]['threshold_se']:g} standard errors or more. Sync's rise: its last eval point minus its "
+             "first; stale's gap: sync − stale at s on the version-aligned measure, paired over seeds.", "",
+             "| task | criterion | mean | s.e. | in s.e. | holds | seeds |", "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        sync = c["sync"]
+        span = (f"θ_{sync['first_version']} → θ_{sync['last_version']}" if sync["first_version"] is not None
+                else "first → last eval point")
+        lines.append(f"| {c['task']} | sync learns ({span}) | {fmt(sync['rise'], 3)} | {fmt(sync['rise_se'], 2)} | "
+                     f"{fmt(sync['rise_in_se'], 2)} | {yes[sync['learns']]} | {sync['n']} |")
+        for x in c["stale"]:
+            lines.append(f"| {c['task']} | stale loses a gap at s = {x['staleness']} (versions "
+                         f"{x['versions'][0]}-{x['versions'][1]}) | {fmt(x['gap'], 3)} | {fmt(x['gap_se'], 2)} | "
+                         f"{fmt(x['gap_in_se'], 2)} | {yes[x['loses']]} | {x['n']} |")
+    return lines + [""]
+
+
 def _diagnostics_table(groups: list[dict]) -> list[str]:
     """Per group, the update diagnostics its cells logged (``DIAGNOSTICS``, means over seeds of each cell's mean
     after the warm-up) and GAC's share of changed steps; nothing when no group logged any."""
@@ -152,7 +218,9 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              versions: list[dict] | None = None, mixed: list[dict] | None = None,
              on_policy: dict[str, list[dict]] | None = None, costs: dict[str, list[dict]] | None = None,
              sizes: list[dict] | None = None, size_trend: dict | None = None,
-             aligned: list[dict] | None = None, families: list[dict] | None = None) -> str:
+             aligned: list[dict] | None = None, families: list[dict] | None = None,
+             beyond: dict[str, list[dict]] | None = None, uncontrolled: list[dict] | None = None,
+             regime_checks: list[dict] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
@@ -161,14 +229,18 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     per measure name. ``sizes`` and ``size_trend``: the model-size table (:func:`~gacbench.bench.regime.size_points`)
     and its trend. ``aligned``: the shares on the version-aligned measure
     (:func:`~gacbench.bench.stats.aligned_shares`);
-    ``families``: the multiplicity families (:func:`~gacbench.bench.stats.apply_families`), listed at the end. The
-    findings paragraph at the top reads the headline measure (:func:`findings`)."""
+    ``families``: the multiplicity families (:func:`~gacbench.bench.stats.apply_families`), listed at the end.
+    ``beyond``: the shares beyond the on-policy effect (:func:`~gacbench.bench.beyond.beyond_on_policy`) per measure,
+    headline first, and ``uncontrolled`` the methods without a control; ``regime_checks``: the regime criteria
+    (:func:`~gacbench.bench.beyond.regime_checks`), after the findings. The findings paragraph at the top reads the
+    headline measure (:func:`findings`)."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
     if versions and len(versions) > 1:
         lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
                   + _mixed_note(mixed or []), ""]
     lines += findings(shares, reward_shares or [], aligned or [])
+    lines += _regime_checks_section(regime_checks or [])
     tasks = sorted({g["task"] for g in groups})
     main = [g for g in groups if not g["ablation"]]
     for task in tasks:
@@ -198,6 +270,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += _on_policy_table(measure, rows)
     for measure, rows in (costs or {}).items():
         lines += _cost_table(measure, rows)
+    lines += _beyond_section(beyond or {}, uncontrolled or [])
     lines += ["## Alignment statistics (paper Table 3), after the warm-up", "",
               "| task | method | s | median c_t | q0.9(|c_t|) | Pr(|c_t| ≤ 0.05) | seeds |",
               "|---|---|---|---|---|---|---|"]

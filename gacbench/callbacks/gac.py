@@ -112,6 +112,7 @@ class GAC(Callback):
     """
 
     kind = "gradient"  # the stabilizer API: GAC acts on gradients, composes with one loss-side stabilizer
+    on_policy_identity = False  # it acts on synchronous steps too, wherever c_t > c_low
 
     def __init__(
         self,

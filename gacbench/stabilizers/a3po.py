@@ -58,12 +58,15 @@ class A3PO(LossStabilizer):
     interpolated as log pi_behav + alpha (log pi_theta - log pi_behav), alpha = (s - 1) / s at lag s, instead of
     recomputed; ``weight_cap``/``cap_mode`` as ``decoupled-ppo``."""
 
+    on_policy_identity = True  # lag 0: alpha = 0, pi_prox = pi_behav = pi_theta, decoupled PPO with weight 1
+
     def __init__(self, weight_cap: float | None = None, cap_mode: str = "truncate") -> None:
         if weight_cap is not None:
             check_positive("A3PO", weight_cap=weight_cap)
         if cap_mode not in ("truncate", "mask"):
             raise ValueError(f"A3PO: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
         self.weight_cap, self.cap_mode = weight_cap, cap_mode
+        self.on_policy_identity = weight_cap is None or weight_cap >= 1.0
 
     def policy_loss(self, batch: PolicyBatch):
         return a3po_loss(batch, self.weight_cap, self.cap_mode)

@@ -116,6 +116,10 @@ class BAPO(LossStabilizer):
     delta1 = 0.05, delta2 = 0.02). BAPO chooses its own clip bounds (the module's clip_low/clip_high are not
     used) and logs them as bapo/c_low, bapo/c_high."""
 
+    # every bound it can choose has c_low <= 1 <= c_high, so a ratio of 1 is never clipped (the official variant's
+    # dual clip 3 caps only a loss above 3 |A|)
+    on_policy_identity = True
+
     def __init__(self, rho0: float = 0.4, a_low: float = 0.6, b_low: float = 0.9, a_high: float = 1.2,
                  b_high: float = 3.0, delta1: float = 0.05, delta2: float = 0.02, variant: str = "paper") -> None:
         if not (isinstance(rho0, (int, float)) and 0.0 < rho0 < 1.0):

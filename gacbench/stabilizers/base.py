@@ -201,9 +201,16 @@ def clipped_surrogate(batch: PolicyBatch, ratio_low: float | None = None, ratio_
 
 
 class Stabilizer(Callback):
-    """Base of every stabilizer: ``kind`` is "gradient" or "loss"."""
+    """Base of every stabilizer: ``kind`` is "gradient" or "loss". ``on_policy_identity``: True where the
+    stabilizer, with its default settings, leaves a synchronous GRPO run unchanged (one optimizer step per batch, so
+    the behaviour policy is the current one and every token ratio is exactly 1): its loss gradient equals the
+    module's clipped surrogate's, and a gradient-side one leaves the step as it is. An instance whose settings break
+    the identity sets it False in ``__init__``. The report then takes sync's cells as the method's on-policy control
+    (docs/bench.md); tests/test_on_policy_identity.py checks every stabilizer that declares it, and that every
+    loss-side one that does not changes the gradient."""
 
     kind = "gradient"
+    on_policy_identity = False
 
 
 class LossStabilizer(Stabilizer):

@@ -58,12 +58,15 @@ class DecoupledPPO(LossStabilizer):
     """AReaL's decoupled PPO objective: behaviour weight pi_prox/pi_behav times the clipped ratio to pi_prox
     (the module's clip range and aggregation). ``weight_cap`` with ``cap_mode``: see decoupled_ppo_loss."""
 
+    on_policy_identity = True  # pi_prox = pi_behav = pi_theta: weight 1, the module's surrogate in r = 1
+
     def __init__(self, weight_cap: float | None = None, cap_mode: str = "truncate") -> None:
         if weight_cap is not None:
             check_positive("DecoupledPPO", weight_cap=weight_cap)
         if cap_mode not in ("truncate", "mask"):
             raise ValueError(f"DecoupledPPO: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
         self.weight_cap, self.cap_mode = weight_cap, cap_mode
+        self.on_policy_identity = weight_cap is None or weight_cap >= 1.0  # a cap below 1 scales or drops weight 1
 
     def policy_loss(self, batch: PolicyBatch):
         return decoupled_ppo_loss(batch, self.weight_cap, self.cap_mode)
@@ -73,9 +76,12 @@ class TIS(LossStabilizer):
     """Truncated importance sampling on the staleness gap: the decoupled objective with the behaviour weight
     truncated at C, min(pi_prox / pi_behav, C) (verl's token-TIS with the stale behaviour as the rollout policy)."""
 
+    on_policy_identity = True  # weight min(1, C) = 1 for C >= 1
+
     def __init__(self, cap: float = 2.0) -> None:
         check_positive("TIS (cap, the truncation C of min(w, C))", cap=cap)
         self.cap = float(cap)
+        self.on_policy_identity = self.cap >= 1.0
 
     def policy_loss(self, batch: PolicyBatch):
         return decoupled_ppo_loss(batch, self.cap, "truncate")

@@ -63,6 +63,7 @@ class StalenessLR(Stabilizer):
 
     kind = "gradient"
     scales_lr = True
+    on_policy_identity = True  # the multiplier at S = 0 is exactly 1.0: the optimizer is not touched
 
     def __init__(self, s0: float = 1.0, form: str = "min") -> None:
         staleness_lr_scale(1, s0, form)  # validates both settings

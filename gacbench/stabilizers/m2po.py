@@ -187,6 +187,8 @@ class M2PO(LossStabilizer):
     docstring. ``weight_cap`` (areal variant only): AReaL's rejection of tokens with pi_prox/pi_behav above it."""
 
     ties = "split"  # Algorithm 1: one argmax per iteration
+    # at ratio 1 every log-ratio is 0: no trust-region token, nothing masked, no clip range narrower than [0, inf)
+    on_policy_identity = True
 
     def __init__(self, tau: float = 0.04, variant: str = "paper", weight_cap: float | None = None) -> None:
         check_positive("M2PO (tau, the paper uses 0.04)", tau=tau)
@@ -197,6 +199,8 @@ class M2PO(LossStabilizer):
                 raise ValueError("M2PO: weight_cap applies to variant='areal' only")
             check_positive("M2PO", weight_cap=weight_cap)
         self.tau, self.variant, self.weight_cap = float(tau), variant, weight_cap
+        # areal's rejection drops a token whose weight pi_prox / pi_behav = 1 exceeds a cap below 1
+        self.on_policy_identity = weight_cap is None or weight_cap >= 1.0
 
     def policy_loss(self, batch: PolicyBatch):
         m = batch.mask

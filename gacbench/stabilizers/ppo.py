@@ -65,6 +65,8 @@ class DualClipPPO(LossStabilizer):
     """Dual-clip PPO: the module's clipped surrogate with negative-advantage tokens capped at -c A (c = 3, verl's
     default ``clip_ratio_c``)."""
 
+    on_policy_identity = True  # at r = 1 the loss |A| of an A < 0 token lies below the cap c |A| (c > 1)
+
     def __init__(self, clip_c: float = 3.0) -> None:
         check_positive("DualClipPPO", clip_c=clip_c)
         if clip_c <= 1.0:
@@ -91,6 +93,8 @@ class GSPO(LossStabilizer):
 
 class CISPO(LossStabilizer):
     """CISPO: REINFORCE with a stop-gradient, clipped importance weight, sg(min(r, 1 + clip_high)) A log pi."""
+
+    on_policy_identity = True  # weight clip(1) = 1: -A grad log pi, the surrogate's gradient at r = 1
 
     def __init__(self, lower: bool = False) -> None:
         if not isinstance(lower, bool):

@@ -40,7 +40,9 @@ def _builtins() -> dict[str, type]:
 
 
 def available() -> dict[str, dict[str, Any]]:
-    """name -> {"cls", "kind", "source", "package", "help"}; a name declared twice (a plug-in with a built-in's
+    """name -> {"cls", "kind", "source", "package", "help", "on_policy_identity"} (the class's declaration with its
+    default settings, False where the class declares nothing: :class:`gacbench.stabilizers.base.Stabilizer`); a
+    name declared twice (a plug-in with a built-in's
     name, or two plug-ins with one name) is a UsageError naming both packages."""
     found: dict[str, dict[str, Any]] = {}
     for name, cls in _builtins().items():
@@ -60,6 +62,7 @@ def available() -> dict[str, dict[str, Any]]:
             raise TypeError(f"stabilizer {name!r} ({info['source']}): its class needs kind = 'gradient' or 'loss', "
                             f"got {kind!r}")
         info["kind"] = kind
+        info["on_policy_identity"] = getattr(info["cls"], "on_policy_identity", False) is True
         doc = " ".join((info["cls"].__doc__ or "").split())
         info["help"] = doc.split(". ")[0].rstrip(".") + "." if doc else ""
     return found

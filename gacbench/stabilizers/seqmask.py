@@ -114,11 +114,14 @@ class OPSM(LossStabilizer):
     advantage whose mean log(mu / pi_theta) exceeds delta (slime's default 1e-4) is dropped from the module's
     clipped surrogate."""
 
+    on_policy_identity = True  # sampling="behav": KL_i = 0 <= delta, no response dropped
+
     def __init__(self, delta: float = 1e-4, sampling: str = "behav") -> None:
         check_positive("OPSM (delta, the sequence-KL threshold; slime's default 1e-4)", delta=delta)
         if sampling not in SAMPLING:
             raise ValueError(f"OPSM: sampling={sampling!r} is not one of {', '.join(SAMPLING)}")
         self.delta, self.sampling = float(delta), sampling
+        self.on_policy_identity = sampling == "behav"  # the engine's log-probs differ from the trainer's
 
     def policy_loss(self, batch: PolicyBatch):
         return opsm_loss(batch, self.delta, self.sampling)
@@ -130,6 +133,8 @@ class GeoSeqMask(LossStabilizer):
     geometric-mean ratio exp(mean_t log(pi / mu)) leaves [low, high] is dropped from the module's clipped
     surrogate."""
 
+    on_policy_identity = True  # sampling="behav": g_i = 1 lies in [low, high], no response dropped
+
     def __init__(self, low: float = 0.99, high: float = 1.01, sampling: str = "behav") -> None:
         check_positive("GeoSeqMask", low=low, high=high)
         if not low <= 1.0 <= high:
@@ -138,6 +143,7 @@ class GeoSeqMask(LossStabilizer):
         if sampling not in SAMPLING:
             raise ValueError(f"GeoSeqMask: sampling={sampling!r} is not one of {', '.join(SAMPLING)}")
         self.low, self.high, self.sampling = float(low), float(high), sampling
+        self.on_policy_identity = sampling == "behav"
 
     def policy_loss(self, batch: PolicyBatch):
         return geo_seq_mask_loss(batch, self.low, self.high, self.sampling)

@@ -126,6 +126,9 @@ class VCPO(LossStabilizer):
         if not isinstance(baseline, bool):
             raise ValueError(f"VCPO: baseline={baseline!r} must be True or False")
         self.rho_base, self.is_cap, self.baseline = float(rho_base), float(is_cap), baseline
+        # at ratio 1 (w = 1, rho_ess = 1) only the baseline moves the update: with it off, weight min(1, is_cap) = 1
+        # and lr scale sqrt(min(1, 1 / rho_base)) = 1 leave the module's gradient and step
+        self.on_policy_identity = not baseline and self.rho_base <= 1.0 and self.is_cap >= 1.0
         self._params: list[Tensor] = []
         self._lr_scale = 1.0
         self._pending = None  # (optimizer, base learning rates, step hook) while a step is scaled

@@ -75,6 +75,8 @@ class VESPO(LossStabilizer):
     phi(W) = W^k exp(lambda (1 - W)) of the sequence ratio W = prod_t pi_theta / pi_behav, k = 2, lambda = 3 for
     A >= 0 and k = 3, lambda = 2 for A < 0; no clipping."""
 
+    on_policy_identity = True  # W = 1 and phi(1) = 1 for every (k, lambda): -A grad log pi
+
     def __init__(self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
                  lambda_neg: float = 2.0) -> None:
         check_positive("VESPO", k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
