@@ -220,7 +220,7 @@ class GAC(Callback):
             # the run's total steps, not those left: a resumed run makes the same choice as the uninterrupted one
             n_params = sum(p.numel() for p in self._params)  # the global count (a DTensor counts every shard)
             self.transform.choose_kernels_for(n_params, run_steps(trainer),
-                                              self._params[0].device.type if self._params else "cpu")
+                                              self._params[0].device if self._params else "cpu")
 
     def _check_gradient(self, trainer: "pl.Trainer") -> None:
         """``target="step"``: a non-finite gradient would reach AdamW's moments and make every later step

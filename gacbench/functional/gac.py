@@ -188,12 +188,14 @@ class GACTransform:
         self.state = GACState()
         self.names: list[str] | None = None  # the parameters' names, where the caller knows them (error messages)
 
-    def choose_kernels_for(self, n_params: int, steps: float, device_type: str) -> str:
-        """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length
-        (:func:`~gacbench.functional.kernels.choose_kernels`); until then "auto" runs the eager path. Returns the
-        path; any other ``kernels`` stays as given."""
+    def choose_kernels_for(self, n_params: int, steps: float, device: torch.device | str) -> str:
+        """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length and the parameters'
+        device (its type, and a GPU's name: :func:`~gacbench.functional.kernels.choose_kernels`); until then "auto"
+        runs the eager path. Returns the path; any other ``kernels`` stays as given."""
         if self.requested_kernels == "auto":
-            self.kernels = choose_kernels(n_params, steps, device_type)
+            device = torch.device(device)
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            self.kernels = choose_kernels(n_params, steps, device.type, name)
         return self.kernels
 
     # -- the step -------------------------------------------------------------------------
