@@ -110,9 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive_int, default=7, help="timed runs per figure; the median is reported")
     p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None,
                    help="dtype of GAC's reference buffer")
-    p.add_argument("--kernels", default="eager,compiled,fused-adamw", type=_kernel_list,
+    p.add_argument("--kernels", default=None, type=_kernel_list,
                    help="GAC kernel paths to time, comma-separated: eager, compiled, fused-adamw (torch.compile; "
-                        "the first, untimed round compiles, about a minute on 2 CPU cores) (default: all three)")
+                        "the first, untimed round compiles, about a minute on 2 CPU cores), triton (CUDA; on the CPU "
+                        "only under TRITON_INTERPRET=1, which times Triton's interpreter) (default: eager, compiled, "
+                        "fused-adamw, and triton on CUDA)")
     p.add_argument("--json", default=None, help="also write the record to this JSON file")
 
     p = sub.add_parser("bench",

@@ -236,7 +236,7 @@ class GACHook(_StepHook):
         if not self._kernels_chosen and params:  # kernels="auto": the path from the parameters and the run's steps
             self._kernels_chosen = True
             self.transform.choose_kernels_for(sum(p.numel() for p in params), self.run_steps or math.inf,
-                                              params[0].device.type)
+                                              params[0].device)
         reduce = self._reduce([p.grad for p in params])
         # swap exchanges p.grad with the reference's storage (plain gradient tensors only); keep_alias stays off:
         # the hook never sees zero_grad, so p.grad must not be the reference itself

@@ -1,7 +1,8 @@
 """GAC's compiled kernels (kernels="compiled"): the same decisions, cosines and gradients as the eager path to
 float32 rounding, over a run that takes every branch; overflow and non-finite gradients handled as the eager path
 handles them; and the overhead benchmark's compiled rows. Each distinct parameter list compiles once per process
-(about 10-30 s), so the tests share one list of shapes."""
+(about 10-30 s), so the tests share one list of shapes. Then kernels="auto": on the CPU the compile's crossover, on a
+GPU the table of measured rows (synthetic tables, and the row the GPU run prints)."""
 
 import math
 
@@ -11,6 +12,7 @@ import torch
 from gacbench.bench.overhead import run_overhead, shape_for_params
 from gacbench.functional.alignment import KEEP, PROJECT, SHRINK
 from gacbench.functional.gac import GACTransform
+from gacbench.functional.kernels import Measurement, choose_kernels, choose_measured
 
 SHAPES = shape_for_params(200_000).shapes()
 
@@ -300,12 +302,12 @@ def test_the_callback_chooses_from_the_optimizers_parameters_and_the_runs_steps(
     from gacbench import GAC
 
     seen = []
-    monkeypatch.setattr(gac_module, "choose_kernels", lambda n, steps, device: seen.append((n, steps, device)) or
-                        "eager")
+    monkeypatch.setattr(gac_module, "choose_kernels", lambda n, steps, device, name: seen.append((n, steps, device,
+                                                                                                 name)) or "eager")
     gac = GAC()
     assert gac.transform.requested_kernels == "auto" and gac.kernels_used == "eager"
     make_trainer([gac], max_steps=14, accumulate_grad_batches=2).fit(UserRegressor())
-    assert seen == [(5 * 8 + 8 + 8 + 1, 14.0, "cpu")]  # Linear(5, 8) and Linear(8, 1); 14 optimizer steps
+    assert seen == [(5 * 8 + 8 + 8 + 1, 14.0, "cpu", None)]  # Linear(5, 8) and Linear(8, 1); 14 optimizer steps
     fixed = GAC(kernels="compiled")
     make_trainer([fixed], max_steps=1).fit(UserRegressor())  # one step: no reference yet, nothing compiles
     assert len(seen) == 1 and fixed.kernels_used == "compiled"  # a path given by name is not re-chosen
@@ -323,3 +325,62 @@ def test_auto_runs_the_eager_path_on_a_small_model():
         runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         assert gac.kernels_used == "eager"
     assert torch.equal(runs[0], runs[1])
+
+
+# -- kernels="auto" off the CPU: from the table of measurements ------------------------------------------------
+
+H200, N = "NVIDIA H200", 1_720_574_976
+
+
+def _row(kernels, keep, shrink, first=2.0, gpu=H200, params=N, shape="qwen3-1.7b") -> Measurement:
+    return Measurement("cuda", gpu, "2.11", shape, params, kernels, 16.3, keep, shrink, first)
+
+
+def test_auto_on_cuda_is_eager_until_a_faster_path_is_measured_there():
+    assert choose_kernels(N, 10_000, "cuda", H200) == "eager"  # the shipped table: the eager figures only
+    eager = _row("eager", 1.01, 1.33, first=0.0)
+    table = (eager, _row("triton", 0.30, 0.60))
+    assert choose_measured(N, 10_000, "cuda", H200, table) == "triton"
+    assert choose_kernels(N, 10_000, "cuda", H200, table=table) == "triton"  # choose_kernels reads the table
+    assert choose_measured(N, 10_000, "cuda", "NVIDIA A100-SXM4-80GB", table) == "eager"  # another GPU
+    assert choose_measured(N, 10_000, "cuda", None, table) == "eager"  # a GPU of unknown name
+    assert choose_measured(N // 2, 10_000, "cuda", H200, table) == "eager"  # smaller than anything measured
+    assert choose_measured(N, math.inf, "cuda", H200, table) == "eager"  # the run's length unknown
+    assert choose_measured(N, 10_000, "cuda", H200, (_row("triton", 0.30, 0.60),)) == "eager"  # no eager row
+    assert choose_measured(N, 10_000, "cuda", H200, (eager, _row("triton", 0.30, 1.40))) == "eager"  # shrink slower
+    assert choose_kernels(N, 10_000, "cpu", None, table=table) == "fused-adamw"  # the CPU keeps its own rule
+
+
+def test_auto_on_cuda_repays_the_first_call_and_takes_the_path_that_saves_most():
+    eager = _row("eager", 1.01, 1.33, first=0.0)
+    slow_compile = _row("compiled", 0.50, 0.80, first=60.0)  # saves min(0.51, 0.53) x 16.3 ms = 8.313 ms a step
+    steps = math.ceil(60.0 / (0.51 * 16.3e-3))
+    table = (eager, slow_compile)
+    assert choose_measured(N, steps, "cuda", H200, table) == "compiled"
+    assert choose_measured(N, steps - 1, "cuda", H200, table) == "eager"
+    both = (eager, slow_compile, _row("triton", 0.30, 0.60, first=1.0))
+    assert choose_measured(N, 10 * steps, "cuda", H200, both) == "triton"
+    assert choose_measured(N, 10 * steps, "cuda", H200, both[::-1]) == "triton"  # the order of rows does not matter
+
+
+def _record(keep: float, shrink: float) -> dict:
+    """An overhead record at the 1.7B shape on an H200, as run_overhead writes it, with eager's figures from the
+    last GPU run and the Triton path's ``keep`` and ``shrink``."""
+    return {"params": N, "gpu": H200, "torch": "2.11.0+cu128", "shape_name": "qwen3-1.7b", "adamw_step_s": 0.0163,
+            "gac_keep_over_adamw": 1.01, "gac_over_adamw": 1.33, "gac_case": "shrink", "gac_keep_case": "keep",
+            "first_round_extra_eager_s": 0.4, "gac_keep_triton_over_adamw": keep, "gac_triton_over_adamw": shrink,
+            "gac_triton_case": "shrink", "gac_keep_triton_case": "keep", "first_round_extra_triton_s": 3.2,
+            "floor_keep_over_adamw": 0.36, "floor_project_over_adamw": 0.72}
+
+
+def test_the_printed_row_is_the_measurement_and_adding_it_lets_auto_choose_triton():
+    from gacbench.functional.kernels import MEASURED, measurement_row
+
+    record = _record(0.31, 0.74)
+    line = measurement_row(record, "triton", "_triton")
+    row = eval(line.rstrip(","), {"Measurement": Measurement})
+    assert row == Measurement("cuda", H200, "2.11.0", "qwen3-1.7b", N, "triton", 16.3, 0.31, 0.74, 3.2)
+    eager = eval(measurement_row(record, "eager", "").rstrip(","), {"Measurement": Measurement})
+    assert (eager.keep, eager.shrink, eager.adamw_ms) == (MEASURED[0].keep, MEASURED[0].shrink, MEASURED[0].adamw_ms)
+    assert choose_kernels(N, 1_000, "cuda", H200, table=MEASURED + (row,)) == "triton"
+    assert measurement_row({**record, "gpu": None}, "triton", "_triton") is None  # a CPU record has no row

@@ -6,15 +6,19 @@
    followed by the same AdamW step: the actions must be equal, the cosines within 1e-5 and the parameters
    within 1e-5 (relative to their scale).
 3. ``overhead <path>``: ``gacbench overhead`` for every path, at the Qwen3-1.7B shape on a GPU (about 20M
-   parameters on the CPU): each branch's cost as a ratio to a fused AdamW step, beside the floor.
+   parameters on the CPU): each branch's cost as a ratio to a fused AdamW step, beside the floor. A path with a
+   target in :data:`TARGETS` fails its row where it misses it on a GPU at the 1.7B shape. The table is followed by
+   each path's row for ``gacbench.functional.kernels.MEASURED`` (what ``kernels="auto"`` chooses from on a GPU).
 4. ``grpo <method>``: a short GRPO run of the tiny built-in model on the device, ``sync`` and ``gac`` at
    s = 8, with the HF engine, and with vLLM where it is installed (``--engines``).
 5. ``tests``: the fast tests (``pytest -m "not slow and not distributed"``) on this machine's torch, when the
    repository's tests/ folder is present (``--skip-tests`` leaves them out).
 
 Nothing is downloaded: the tiny model is built from a config and warm-started (cached after its first build).
-``--device cpu`` runs the same checks at small shapes, so that a machine without a GPU exercises the command.
-A check that fails is a row marked FAIL; the command then exits 1.
+``--device cpu`` runs the same checks at small shapes, so that a machine without a GPU exercises the command; the
+``triton`` path's rows are skipped there (its kernels run on the CPU only under Triton's interpreter,
+``TRITON_INTERPRET=1``, which then checks and times the interpreter). A check that fails is a row marked FAIL; the
+command then exits 1.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from gacbench.usage import UsageError
 EQUIVALENCE_SHAPES = ((3,), (1,), (17, 5), (1000,), (96, 64), (300_001,))
 COS_TOL = 1e-5
 PARAM_TOL = 1e-5
+#: the most each branch of a path may cost, as a ratio to the fused AdamW step, at the Qwen3-1.7B shape on a GPU:
+#: from the H200's eager figures (keep 1.01x, shrink 1.33x) and its floor (keep >= 0.36x, shrink >= 0.72x)
+TARGETS = {"triton": {"keep": 0.45, "shrink": 0.90}}
 
 
 def _version(package: str) -> str:
@@ -128,22 +135,29 @@ def check_overhead(kernels: tuple[str, ...], dev, repeats: int, progress, params
     """One row per kernel path, from one ``run_overhead`` (the paths timed one after the other): at the
     Qwen3-1.7B shape on a GPU, at about ``params`` (default 20M) on the CPU."""
     from gacbench.bench.overhead import KERNEL_SUFFIX, run_overhead
+    from gacbench.functional.kernels import measurement_row
 
     shape = {"shape": "qwen3-1.7b"} if dev.type == "cuda" and params is None else {"params": params or 20_000_000}
     record = run_overhead(device=str(dev), repeats=repeats, kernels=kernels, progress=progress, **shape)
     rows = []
     for kernel in kernels:
         sfx = KERNEL_SUFFIX[kernel]
+        over = {"shrink": record["gac" + sfx + "_over_adamw"], "keep": record["gac_keep" + sfx + "_over_adamw"]}
         detail = (f"{record['params'] / 1e6:,.0f}M params, AdamW {record['adamw_step_s'] * 1e3:.1f} ms; shrink "
-                  f"{record['gac' + sfx + '_over_adamw']:.2f}x, keep {record['gac_keep' + sfx + '_over_adamw']:.2f}x")
+                  f"{over['shrink']:.2f}x, keep {over['keep']:.2f}x")
         if record.get("floor_keep_over_adamw") is not None:
             detail += (f" (floor: keep >= {record['floor_keep_over_adamw']:.2f}x, shrink >= "
                        f"{record['floor_project_over_adamw']:.2f}x)")
         detail += f"; first round +{record['first_round_extra' + (sfx or '_eager') + '_s']:.0f} s"
         ok = record["gac" + sfx + "_case"] == "shrink" and record["gac_keep" + sfx + "_case"] == "keep"
-        rows.append({"check": f"overhead {kernel}", "ok": ok, "detail": detail,
-                     "over_adamw": {"shrink": record["gac" + sfx + "_over_adamw"],
-                                    "keep": record["gac_keep" + sfx + "_over_adamw"]}})
+        target = TARGETS.get(kernel)
+        if target and dev.type == "cuda" and record.get("shape_name") == "qwen3-1.7b":
+            met = all(over[branch] <= limit for branch, limit in target.items())
+            detail += (f"; target keep <= {target['keep']:.2f}x, shrink <= {target['shrink']:.2f}x: "
+                       + ("met" if met else "MISSED"))
+            ok = ok and met
+        rows.append({"check": f"overhead {kernel}", "ok": ok, "detail": detail, "over_adamw": over,
+                     "measured": measurement_row(record, kernel, sfx)})
     rows[0]["record"] = record
     return rows
 
@@ -220,6 +234,7 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
     import torch
 
     from gacbench.bench.overhead import Progress, _device
+    from gacbench.functional import triton_kernels
     from gacbench.functional.gac import KERNELS
 
     dev = _device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -258,10 +273,16 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
             if dev.type == "cuda":  # the next check starts with the device's memory free
                 torch.cuda.empty_cache()
 
+        timed = []
         for kernel in kernels:
+            why = triton_kernels.device_problem(dev.type) if kernel == "triton" else None
+            if why is not None:
+                add({"check": f"gac {kernel}", "ok": None, "detail": f"skipped: {why}"})
+                continue
+            timed.append(kernel)
             guarded(f"gac {kernel}", check_gac_equivalence, kernel, dev)
-        if not skip_overhead:
-            guarded("overhead", check_overhead, kernels, dev, repeats, progress, params)
+        if not skip_overhead and timed:
+            guarded("overhead", check_overhead, tuple(timed), dev, repeats, progress, params)
         if grpo_steps:
             for engine in engines:
                 if engine == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -283,6 +304,10 @@ def main(args) -> int:
     result = run_gpu_check(args.device, kernels, engines, args.grpo_steps, args.repeats, args.skip_tests,
                            args.skip_overhead, args.tests_timeout, params=args.params)
     print(table(result["environment"], result["rows"]), flush=True)
+    measured = [r["measured"] for r in result["rows"] if r.get("measured")]
+    if measured:
+        print("rows for MEASURED in gacbench/functional/kernels.py (kernels='auto' chooses from them):")
+        print("\n".join(f"    {line}" for line in measured), flush=True)
     if args.json:
         rows = [{k: v for k, v in r.items() if k != "record"} for r in result["rows"]]
         records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
@@ -296,7 +321,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
     p.add_argument("--kernels", default=None,
                    help="GAC kernel paths to check and time, comma-separated (default: all: eager, compiled, "
-                        "fused-adamw; the compiled ones compile once per shape)")
+                        "fused-adamw, triton; the compiled ones compile once per shape; triton runs on CUDA and is "
+                        "skipped on the CPU unless TRITON_INTERPRET=1)")
     p.add_argument("--engines", default="hf,vllm",
                    help="rollout engines of the GRPO runs (default hf,vllm; vllm is skipped where not installed)")
     p.add_argument("--grpo-steps", type=int, default=None,

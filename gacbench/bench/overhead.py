@@ -7,15 +7,18 @@ the current device, gives them gradients, and times side by side, in one process
 :class:`GACTransform` the callback runs. Each figure is the median of ``repeats`` timed
 runs after a warm-up. The projection is forced on every timed pass (c_low = 0, so every
 step with positive alignment is shrunk), which is GAC's worst case. Beside them it times the two
-memory passes GAC's branches cannot go below (one read of g and r; one ``g - alpha r`` pass), so
-that each branch's floor on the machine at hand is printed with it. Threads: torch's default
-(set ``OMP_NUM_THREADS`` to pin them; on a shared machine one thread gives the steadiest figures).
+memory passes each branch needs, made of torch's eager kernels (one read of g and r, as a dot product per
+tensor; one ``g - alpha r`` pass), so that each branch's floor with those kernels on the machine at hand is
+printed with it (a kernel that streams memory faster than torch's dot product, such as the Triton path's, can
+go below it). Threads: torch's default (set ``OMP_NUM_THREADS`` to pin them; on a shared machine one thread
+gives the steadiest figures).
 
 The kernel paths are timed one after the other, each in its own interleaved rounds (the first: AdamW, the
 path's two branches and the floors; each later one: its two branches), so that a path's figures are printed as
 soon as they are measured and a slow compile holds back only its own path. Each ratio is to the AdamW step of
 the first rounds. On the command line a line is printed at least every ``QUIET_S`` seconds (what is running,
-for how long), and a compile's start and duration are printed.
+for how long), and a compile's start and duration are printed. On a GPU the last lines are each path's row for
+``gacbench.functional.kernels.MEASURED``, the table ``kernels="auto"`` chooses from there.
 """
 
 from __future__ import annotations
@@ -31,14 +34,16 @@ from typing import Callable, TextIO
 
 import torch
 
+from gacbench.functional import triton_kernels
 from gacbench.functional.alignment import ACTION_NAMES
 from gacbench.functional.gac import GACTransform
+from gacbench.functional.kernels import measurement_row
 from gacbench.usage import UsageError
 
 #: GAC's kernel paths (``GAC(kernels=...)``) and the suffix of their keys in the record
-KERNEL_SUFFIX = {"eager": "", "compiled": "_compiled", "fused-adamw": "_fused"}
-#: the kernel paths whose first call compiles (torch.compile)
-COMPILING = ("compiled", "fused-adamw")
+KERNEL_SUFFIX = {"eager": "", "compiled": "_compiled", "fused-adamw": "_fused", "triton": "_triton"}
+#: the kernel paths whose first call compiles (torch.compile; Triton's JIT)
+COMPILING = ("compiled", "fused-adamw", "triton")
 #: the longest the command line stays silent: a progress line after this many seconds without output
 QUIET_S = 10.0
 
@@ -156,7 +161,8 @@ def _interleaved(cases: dict[str, tuple[Callable[[], object], Callable[[], None]
             setup()
             sync()
             if not i and name in compiling:
-                progress.say(f"  {name}: first call, compiling (torch.compile; minutes for a large model) ...")
+                progress.say(f"  {name}: first call, compiling (torch.compile: minutes for a large model; "
+                             "Triton: seconds) ...")
                 progress.doing(f"compiling {name}")
             t0 = time.perf_counter()
             fn()
@@ -191,6 +197,14 @@ def _device(device: str | None) -> torch.device:
     return dev
 
 
+def default_kernels(device: str | None) -> tuple[str, ...]:
+    """The paths ``gacbench overhead`` times when ``--kernels`` is not given: every path that runs natively on the
+    device (the Triton path on CUDA, not under the CPU's interpreter)."""
+    dev = _device(device)
+    return tuple(k for k in KERNEL_SUFFIX if k != "triton" or (dev.type == "cuda" and
+                                                                triton_kernels.device_problem("cuda") is None))
+
+
 def run_overhead(
     params: int = 20_000_000,
     device: str | None = None,
@@ -202,7 +216,8 @@ def run_overhead(
     progress: Progress | None = None,
 ) -> dict:
     """Time AdamW and a GAC pass on the same parameters; returns the JSON record. ``kernels``: GAC's kernel
-    paths to time (:data:`KERNEL_SUFFIX`; ``compiled`` needs a float32 reference buffer). A step GAC takes itself
+    paths to time (:data:`KERNEL_SUFFIX`; ``compiled`` needs a float32 reference buffer; ``triton`` a CUDA device,
+    or Triton's interpreter on the CPU, which times the interpreter: a check that it runs). A step GAC takes itself
     (``fused-adamw``: a shrunk one, or every one with a bfloat16 buffer) includes the AdamW update, so its
     ``_over_adamw`` is (time - AdamW) / AdamW. ``progress``: where each figure's line goes as soon as it is
     measured (and the progress lines); None prints nothing. Bad arguments raise :class:`UsageError`."""
@@ -219,6 +234,9 @@ def run_overhead(
     if repeats < 1:
         raise UsageError(f"--repeats {repeats} must be >= 1")
     dev = _device(device)
+    if "triton" in kernels and triton_kernels.device_problem(dev.type) is not None:
+        raise UsageError(f"--kernels triton on {dev.type}: {triton_kernels.device_problem(dev.type)}; leave triton "
+                         "out of --kernels here")
     qshape = QWEN3_1_7B if shape == "qwen3-1.7b" else shape_for_params(params)
     out.doing(f"building {qshape.numel():,} parameters and their gradients on {dev}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -280,7 +298,9 @@ def run_overhead(
     record = {
         "params": sum(p.numel() for p in ps),
         "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "shape": qshape.__dict__,
+        "shape_name": "qwen3-1.7b" if qshape == QWEN3_1_7B else None,
         "tensors": len(ps),
         "adamw": "fused" if fused else "foreach",
         "buffer_dtype": buffer_dtype or str(ps[0].dtype).replace("torch.", ""),
@@ -332,12 +352,19 @@ def run_overhead(
         extra = sum(first[n] - medians[n] for n in branches)
         record[f"first_round_extra{suffix or '_eager'}_s"] = extra
         out.say(f"  {kernel}: first round beyond a timed one (the compile, for compiled paths) {extra:.1f} s")
+        # this path's references and their copies are freed before the next path's are made
+        branches = cases = fn = setup = None
     record.update({"threads": torch.get_num_threads(), "torch": torch.__version__})
+    for kernel in kernels:  # on a GPU: each path's line for the table kernels="auto" chooses from
+        row = measurement_row(record, kernel, KERNEL_SUFFIX[kernel])
+        if row is not None:
+            out.say(f"  row for gacbench.functional.kernels.MEASURED: {row}")
     return record
 
 
 def main(args) -> int:
-    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    kernels = (tuple(k.strip() for k in args.kernels.split(",") if k.strip()) if args.kernels
+               else default_kernels(args.device))
     if args.params is not None and args.params <= 0:
         raise UsageError(f"--params {args.params} must be positive")
     with Progress() as progress:

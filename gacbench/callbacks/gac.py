@@ -84,9 +84,15 @@ class GAC(Callback):
             stops the run. The reference is kept either way, and the step has no c_t: it logs NaN and counts as
             ``skipped`` in the summary (as a non-finite gradient does).
         warmup, tol: steps excluded from, and the tolerance of, the end-of-fit alignment summary.
-        kernels: ``"auto"`` (default): ``"fused-adamw"`` where its compile pays back within the run (from the
-            number of parameters and the run's optimizer steps, read when fit starts; see
-            :func:`gacbench.functional.kernels.choose_kernels`), else ``"eager"``; ``kernels_used`` tells which.
+        kernels: ``"auto"`` (default): on the CPU ``"fused-adamw"`` where its compile pays back within the run
+            (from the number of parameters and the run's optimizer steps, read when fit starts), on a GPU what its
+            measured rows choose (none but eager's yet); else ``"eager"`` (see
+            :func:`gacbench.functional.kernels.choose_kernels`); ``kernels_used`` tells which.
+            ``"triton"``: the scalars in one Triton launch over the whole parameter list, the projection (or, where
+            storage cannot be swapped, the projection and the reference's update) in one more
+            (gacbench.functional.triton_kernels); on CUDA, and on the CPU only under ``TRITON_INTERPRET=1``
+            (Triton's interpreter, for checking); anywhere else the eager path, with one warning per reason (and,
+            without a warning, on a step where a parameter has no gradient).
             ``"eager"``, ``"compiled"``: the alignment scalars and the projection as two
             ``torch.compile`` kernels over the whole parameter list (gacbench.functional.kernels), or
             ``"fused-adamw"``: the compiled scalars, and, when the optimizer is a plain ``torch.optim.AdamW``
@@ -221,7 +227,7 @@ class GAC(Callback):
             # the run's total steps, not those left: a resumed run makes the same choice as the uninterrupted one
             n_params = sum(p.numel() for p in self._params)  # the global count (a DTensor counts every shard)
             self.transform.choose_kernels_for(n_params, run_steps(trainer),
-                                              self._params[0].device.type if self._params else "cpu")
+                                              self._params[0].device if self._params else "cpu")
 
     def _check_gradient(self, trainer: "pl.Trainer") -> None:
         """``target="step"``: a non-finite gradient would reach AdamW's moments and make every later step

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gacbench.functional import triton_kernels
 from gacbench.functional.alignment import (
     _CPU_BLOCK_PER_THREAD,
     HIGH_MODES,
@@ -42,7 +43,8 @@ from gacbench.functional.kernels import (
 )
 
 REFERENCES = ("grad", "applied", "update", "ema")
-KERNELS = ("eager", "compiled", "fused-adamw")  # the kernel paths
+KERNELS = ("eager", "compiled", "fused-adamw", "triton")  # the kernel paths
+COMPILED = ("compiled", "fused-adamw")  # the paths of torch.compile kernels (gacbench.functional.kernels)
 KERNEL_CHOICES = ("auto",) + KERNELS  # what GAC(kernels=...) takes: "auto" picks a path when fit starts
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -188,12 +190,14 @@ class GACTransform:
         self.state = GACState()
         self.names: list[str] | None = None  # the parameters' names, where the caller knows them (error messages)
 
-    def choose_kernels_for(self, n_params: int, steps: float, device_type: str) -> str:
-        """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length
-        (:func:`~gacbench.functional.kernels.choose_kernels`); until then "auto" runs the eager path. Returns the
-        path; any other ``kernels`` stays as given."""
+    def choose_kernels_for(self, n_params: int, steps: float, device: torch.device | str) -> str:
+        """With ``kernels="auto"``, set the path ``step`` runs from the run's size and length and the parameters'
+        device (its type, and a GPU's name: :func:`~gacbench.functional.kernels.choose_kernels`); until then "auto"
+        runs the eager path. Returns the path; any other ``kernels`` stays as given."""
         if self.requested_kernels == "auto":
-            self.kernels = choose_kernels(n_params, steps, device_type)
+            device = torch.device(device)
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            self.kernels = choose_kernels(n_params, steps, device.type, name)
         return self.kernels
 
     # -- the step -------------------------------------------------------------------------
@@ -256,15 +260,17 @@ class GACTransform:
         rest = () if everyone else [ref[i] for i in sorted(set(range(len(params))) - set(live))]
         swap = swap and self.reference == "grad" and everyone and self._swappable(g, r)
         # the compiled scalars reduce each tensor in its own dtype: float32 gradients only (a bfloat16 sum would round)
-        compiled = (self.kernels != "eager" and swap and st.ref_sq is not None and compiled_available()
+        compiled = (self.kernels in COMPILED and swap and st.ref_sq is not None and compiled_available()
                     and all(gi.dtype == torch.float32 for gi in g))
+        # the Triton kernels upcast in registers: any float32/bfloat16/float16 list, every parameter with a gradient
+        fast = self.kernels == "triton" and everyone and self._triton_takes(g, r)
         # fused-adamw with a lower-precision reference: GAC takes every (unskipped) AdamW step and stores g,
         # rounded, as the next reference in the same pass
         lowp = (self.kernels == "fused-adamw" and self.reference == "grad" and keep_alias and optimizer is not None
                 and everyone and compiled_available()
                 and all(type(gi) is torch.Tensor and gi.dtype == torch.float32
                         and ri.dtype in (torch.bfloat16, torch.float16) for gi, ri in zip(g, r)))
-        local_scalars = self._local_scalars(g, r, rest, compiled, lowp)
+        local_scalars = self._local_scalars(g, r, rest, compiled, lowp, fast)
         scalars = reduce(local_scalars.clone())  # a collective may work in place
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
@@ -279,7 +285,8 @@ class GACTransform:
         if (self.kernels == "fused-adamw" and optimizer is not None and keep_alias and (compiled or lowp)
                 and self._take_fused_step(params, optimizer, g, r, alpha, skipped, compiled, local_scalars)):
             return GACStep(decision, g_sq, stepped=True)
-        self._apply(params, live, g, r, decision, g_dot_r, r_sq, alpha, swap, keep_alias, compiled, local_scalars)
+        self._apply(params, live, g, r, decision, g_dot_r, r_sq, alpha, swap, keep_alias, compiled, local_scalars,
+                    fast)
         if skipped:
             self.skip(params)
         st.has_ref = self._reference_fits(g)
@@ -300,13 +307,28 @@ class GACTransform:
         self.state.ref_sq = None
         return False
 
+    @staticmethod
+    def _triton_takes(g: list[Tensor], r: list[Tensor]) -> bool:
+        """Whether the Triton kernels take these lists; where they cannot, one warning per reason and process
+        (:func:`~gacbench.functional.triton_kernels.unusable`), and the eager path runs."""
+        why = triton_kernels.unusable(g, r)
+        if why is not None:
+            triton_kernels.warn_once(why)
+        return why is None
+
     def _local_scalars(self, g: list[Tensor], r: list[Tensor], rest: Sequence[Tensor], compiled: bool,
-                       lowp: bool) -> Tensor:
+                       lowp: bool, fast: bool = False) -> Tensor:
         """This rank's ``tensor([<g, r>, ||g||^2, ||r||^2])``: one compiled pass where ``compiled`` (the cached
-        ||r||^2 appended) or ``lowp`` (all three), else the eager one; a compiled sum that is not finite is
-        left to the eager path, which tells a float32 overflow from a real inf/NaN."""
+        ||r||^2 appended) or ``lowp`` (all three), one Triton pass where ``fast`` (||r||^2 in the same pass when
+        it is not cached), else the eager one; a compiled or Triton sum that is not finite is left to the eager
+        path, which tells a float32 overflow from a real inf/NaN."""
         ref_sq = self.state.ref_sq
-        if compiled:
+        if fast:
+            sums = triton_kernels.scalars(g, r, ref_sq is None)
+            if sums is not None and bool(torch.isfinite(sums).all()):
+                return sums if ref_sq is None else torch.cat(
+                    [sums, ref_sq.to(device=sums.device, dtype=torch.float64).reshape(1)])
+        elif compiled:
             two = compiled_scalars(g, r)
             if two is not None and bool(torch.isfinite(two).all()):
                 return torch.cat([two, ref_sq.to(device=two.device, dtype=torch.float64).reshape(1)])
@@ -340,13 +362,19 @@ class GACTransform:
 
     def _apply(self, params, live: list[int], g: list[Tensor], r: list[Tensor], decision: GACDecision,
                g_dot_r: float, r_sq: float, alpha: float, swap: bool, keep_alias: bool, compiled: bool,
-               local_scalars: Tensor) -> None:
+               local_scalars: Tensor, fast: bool = False) -> None:
         """Turn ``p.grad`` into g - alpha r and move the reference to this step, by swapping storage (``swap``)
-        or in place. A parameter without a gradient keeps none: see :meth:`step`."""
+        or in place. A parameter without a gradient keeps none: see :meth:`step`. ``fast``: the Triton kernels
+        take the lists (one pass for the swapping projection; without swapping, for the reference ``"grad"``, one
+        pass that writes g - alpha r into g and the raw g, rounded once, into r)."""
         st = self.state
         if swap:
-            self._step_swapping(params, g, r, alpha, decision.action == SKIP, keep_alias, compiled)
+            self._step_swapping(params, g, r, alpha, decision.action == SKIP, keep_alias, compiled, fast)
             st.ref_sq = local_scalars[1]  # the reference is now exactly the raw gradient
+            return
+        if fast and self.reference == "grad" and triton_kernels.apply(g, r, alpha):
+            # r holds the raw gradient: its norm is ||g||^2 unless it was rounded to a lower precision
+            st.ref_sq = local_scalars[1] if all(gi.dtype == ri.dtype for gi, ri in zip(g, r)) else None
             return
         if alpha:
             project_(g, r, decision.coef, g_dot_r, r_sq)
@@ -359,11 +387,11 @@ class GACTransform:
 
     def _step_swapping(
         self, params, g: list[Tensor], r: list[Tensor], alpha: float, skipped: bool, keep_alias: bool,
-        compiled: bool = False,
+        compiled: bool = False, fast: bool = False,
     ) -> None:
         """Reference 'grad' without copying the raw gradient twice: see the class docstring."""
         if alpha:
-            if not (compiled and compiled_project(g, r, alpha)):
+            if not (compiled and compiled_project(g, r, alpha)) and not (fast and triton_kernels.project(g, r, alpha)):
                 for gi, ri in zip(g, r):
                     torch.add(gi, ri, alpha=-alpha, out=ri)  # ri <- g_tilde
             for p, ri in zip(params, r):

@@ -31,6 +31,7 @@ import inspect
 import math
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -304,16 +305,88 @@ AUTO_COMPILE_PARAM_STEPS = 4.0e11
 AUTO_MIN_PARAMS = 19_000_000
 
 
-def choose_kernels(n_params: int, steps: float, device_type: str = "cpu") -> str:
-    """What ``GAC(kernels="auto")`` runs: ``"fused-adamw"`` where its compile pays back within the run, else
-    ``"eager"``.
+@dataclass(frozen=True)
+class Measurement:
+    """One kernel path's figures from ``gacbench overhead`` on one machine, as recorded in docs/gpu.md.
+
+    ``device``: the torch device type; ``gpu``: its name as ``torch.cuda.get_device_name`` gives it; ``torch``: the
+    version it ran; ``shape``, ``params``: the parameter list timed; ``adamw_ms``: the fused AdamW step beside it;
+    ``keep``, ``shrink``: GAC's two branches as ratios to that step (the record's ``gac_keep*_over_adamw`` and
+    ``gac*_over_adamw``); ``first_call_s``: the first round's time beyond a timed one (the compile; 0 for eager)."""
+
+    device: str
+    gpu: str
+    torch: str
+    shape: str
+    params: int
+    kernels: str
+    adamw_ms: float
+    keep: float
+    shrink: float
+    first_call_s: float
+
+
+#: What ``kernels="auto"`` chooses from off the CPU: one row per kernel path and machine, from docs/gpu.md.
+#: ``gacbench gpu-check`` and ``gacbench overhead`` print each measured path's row in this form; a path's row counts
+#: once the eager row of the same GPU and shape is here (see :func:`choose_measured`).
+MEASURED: tuple[Measurement, ...] = (
+    # docs/gpu.md, "The last GPU run": 16.5 ms kept, 21.7 ms shrunk, beside a 16.3 ms AdamW step
+    Measurement("cuda", "NVIDIA H200", "2.11", "qwen3-1.7b", 1_720_574_976, "eager", 16.3, 1.01, 1.33, 0.0),
+    # the Triton path's row goes here, as the GPU run prints it (docs/gpu.md, "The Triton path"); not measured yet
+)
+
+
+def choose_measured(n_params: int, steps: float, device_type: str, device_name: str | None,
+                    table: tuple[Measurement, ...] = MEASURED) -> str:
+    """The path ``kernels="auto"`` runs on a device other than the CPU, from measured rows only: a path other than
+    eager counts where ``table`` holds its row and the eager row of the same device, GPU and shape, the GPU is this
+    one (``device_name``), the model is at least the measured size (``params <= n_params``: nothing is assumed
+    about smaller models), and both of its branches cost less than eager's (ratios to AdamW). Its saving per step
+    is the smaller of the two branches' (a run that keeps every step must also repay the compile), in seconds at
+    the measured AdamW step; it must repay ``first_call_s`` within ``steps``. Of the paths that count, the one
+    that saves most; else ``"eager"``."""
+    best, best_saving = "eager", 0.0
+    if not (0 < steps < math.inf):
+        return best
+    for row in table:
+        if row.kernels == "eager" or row.device != device_type or row.gpu != device_name or row.params > n_params:
+            continue
+        base = next((e for e in table if e.kernels == "eager" and (e.device, e.gpu, e.shape) ==
+                     (row.device, row.gpu, row.shape)), None)
+        if base is None:
+            continue
+        saving_s = min(base.keep - row.keep, base.shrink - row.shrink) * row.adamw_ms / 1e3
+        if saving_s > 0 and saving_s * steps >= row.first_call_s and saving_s > best_saving:
+            best, best_saving = row.kernels, saving_s
+    return best
+
+
+def measurement_row(record: dict, kernels: str, suffix: str) -> str | None:
+    """``kernels``' :class:`Measurement` from a ``gacbench overhead`` record, as the line to add to
+    :data:`MEASURED`; None for a record not taken on a GPU."""
+    if not record.get("gpu"):
+        return None
+    shape = record.get("shape_name") or f"{record['params'] / 1e6:.0f}M"
+    return (f'Measurement("cuda", {record["gpu"]!r}, {record["torch"].split("+")[0]!r}, {shape!r}, '
+            f'{record["params"]:_}, {kernels!r}, {record["adamw_step_s"] * 1e3:.1f}, '
+            f'{record["gac_keep" + suffix + "_over_adamw"]:.2f}, {record["gac" + suffix + "_over_adamw"]:.2f}, '
+            f'{record["first_round_extra" + (suffix or "_eager") + "_s"]:.1f}),')
+
+
+def choose_kernels(n_params: int, steps: float, device_type: str = "cpu", device_name: str | None = None,
+                   table: tuple[Measurement, ...] = MEASURED) -> str:
+    """What ``GAC(kernels="auto")`` runs: on the CPU ``"fused-adamw"`` where its compile pays back within the run,
+    else ``"eager"``; on other devices what the measured rows of ``table`` choose (:func:`choose_measured`).
 
     ``n_params``: the elements GAC reads (the optimizer's parameters); ``steps``: the run's optimizer steps,
-    known when fit starts (the Trainer's ``max_steps``, or its epochs' batches; inf for a run without an end). The
-    compile costs a fixed time per process and saves a time per step that grows with the model: it pays back when
-    ``n_params >= AUTO_MIN_PARAMS`` and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps
-    are unknown (inf or not positive), and on devices other than the CPU, where the crossover is not measured (on
-    an H200 only the eager path has been timed; the compiled paths wait for a GPU measurement: docs/gpu.md)."""
-    if device_type != "cpu" or not (0 < steps < math.inf) or n_params < AUTO_MIN_PARAMS:
+    known when fit starts (the Trainer's ``max_steps``, or its epochs' batches; inf for a run without an end);
+    ``device_name``: the GPU's name (``torch.cuda.get_device_name``). On the CPU the compile costs a fixed time per
+    process and saves a time per step that grows with the model: it pays back when ``n_params >= AUTO_MIN_PARAMS``
+    and ``n_params * steps >= AUTO_COMPILE_PARAM_STEPS``. Eager where the steps are unknown (inf or not positive).
+    On CUDA :data:`MEASURED` holds only the eager path's H200 figures, so every CUDA run is eager until a measured
+    row of another path is added (docs/gpu.md)."""
+    if device_type != "cpu":
+        return choose_measured(n_params, steps, device_type, device_name, table)
+    if not (0 < steps < math.inf) or n_params < AUTO_MIN_PARAMS:
         return "eager"
     return "fused-adamw" if n_params * steps >= AUTO_COMPILE_PARAM_STEPS else "eager"
