@@ -181,6 +181,14 @@ def test_regime_checks_by_hand():
         assert entry["loses"] is (statistics.mean(gaps) / gse >= 3) and entry["versions"] == [129, 160]
     assert [e["loses"] for e in check["stale"]] == [True, False] and check["sync"]["learns"] is True
     assert check["met"] is False
+    # another method's cells at s, without the policy reward, neither drop nor move a stale criterion
+    others = []
+    for seed in range(3):
+        rec = report_cell("t", "gac", 16, seed, 0.0, reward=0.0)
+        rec["_by_version"] = {"reward/mean": {v: 0.0 for v in range(161)}}
+        others.append(rec)
+    (again,) = regime_checks(cells + others)
+    assert [e["gap"] for e in again["stale"]] == [e["gap"] for e in check["stale"]] and again["met"] is False
     # a grid that does not log its policy's reward has no checks
     for c in cells:
         del c["_by_version"]["eval/policy_reward"]

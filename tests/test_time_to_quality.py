@@ -272,7 +272,8 @@ def test_bad_input_is_one_line_naming_the_fix(grid, tmp_path, capsys):
     assert "--gen/--train/--workers: train_s (T) = -2.0 must be" in _error(
         capsys, ["time-to-quality", d, "--gen", "1", "--train", "-2", "--workers", "1"])
     assert "workers (n) = 0 must be an integer >= 1" in _error(capsys, ["time-to-quality", d, "--setting", "2,1,0"])
-    assert "give G,T,n or G,T,n,c" in _error(capsys, ["time-to-quality", d, "--setting", "2,1"])
+    short = _error(capsys, ["time-to-quality", d, "--setting", "2,1"])
+    assert "give G,T,n or G,T,n,c" in short and "e.g. --setting 2,1,4" in short and "{option}" not in short
     assert "n and c integers" in _error(capsys, ["time-to-quality", d, "--setting", "2,1,1.5"])
     line = _error(capsys, ["time-to-quality", d, "--setting", "2,1,1", "--methods", "nope"])
     assert "nope not in" in line and "methods there: gac, m2po, stale, sync" in line
@@ -290,6 +291,12 @@ def test_bad_input_is_one_line_naming_the_fix(grid, tmp_path, capsys):
                                                                    str(tmp_path / "cut.json")])
     write_json(tmp_path / "other.json", {"steps": 3})
     assert "the record lacks" in _error(capsys, ["time-to-quality", "--from-async-bench", str(tmp_path / "other.json")])
+    assert "cannot be read" in _error(capsys, ["time-to-quality", "--from-async-bench", str(tmp_path)])
+    zero, _ = _record(tmp_path)
+    zero = {**zero, "sync_generate_s": 0.0, "sync_train_s": 0.0}
+    write_json(tmp_path / "zero.json", zero)
+    line = _error(capsys, ["time-to-quality", "--from-async-bench", str(tmp_path / "zero.json")])
+    assert "sync_generate_s, sync_train_s must be a positive time" in line
 
 
 def test_a_grid_without_sync_cells_is_refused(tmp_path, capsys):

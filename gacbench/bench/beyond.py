@@ -171,7 +171,8 @@ def regime_checks(cells: list[dict]) -> list[dict]:
       seeds both ran (``n``), the mean ``gap``, ``gap_se``, ``gap_in_se`` and ``loses`` (gap_in_se >= REGIME_SE);
 
     ``met``: every criterion holds. A quantity of fewer than two seeds, or of zero spread, has null standard error,
-    ratio and verdict (and ``met`` is null where no verdict is false)."""
+    ratio and verdict, and so has an s whose sync and stale cells give no version-aligned policy reward (``met`` is
+    null where no verdict is false)."""
     done = [c for c in cells if c["status"] == "done" and not c.get("ablation")]
     out = []
     for task in sorted({c["task"] for c in done}):
@@ -191,8 +192,12 @@ def regime_checks(cells: list[dict]) -> list[dict]:
                           "learns": rise["holds"]},
                  "stale": []}
         for s in sorted({c["staleness"] for c in stale}):
-            al = aligned_values(cells, task, s)
+            # the window of sync and stale alone: another method's cells (with or without the policy reward) must
+            # neither move it nor turn the measure into the training reward
+            al = aligned_values(sync + [c for c in stale if c["staleness"] == s], task, s)
             if al is None or al["measure"] != POLICY_REWARD:
+                entry["stale"].append({"staleness": s, "versions": None, "n": 0, "gap": math.nan, "gap_se": None,
+                                       "gap_in_se": None, "loses": None})
                 continue
             a, b = al["seeds"].get((task, "sync", 0), {}), al["seeds"].get((task, "stale", s), {})
             common = sorted(set(a) & set(b))

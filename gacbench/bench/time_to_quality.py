@@ -80,7 +80,7 @@ def parse_setting(text: str, option: str = "--setting") -> Setting:
     parts = [p.strip() for p in text.split(",")]
     if len(parts) not in (3, 4):
         raise UsageError(f"{option} {text!r}: give G,T,n or G,T,n,c (seconds of generation per step on one worker, "
-                         "seconds per optimizer step, rollout workers, jobs per step), e.g. {option} 2,1,4")
+                         f"seconds per optimizer step, rollout workers, jobs per step), e.g. {option} 2,1,4")
     try:
         gen, train = float(parts[0]), float(parts[1])
         workers = int(parts[2])
@@ -282,6 +282,13 @@ def async_bench_check(record: dict) -> dict:
                          "record: rerun async-bench with --json)") from None
     if steps < 1:
         raise UsageError("--from-async-bench: the record has no steps")
+    times = {"sync_generate_s": gen_sync, "sync_train_s": train_sync, "sync_s": sync_s, "async_s": async_s,
+             "the async workers' generation and load time": worker_s}
+    bad = [name for name, value in times.items() if not (value > 0 and np.isfinite(value))]
+    if bad or not async_s - wait_s > 0:
+        what = ", ".join(bad) or "async_s less the trainer's wait"
+        raise UsageError(f"--from-async-bench: the record's {what} must be a positive time (not a complete "
+                         "gacbench async-bench --json record: rerun async-bench with --json)")
     if record.get("admission", "wait") != "wait" or record.get("dropped"):
         note = "the run dropped batches or used admission drop, which the model leaves out"
     else:
@@ -362,6 +369,9 @@ def main(args) -> int:
         except FileNotFoundError:
             raise UsageError(f"--from-async-bench {path}: no such file; write one with gacbench async-bench --json "
                              f"{path}") from None
+        except OSError as exc:
+            raise UsageError(f"--from-async-bench {path}: cannot be read ({exc.strerror or exc}); give an "
+                             "async-bench --json record file") from None
         except ValueError as exc:
             raise UsageError(f"--from-async-bench {path}: not valid JSON ({exc})") from None
         if not isinstance(record, dict) or record.get("complete") is False:
