@@ -1,4 +1,5 @@
-"""Groups of stored cells: the seeds of one (task, settings, method, staleness) averaged, and per-seed values.
+"""Groups of stored cells: the seeds of one (task, settings, method, staleness) averaged, per-seed values, and the
+seed-mean reward curves by policy version (:func:`version_curve`).
 
 A group is every cell that differs only in its seed. Cells of one task stored with other settings (another
 suite's steps, learning rate or noise in the same directory) are other groups: :func:`label_by_settings` gives
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gacbench.bench.cell import flat_params
-from gacbench.bench.records import DIAGNOSTICS
+from gacbench.bench.records import DIAGNOSTICS, POLICY_REWARD
 
 #: The keys of a cell's config that are not its settings: those that name a group besides its settings (task,
 #: method, staleness, and the ablation flag, which the method's name carries), the seed (a group's cells are its
@@ -143,3 +144,65 @@ def per_seed(cells: list[dict], key: str) -> dict[tuple, dict[int, float]]:
         if value is not None and math.isfinite(value):
             out[(c["task"], c["method"], c["staleness"])][c["seed"]] = float(value)
     return out
+
+
+def smooth_curve(points: dict[float, float], window: int) -> dict[float, float]:
+    """The moving mean of ``window`` consecutive points of {version: value} (sorted by version), each placed at
+    its points' mean version; all points in one where there are fewer than ``window``; unchanged for window 1."""
+    xs = sorted(points)
+    if window <= 1 or not xs:
+        return {x: points[x] for x in xs}
+    w = min(window, len(xs))
+    return {float(np.mean(xs[i:i + w])): float(np.mean([points[x] for x in xs[i:i + w]]))
+            for i in range(len(xs) - w + 1)}
+
+
+def seed_mean(curves: dict[int, dict[float, float]]) -> dict[float, float]:
+    """The mean over seeds at the versions every seed has."""
+    common = set.intersection(*(set(c) for c in curves.values())) if curves else set()
+    return {x: float(np.mean([c[x] for c in curves.values()])) for x in sorted(common)}
+
+
+#: The training reward's curve by policy version is a moving mean over this many consecutive versions (as the step
+#: curves' 10-step mean)
+VERSION_SMOOTH = 10
+#: A seed-mean curve's band is the range over seeds up to this many seeds, the mean ± one standard error beyond
+BAND_RANGE_SEEDS = 3
+
+
+def version_measure(cells: list[dict]) -> str | None:
+    """The reward that curves by policy version of ``cells`` (a task's cells) read: ``eval/policy_reward`` (the
+    held-out reward of the policy θ_v itself) where every cell logs it, else ``reward/mean`` (the training reward
+    filed under the version that sampled it, :func:`gacbench.bench.records.by_version`) where every cell has it;
+    None where a cell has no rewards by version (not a rollout objective) or there are no cells."""
+    if not cells or not all(c.get("_by_version", {}).get("reward/mean") for c in cells):
+        return None
+    return POLICY_REWARD if all(c["_by_version"].get(POLICY_REWARD) for c in cells) else "reward/mean"
+
+
+def version_curve(cells: list[dict], measure: str, smooth: int = VERSION_SMOOTH) -> dict[str, Any] | None:
+    """The seed-mean curve by policy version of ``cells`` (the seeds of one method at one s, each with its
+    ``_by_version``): each seed's {version: value} of ``measure`` (its finite values), the training reward
+    (``reward/mean``) as a moving mean over ``smooth`` consecutive versions placed at their mean version
+    (:func:`smooth_curve`), the policy reward at its eval points as logged; then, at the versions every seed has, the
+    mean over seeds and a band: the range over seeds with at most BAND_RANGE_SEEDS seeds (``band``: ``range``), else
+    the mean ± its standard error sd / √n, sd over seeds with ddof 1 (``band``: ``se``). Returns {``versions``,
+    ``mean``, ``low``, ``high``: lists, one entry per version; ``n``: the seeds; ``band``}, or None where no version
+    is common to the seeds (or no seed has a value)."""
+    curves = {}
+    for c in cells:
+        points = {float(v): float(x) for v, x in c["_by_version"].get(measure, {}).items() if math.isfinite(x)}
+        if points:
+            curves[c["seed"]] = smooth_curve(points, smooth if measure == "reward/mean" else 1)
+    versions = list(seed_mean(curves))
+    if not versions:
+        return None
+    values = np.array([[curves[k][v] for v in versions] for k in sorted(curves)])  # (seeds, versions)
+    n, mean = values.shape[0], values.mean(axis=0)
+    if n <= BAND_RANGE_SEEDS:
+        low, high, band = values.min(axis=0), values.max(axis=0), "range"
+    else:
+        se = values.std(axis=0, ddof=1) / math.sqrt(n)
+        low, high, band = mean - se, mean + se, "se"
+    return {"versions": versions, "mean": mean.tolist(), "low": low.tolist(), "high": high.tolist(), "n": n,
+            "band": band}

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gacbench.bench.groups import seed_mean, smooth_curve
 from gacbench.bench.pipeline import check_setting, mean_step_s, simulate, steady_step_s
 from gacbench.usage import UsageError
 
@@ -100,23 +101,6 @@ def make_setting(gen: float, train: float, workers: int, chunks: int | None, opt
 
 
 # -- curves ---------------------------------------------------------------------------------------------------
-def smooth_curve(points: dict[float, float], window: int) -> dict[float, float]:
-    """The moving mean of ``window`` consecutive points of {version: value} (sorted by version), each placed at
-    its points' mean version; all points in one where there are fewer than ``window``; unchanged for window 1."""
-    xs = sorted(points)
-    if window <= 1 or not xs:
-        return {x: points[x] for x in xs}
-    w = min(window, len(xs))
-    return {float(np.mean(xs[i:i + w])): float(np.mean([points[x] for x in xs[i:i + w]]))
-            for i in range(len(xs) - w + 1)}
-
-
-def seed_mean(curves: dict[int, dict[float, float]]) -> dict[float, float]:
-    """The mean over seeds at the versions every seed has."""
-    common = set.intersection(*(set(c) for c in curves.values())) if curves else set()
-    return {x: float(np.mean([c[x] for c in curves.values()])) for x in sorted(common)}
-
-
 def first_crossing(curve: dict[float, float], target: float) -> tuple[float | None, bool]:
     """The first version where the piecewise-linear ``curve`` ({version: value}) reaches ``target`` (higher is
     better), and whether that is the curve's first point (the target may have been reached earlier). (None,
