@@ -393,6 +393,30 @@ def on_policy_identity(spec: str) -> bool:
     return all(getattr(cb, "on_policy_identity", False) is True for cb in callbacks)
 
 
+#: The method families of the report's figures, in their order: what a method's callbacks act on
+FAMILIES = ("GAC readings", "loss-side corrections", "combinations", "other methods")
+
+
+def method_family(spec: str) -> str:
+    """The family of the method of ``spec`` (one of :data:`FAMILIES`), from the callbacks it builds (as
+    :func:`on_policy_identity` builds them), each of one kind: GAC, a loss-side stabilizer, or another callback.
+    ``GAC readings`` where every callback is GAC, ``loss-side corrections`` where every one is a loss-side stabilizer,
+    ``combinations`` where they are of two kinds or more (``gac+m2po``), else ``other methods`` (``lr-scaled``; also
+    sync and stale, which build nothing, and a spec that does not parse or names a stabilizer that is not
+    installed)."""
+    try:
+        method, kwargs = parse_method(spec)
+        if method.reference is not None:
+            kwargs = {**kwargs, "calibration": None}
+        callbacks = method.build(**kwargs)
+    except (ValueError, TypeError, KeyError):
+        return FAMILIES[-1]
+    kinds = {"gac" if isinstance(cb, GAC) else "loss" if loss_stabilizers([cb]) else "other" for cb in callbacks}
+    if len(kinds) > 1:
+        return FAMILIES[2]
+    return {frozenset({"gac"}): FAMILIES[0], frozenset({"loss"}): FAMILIES[1]}.get(frozenset(kinds), FAMILIES[-1])
+
+
 def method_callbacks(spec: str, cell: dict | None = None) -> list[Callback]:
     """The callbacks of a method spec. A method with a reference (``gac-calibrated``) takes its calibration
     from ``cell["calibration"]`` (written by the bench runner); without it, the callbacks refuse to train."""
