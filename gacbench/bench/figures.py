@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gacbench.bench.records import read_metrics
+from gacbench.bench.groups import BAND_RANGE_SEEDS, VERSION_SMOOTH, version_curve, version_measure
+from gacbench.bench.records import POLICY_REWARD, read_metrics
 from gacbench.bench.regime import PAPER_TABLE3, law_points, size_sync_cells
 from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows, significant
 
@@ -117,12 +118,30 @@ def method_panels(methods: list[str], recovering: set[str]) -> list[tuple[str, l
     gac = [m for m in methods if m.startswith("gac")]
     rec = [m for m in methods if m not in gac and m in recovering]
     rest = [m for m in methods if m not in gac and m not in rec]
+    return _chunked([("GAC readings", gac), ("corrections that recover", rec), ("other methods", rest)])
+
+
+def _chunked(groups: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """Each (title, methods) group cut into panels of at most PANEL_METHODS methods, ``(k/K)`` added to the title
+    of a group cut in K; an empty group left out."""
     rows = []
-    for title, ms in (("GAC readings", gac), ("corrections that recover", rec), ("other methods", rest)):
+    for title, ms in groups:
         chunks = [ms[i:i + PANEL_METHODS] for i in range(0, len(ms), PANEL_METHODS)]
         rows += [(title + (f" ({k + 1}/{len(chunks)})" if len(chunks) > 1 else ""), chunk)
                  for k, chunk in enumerate(chunks)]
     return rows
+
+
+def family_panels(methods: list[str]) -> list[tuple[str, list[str]]]:
+    """The methods besides sync and stale in panels by family (:func:`gacbench.methods.method_family`: the GAC
+    readings, the loss-side corrections, combinations, the other methods such as ``lr-scaled``, in that order), a
+    family of more than PANEL_METHODS cut into panels of PANEL_METHODS; (title, methods) per panel. A single panel
+    of no methods (titled ``""``) where there are none."""
+    from gacbench.methods import FAMILIES, method_family
+
+    methods = [m for m in dict.fromkeys(methods) if m not in REFERENCE_METHODS]
+    family = {m: method_family(m) for m in methods}
+    return _chunked([(f, [m for m in methods if family[m] == f]) for f in FAMILIES]) or [("", [])]
 
 
 def on_policy_panel(cells: list[dict]) -> bool:
@@ -296,6 +315,58 @@ def method_figures(cv: Canvas) -> None:
                 row[0].set_ylabel(ylabel)
                 cv.legend_beside(fig, row)
             cv.save(fig, f"{name}_{cv.stem(task)}.png", outside=True)
+
+
+def versions_figures(cv: Canvas) -> None:
+    """Reward by policy version (``fig_versions_TASK.png``, a task with stale runs whose cells have rewards by
+    version): a stale run's training reward at step t was earned by θ_{t−s}, so its step curve lags sync's by s
+    versions; here every run's reward is placed at the version of the policy that earned it. The measure is
+    ``eval/policy_reward`` where every cell of the task logs it (markers at its eval points, lines between), else
+    the training reward by version as a VERSION_SMOOTH-version moving mean
+    (:func:`~gacbench.bench.groups.version_measure`). Each curve is the mean over seeds at the versions every seed
+    has, with a band: the range over seeds with at most BAND_RANGE_SEEDS seeds, ± one standard error beyond
+    (:func:`~gacbench.bench.groups.version_curve`). One row of panels per s > 0, one panel per method family
+    (:func:`family_panels`), sync and stale at that s in every panel; one legend of every method, right of the
+    panels."""
+    plt = cv.plt
+    for task in cv.tasks:
+        tc = [c for c in cv.main if c["task"] == task]
+        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
+        measure = version_measure(tc)
+        if measure is None or not any(c["method"] == "stale" and c["staleness"] > 0 for c in tc):
+            continue
+        policy = measure == POLICY_REWARD
+        panels = family_panels([c["method"] for c in tc if c["staleness"] > 0])
+        curves = {(m, s): version_curve([c for c in tc if c["method"] == m and c["staleness"] == s], measure)
+                  for m, s in {(c["method"], c["staleness"]) for c in tc} if s > 0 or m == "sync"}
+        fig, axes = plt.subplots(len(svals), len(panels), figsize=(4 * len(panels), 3.2 * len(svals)),
+                                 squeeze=False, sharex=True, sharey=True)
+        for row, s in zip(axes, svals):
+            for ax, (title, methods) in zip(row, panels):
+                for m, key in (("sync", ("sync", 0)), ("stale", ("stale", s)), *((m, (m, s)) for m in methods)):
+                    curve = curves.get(key)
+                    if curve is None:
+                        continue
+                    ref = m in REFERENCE_METHODS
+                    ax.plot(curve["versions"], curve["mean"], color=cv.colors[m], ls="--" if m == "sync" else "-",
+                            lw=1.6 if ref else 1.1, marker="o" if policy else None, ms=3.5,
+                            label="sync (s=0)" if m == "sync" else m)
+                    ax.fill_between(curve["versions"], curve["low"], curve["high"], color=cv.colors[m],
+                                    alpha=0.12, lw=0)
+                ax.set_title(f"{task}, s={s}" + (f": {title}" if title else ""), fontsize=9)
+                ax.grid(color="0.92", lw=0.5)
+            row[0].set_ylabel(("policy reward of θ_v (held out)" if policy
+                               else f"training reward by version ({VERSION_SMOOTH}-version mean)")
+                              + f"\nmean over seeds; band: ± s.e. (range ≤ {BAND_RANGE_SEEDS} seeds)", fontsize=8)
+        for ax in axes[-1]:
+            ax.set_xlabel("policy version v (the θ_v that earned the reward)", fontsize=8)
+        # every row draws the same methods: one legend of them all, right of the figure (a figure legend, which
+        # the layout of the panels leaves out: it may be taller than a row), about 14 entries a column per row
+        handles, labels = figure_legend_entries(fig)
+        fig.tight_layout()
+        fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+                   ncol=math.ceil(len(labels) / (14 * len(svals))))
+        cv.save(fig, f"fig_versions_{cv.stem(task)}.png", outside=True)
 
 
 def shares_figure(cv: Canvas, rows: list[dict]) -> None:
@@ -617,6 +688,7 @@ def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups:
     robustness_figure(cv, groups)
     staleness_figures(cv)
     method_figures(cv)
+    versions_figures(cv)
     regime_figure(cv, regime or [])
     thresholds_figure(cv, groups, ablation_rows)
     shares_figure(cv, share_rows)

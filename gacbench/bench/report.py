@@ -30,7 +30,8 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   cells (``missing`` names them), the comparison when stale has none;
 - ``recovered_by_version`` (rollout objectives): the same on the reward indexed by the policy version that
   earned it, each comparison over the same window of versions (:func:`~gacbench.bench.stats.aligned_shares`),
-  also carried by each ``recovered_reward`` entry as ``final_by_version``;
+  also carried by each ``recovered_reward`` entry as ``final_by_version``; fig_versions_TASK.png draws the whole run
+  by version (:func:`~gacbench.bench.figures.versions_figures`);
 - ``vs_stale_p_adj`` (and ``vs_sync_p_adj``, ``cost_p_adj``, ``beyond_p_adj``): that p-value adjusted by Holm's
   step-down method within its family, declared by the suite's ``families`` or the defaults
   (:func:`~gacbench.bench.stats.apply_families`; listed in ``families``): one adjusted p per comparison;
