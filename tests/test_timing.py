@@ -171,3 +171,23 @@ def test_the_engine_start_pauses_the_collector_and_restores_it_also_after_an_err
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+# -- the command line's imports ---------------------------------------------------------------------
+
+
+def test_the_command_line_imports_neither_torch_nor_lightning_before_a_command_runs():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport gacbench, gacbench.cli, gacbench.bench.timing, gacbench.llm\n"
+            "gacbench.cli.build_parser()\n"
+            "from gacbench.objectives import registered_objectives\n"
+            "assert {'quadratic', 'bandit', 'grpo'} <= set(registered_objectives()), registered_objectives()\n"
+            "heavy = sorted(m for m in ('torch', 'lightning', 'transformers', 'scipy') if m in sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "from gacbench import GAC\n"
+            "from gacbench.objectives import NoisyQuadratic, objective_class\n"
+            "assert objective_class('quadratic') is NoisyQuadratic and GAC.__module__ == 'gacbench.callbacks.gac'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
