@@ -304,10 +304,16 @@ def _grpo(argv: list[str]) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """``gacbench bench``, timed from its process's start (:func:`gacbench.bench.timing.process_start`; where that
-    cannot be read, from this module's import)."""
+    cannot be read, from this module's import). With the local executor and two or more workers the fork
+    server of the worker pool starts first (:func:`gacbench.bench.workers.start_fork_server`), so that its
+    imports run beside this process's own imports and its planning of the grid."""
     from gacbench.bench.timing import process_start
 
     started = process_start(_IMPORTED_AT, "cli-import")
+    if args.executor == "local" and args.workers > 1:
+        from gacbench.bench.workers import start_fork_server
+
+        start_fork_server()
     from gacbench.bench.runner import main as run
 
     return run(args, started=started)

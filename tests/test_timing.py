@@ -1,4 +1,5 @@
-"""Where a grid's wall time goes: a cell's time parts, their aggregation over workers, and `bench --verbose`."""
+"""Where a grid's wall time goes: a cell's time parts, their aggregation over workers, `bench --verbose`, the
+command line's imports, the run seen from outside the process, and workers forked from the fork server."""
 
 import json
 from pathlib import Path
@@ -180,7 +181,7 @@ def test_the_command_line_imports_neither_torch_nor_lightning_before_a_command_r
     import subprocess
     import sys
 
-    code = ("import sys\nimport gacbench, gacbench.cli, gacbench.bench.timing, gacbench.llm\n"
+    code = ("import sys\nimport gacbench, gacbench.cli, gacbench.bench.timing, gacbench.bench.workers, gacbench.llm\n"
             "gacbench.cli.build_parser()\n"
             "from gacbench.objectives import registered_objectives\n"
             "assert {'quadratic', 'bandit', 'grpo'} <= set(registered_objectives()), registered_objectives()\n"
@@ -294,3 +295,28 @@ def test_bench_on_two_workers_records_the_run_from_process_start_in_timing_json(
     assert "timing.json" in early["outside_pending"]
     assert f"{timing['outside_step_share']:.0%} of the process's" in printed
     assert f"step share {timing['step_share']:.0%} of the grid's wall" in printed
+
+
+def test_workers_forked_from_the_fork_server_compute_what_spawned_workers_compute(tmp_path, monkeypatch):
+    import csv
+
+    from gacbench.bench import workers
+    from gacbench.bench.runner import expand_cells, load_suite, run_grid
+
+    if workers.START_METHOD != "forkserver":
+        pytest.skip("the pool spawns on this platform")
+    cells = expand_cells(load_suite(str(_tiny_suite(tmp_path))))
+    assert run_grid(cells, tmp_path / "forked", workers=2, threads=1)["failed"] == 0
+    monkeypatch.setattr(workers, "START_METHOD", "spawn")
+    assert run_grid(cells, tmp_path / "spawned", workers=2, threads=1)["failed"] == 0
+    compared = 0
+    for forked in sorted((tmp_path / "forked").glob("cells/**/metrics.csv")):
+        spawned = tmp_path / "spawned" / forked.relative_to(tmp_path / "forked")
+        a, b = list(csv.DictReader(forked.open())), list(csv.DictReader(spawned.open()))
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            for key in x:
+                if not key.startswith(("time/", "throughput/")):
+                    assert x[key] == y[key], (forked, key)
+                    compared += 1
+    assert compared > 100

@@ -3,11 +3,12 @@
 A cell's ``status.json`` holds ``started_at`` and ``ended_at`` (Unix time) and ``time``: the seconds of
 its span split into :data:`CELL_PARTS` (they add up to ``ended_at - started_at``). :func:`timing_record`
 lays each worker's cells on the grid's own span (``grid_started_at`` .. ``grid_started_at + wall``): the
-time before a worker's first cell (``start``: process start and imports), its cells' parts, the gaps
-between its cells, the time from its last cell to the last cell of the grid (``idle``: waiting for the
-other workers) and from there to the end (``shutdown``: the workers exit, the pool closes). Every worker's
-line adds up to the wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in
-the order printed, with what each one holds.
+time before a worker's first cell (``start``: the worker's start and imports, or what is left of them when
+a fork server imported them before the grid started), its cells' parts, the gaps between its cells, the
+time from its last cell to the last cell of the grid (``idle``: waiting for the other workers) and from
+there to the end (``shutdown``: the workers exit, the pool closes). Every worker's line adds up to the
+wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in the order printed,
+with what each one holds.
 
 The grid's span starts after the runner's imports and planning and ends before its report: seen from
 outside the process (``time gacbench bench ...``) the run is longer. :func:`process_start` reads when the
@@ -47,7 +48,7 @@ CELL_PARTS = ("setup", "model", "engine", "eval", "steps", "trainer", "write", "
 
 #: Every part of wall x workers, with what it holds.
 PARTS: dict[str, str] = {
-    "start": "process start and imports",
+    "start": "worker start and imports (what is left of them)",
     "setup": "objective, callbacks, Trainer (no model load)",
     "model": "model load (and any warm-start build)",
     "engine": "rollout engine start-up",
