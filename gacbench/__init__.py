@@ -1,9 +1,38 @@
 """gacbench: a benchmark suite for asynchronous (stale-rollout) RL training and its stabilizers,
-centred on Gradient Alignment Control (GAC)."""
+centred on Gradient Alignment Control (GAC).
 
-from gacbench.callbacks import GAC, AlignmentMonitor, AssumptionMonitor, DriftMonitor, StalenessSimulator
-from gacbench.hooks import attach_alignment_monitor, attach_gac
+The public names below are imported on first use (:func:`__getattr__`), so that importing a light part of
+the package (the command line, ``gacbench.usage``) does not import torch and Lightning."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: each public name and the module that defines it
+_EXPORTS = {
+    "GAC": "gacbench.callbacks", "AlignmentMonitor": "gacbench.callbacks", "AssumptionMonitor": "gacbench.callbacks",
+    "DriftMonitor": "gacbench.callbacks", "StalenessSimulator": "gacbench.callbacks",
+    "attach_alignment_monitor": "gacbench.hooks", "attach_gac": "gacbench.hooks",
+}
 __all__ = ["GAC", "AlignmentMonitor", "AssumptionMonitor", "DriftMonitor", "StalenessSimulator",
            "attach_alignment_monitor", "attach_gac", "__version__"]
+
+if TYPE_CHECKING:
+    from gacbench.callbacks import GAC, AlignmentMonitor, AssumptionMonitor, DriftMonitor, StalenessSimulator
+    from gacbench.hooks import attach_alignment_monitor, attach_gac
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of :data:`_EXPORTS`, imported from its module on first access and kept."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gacbench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

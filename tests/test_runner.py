@@ -288,8 +288,13 @@ def test_pool_workers_die_when_the_runner_is_killed(tmp_path):
         while time.time() < deadline and len(list(out.glob("cells/**/config.json"))) < 2:
             time.sleep(0.2)
         assert len(list(out.glob("cells/**/config.json"))) == 2, "the workers did not start their cells"
-        workers = [p for p in child_pids(proc.pid)
-                   if "spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        def cmdline(pid: int) -> str:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+
+        # spawned workers are the runner's children; forked ones the children of its fork server
+        children = child_pids(proc.pid)
+        workers = [p for p in children if "spawn_main" in cmdline(p)]
+        workers += [w for f in children if "multiprocessing.forkserver" in cmdline(f) for w in child_pids(f)]
         assert len(workers) >= 2
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the runner only, not its process group

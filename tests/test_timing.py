@@ -1,4 +1,5 @@
-"""Where a grid's wall time goes: a cell's time parts, their aggregation over workers, and `bench --verbose`."""
+"""Where a grid's wall time goes: a cell's time parts, their aggregation over workers, `bench --verbose`, the
+command line's imports, the run seen from outside the process, and workers forked from the fork server."""
 
 import json
 from pathlib import Path
@@ -171,3 +172,151 @@ def test_the_engine_start_pauses_the_collector_and_restores_it_also_after_an_err
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+# -- the command line's imports ---------------------------------------------------------------------
+
+
+def test_the_command_line_imports_neither_torch_nor_lightning_before_a_command_runs():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport gacbench, gacbench.cli, gacbench.bench.timing, gacbench.bench.workers, gacbench.llm\n"
+            "gacbench.cli.build_parser()\n"
+            "from gacbench.objectives import registered_objectives\n"
+            "assert {'quadratic', 'bandit', 'grpo'} <= set(registered_objectives()), registered_objectives()\n"
+            "heavy = sorted(m for m in ('torch', 'lightning', 'transformers', 'scipy') if m in sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "from gacbench import GAC\n"
+            "from gacbench.objectives import NoisyQuadratic, objective_class\n"
+            "assert objective_class('quadratic') is NoisyQuadratic and GAC.__module__ == 'gacbench.callbacks.gac'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# -- the run seen from outside the process ----------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_process_start_is_read_from_proc_before_the_process_runs_any_code(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    # the child sleeps 1 s before it reads its start: a start taken from its own clock would be 1 s late
+    code = ("import time; time.sleep(1.0)\n"
+            "from gacbench.bench.timing import process_start\n"
+            "r = process_start(time.time(), 'fallback'); print(r['process_started_at'], r['process_clock'])\n")
+    before = time.time()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    started, clock = proc.stdout.split()
+    assert clock == "proc"
+    assert before - 0.05 <= float(started) <= before + 0.5  # the ticks are 10 ms; the child starts at once
+
+
+def test_the_process_start_falls_back_where_proc_is_missing_or_reads_a_later_moment(monkeypatch):
+    from gacbench.bench import timing
+
+    monkeypatch.setattr(timing, "proc_started_at", lambda: None)
+    assert timing.process_start(50.0, "cli-import") == {"process_started_at": 50.0, "process_clock": "cli-import"}
+    monkeypatch.setattr(timing, "proc_started_at", lambda: 51.0)  # after a moment the process reached: wrong
+    assert timing.process_start(50.0, "cli-import")["process_clock"] == "cli-import"
+    monkeypatch.setattr(timing, "proc_started_at", lambda: 47.5)
+    assert timing.process_start(50.0, "cli-import") == {"process_started_at": 47.5, "process_clock": "proc"}
+    monkeypatch.setattr(timing, "proc_started_at", lambda: 50.01)  # within a clock tick: the fallback's moment
+    assert timing.process_start(50.0, "cli-import") == {"process_started_at": 50.0, "process_clock": "proc"}
+
+
+def test_the_outside_figures_add_up_from_process_start_to_the_written_report():
+    from gacbench.bench.timing import outside_fields, startup_fields
+
+    # the process starts at 100; the grid at 106 with two cells (110-150, 112-160); the report is written at 170
+    results = [_cell(7, 110.0, 150.0, setup=2.0, steps=30.0), _cell(8, 112.0, 160.0, steps=36.0)]
+    inside = {"ran": 2, **timing_record(results, wall=55.0, workers=2, grid_started_at=106.0)}
+    early = {**inside, **startup_fields(results, {"process_started_at": 100.0, "process_clock": "proc"})}
+    assert (early["startup_s"], early["first_cell_started_at"], early["last_cell_ended_at"]) == (10.0, 110.0, 160.0)
+    assert early["outside_wall_s"] is None and early["outside_step_share"] is None and early["report_s"] is None
+    assert "timing.json" in early["outside_pending"]
+    done = outside_fields(early, ended_at=170.0)
+    assert "outside_pending" not in done and "outside_pending" in early  # the record given is left as it was
+    assert (done["outside_wall_s"], done["report_s"]) == (70.0, 10.0)
+    assert done["outside_step_share"] == pytest.approx(66.0 / (70.0 * 2))
+    assert done["startup_s"] + (done["last_cell_ended_at"] - done["first_cell_started_at"]) + done["report_s"] \
+        == pytest.approx(done["outside_wall_s"])
+    assert done["step_share"] == pytest.approx(66.0 / (55.0 * 2))
+    assert done["step_share"] > done["outside_step_share"]
+    line = timing_lines(done)[0]
+    assert line.startswith("step share 60% of the grid's wall, 47% of the process's: 66.0 s of optimizer steps")
+    assert "70.0 s from process start to the written report (start-up 10.0 s, report 10.0 s" in line
+    assert timing_lines(early)[0].startswith("step share 60%: ")  # before the report: the grid's share alone
+    nothing = startup_fields([], {"process_started_at": 100.0, "process_clock": "proc"})
+    assert nothing["startup_s"] is None and nothing["first_cell_started_at"] is None
+
+
+def _tiny_suite(tmp_path: Path) -> Path:
+    suite = {"name": "tiny", "steps": 15, "warmup": 2,
+             "tasks": {"q": {"objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1}},
+                       "b": {"objective": "bandit", "params": {"optimizer": "adamw", "lr": 0.05}}},
+             "methods": ["sync", "stale"], "staleness": [0, 4], "seeds": [0]}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    return path
+
+
+def test_bench_on_two_workers_records_the_run_from_process_start_in_timing_json(tmp_path, capsys):
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    handler = signal.getsignal(signal.SIGINT)
+    assert main(["bench", "--suite", str(_tiny_suite(tmp_path)), "--workers", "2", "--threads", "1",
+                 "--out", str(out)]) == 0
+    assert signal.getsignal(signal.SIGINT) is handler  # the fork server's start left this process's handler
+    printed = " ".join(capsys.readouterr().out.split())
+    timing = json.loads((out / "timing.json").read_text())
+    statuses = [json.loads(p.read_text()) for p in out.glob("cells/**/status.json")]
+    assert timing["ran"] == len(statuses) == 4 and os.getpid() not in {s["worker_pid"] for s in statuses}
+    assert timing["process_clock"] in ("proc", "cli-import")
+    assert timing["outside_wall_s"] >= timing["wall_s"] > 0
+    assert timing["startup_s"] >= 0 and timing["report_s"] >= 0
+    assert timing["process_started_at"] <= timing["first_cell_started_at"] <= timing["last_cell_ended_at"]
+    assert timing["first_cell_started_at"] == min(s["started_at"] for s in statuses)
+    assert timing["last_cell_ended_at"] == max(s["ended_at"] for s in statuses)
+    assert 0 < timing["outside_step_share"] <= timing["step_share"]
+    assert timing["outside_step_share"] == pytest.approx(timing["step_s"] / (timing["outside_wall_s"] * 2))
+    assert timing["startup_s"] + timing["last_cell_ended_at"] - timing["first_cell_started_at"] + timing["report_s"] \
+        == pytest.approx(timing["outside_wall_s"])
+    assert "outside_pending" not in timing
+    # summary.json was written before the report ended: it has the start-up and says where the rest is
+    early = json.loads((out / "summary.json").read_text())["timing"]
+    assert early["startup_s"] == timing["startup_s"] and early["step_share"] == timing["step_share"]
+    assert early["outside_wall_s"] is None and early["outside_step_share"] is None
+    assert "timing.json" in early["outside_pending"]
+    assert f"{timing['outside_step_share']:.0%} of the process's" in printed
+    assert f"step share {timing['step_share']:.0%} of the grid's wall" in printed
+
+
+def test_workers_forked_from_the_fork_server_compute_what_spawned_workers_compute(tmp_path, monkeypatch):
+    import csv
+
+    from gacbench.bench import workers
+    from gacbench.bench.runner import expand_cells, load_suite, run_grid
+
+    if workers.START_METHOD != "forkserver":
+        pytest.skip("the pool spawns on this platform")
+    cells = expand_cells(load_suite(str(_tiny_suite(tmp_path))))
+    assert run_grid(cells, tmp_path / "forked", workers=2, threads=1)["failed"] == 0
+    monkeypatch.setattr(workers, "START_METHOD", "spawn")
+    assert run_grid(cells, tmp_path / "spawned", workers=2, threads=1)["failed"] == 0
+    compared = 0
+    for forked in sorted((tmp_path / "forked").glob("cells/**/metrics.csv")):
+        spawned = tmp_path / "spawned" / forked.relative_to(tmp_path / "forked")
+        a, b = list(csv.DictReader(forked.open())), list(csv.DictReader(spawned.open()))
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            for key in x:
+                if not key.startswith(("time/", "throughput/")):
+                    assert x[key] == y[key], (forked, key)
+                    compared += 1
+    assert compared > 100

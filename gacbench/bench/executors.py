@@ -1,9 +1,10 @@
 """The executors of a benchmark grid: how the pending cells of :func:`gacbench.bench.runner.run_grid` are run.
 
 - :func:`run_local`: cell after cell in the runner's own process (``--workers 1``);
-- :func:`run_pool`: a pool of spawned worker processes, kept for the whole grid, each running cell after
-  cell (``--executor local``); a worker ignores SIGINT (the runner stops it) and ends when the runner ends,
-  even by SIGKILL (:func:`die_with_parent`);
+- :func:`run_pool`: a pool of worker processes (forked from a fork server on Linux, else spawned:
+  :mod:`gacbench.bench.workers`), kept for the whole grid, each running cell after cell (``--executor
+  local``); a worker ignores SIGINT (the runner stops it) and ends when the runner ends, even by SIGKILL
+  (:func:`die_with_parent`);
 - :func:`run_ray`: Ray actors that do the same (``--executor ray``).
 
 Each takes the cells that can run from :class:`Dependencies` (a cell whose reference cell, e.g. the sync cell
@@ -24,7 +25,6 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from gacbench.bench.cell import (
     stored_state,
     write_json,
 )
+from gacbench.bench.workers import pool_context, runner_pid, start_fork_server
 from gacbench.functional.calibration import calibration_record
 from gacbench.methods import reference_cell, reference_rule, reference_trace
 from gacbench.objectives import objective_class
@@ -193,9 +194,12 @@ def wait_for_claims(root: Path, claimed: list[dict], deps: Dependencies, display
 
 def die_with_parent(parent_pid: int | None) -> None:
     """End this worker when the process that started it ends, even by SIGKILL: on Linux the kernel
-    delivers SIGKILL (PR_SET_PDEATHSIG, which fires when the parent's thread that started the worker
-    ends: the pool starts its workers from the thread that submits the cells, which outlives the
-    pool); everywhere a daemon thread waits on the parent's sentinel."""
+    delivers SIGKILL (PR_SET_PDEATHSIG, which fires when the worker's parent ends: for a spawned worker the
+    runner's thread that started it, the one that submits the cells, which outlives the pool; for a forked
+    worker the fork server, which ends when the runner does); everywhere a daemon thread waits on the
+    runner's sentinel. ``parent_pid``: the runner's process id when it is the worker's parent (a
+    spawned worker), to notice a runner that ended before the signal was armed; None for a forked worker,
+    whose sentinel notices it."""
     import multiprocessing
     import threading
 
@@ -284,12 +288,13 @@ def run_local(deps: Dependencies, root: Path, threads: int, display: Display, re
 
 def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display: Display,
              rerun_other_versions: bool) -> list[dict]:
-    """``workers`` spawned processes that each run cells until the queue is empty (in ``deps.ready``'s order;
-    a cell waiting for its reference is submitted when the reference ends). On any exception or interruption
-    the worker processes are killed before it propagates."""
+    """``workers`` processes (:mod:`gacbench.bench.workers`) that each run cells until the queue is empty (in
+    ``deps.ready``'s order; a cell waiting for its reference is submitted when the reference ends). On any
+    exception or interruption the worker processes are killed before it propagates."""
     results = []
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                               initializer=init_worker, initargs=(threads, os.getpid()))
+    start_fork_server()  # a no-op when the command line started it, or where the pool spawns
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=pool_context(), initializer=init_worker,
+                               initargs=(threads, runner_pid()))
     try:
         args = (str(root), threads, rerun_other_versions)
         futures = {pool.submit(run_cell, c, *args): c for c in deps.take_ready()}

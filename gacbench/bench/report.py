@@ -71,7 +71,10 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   (:mod:`gacbench.bench.versions`), and the groups that mix keys;
 - ``timing`` (from ``timing.json``, written by the last ``gacbench bench`` run that executed cells):
   the wall time, cells per minute, the step share (optimizer-step seconds of the cells run /
-  (wall time x workers)) and each worker's resident memory after each of its cells.
+  (wall time x workers)), each worker's resident memory after each of its cells, and the start-up from
+  the process's start to its first cell; the figures from the process's start to its written report
+  (``outside_wall_s``, ``outside_step_share``) are measured after this summary, so they are in timing.json
+  (:mod:`gacbench.bench.timing`), and here only when a later ``gacbench report`` reads them.
 
 This module builds the report; each job has its module: :mod:`~gacbench.bench.records` (each stored cell's
 record), :mod:`~gacbench.bench.groups` (cells averaged over seeds), :mod:`~gacbench.bench.stats` (bootstrap,

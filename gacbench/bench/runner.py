@@ -29,7 +29,9 @@ stored in its ``config.json``); the reference must be in the grid or already don
 directory, and a failed reference fails its dependents without running them. Each
 run that executes cells writes ``timing.json``: the wall time, cells per minute, the step share
 (optimizer-step seconds of the cells run / (wall time x workers)) and each worker's resident memory
-after each of its cells.
+after each of its cells; :func:`main` writes it again once the summary and figures are written, with the
+run seen from outside the process: its wall time from the process's start and the step share of it
+(:mod:`gacbench.bench.timing`).
 """
 
 from __future__ import annotations
@@ -77,7 +79,13 @@ from gacbench.bench.executors import (  # noqa: F401  (reference_calibration re-
     wait_for_claims,
 )
 from gacbench.bench.theta0 import check_theta0
-from gacbench.bench.timing import timing_lines, timing_record  # noqa: F401  (timing_record re-exported)
+from gacbench.bench.timing import (  # noqa: F401  (timing_record re-exported)
+    outside_fields,
+    process_start,
+    startup_fields,
+    timing_lines,
+    timing_record,
+)
 from gacbench.bench.validate import (  # noqa: F401  (SUITES_DIR, load_suite, check_params: importable from here)
     ABLATION,
     SEED_MAX,
@@ -100,6 +108,8 @@ from gacbench.methods import (
 )
 from gacbench.provenance import environment_key, provenance
 from gacbench.usage import UsageError, check_output_dir
+
+_IMPORTED_AT = time.time()  # the start-up clock of a caller that did not read its process's start
 
 
 def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[int] | None = None,
@@ -319,11 +329,14 @@ def other_environments(cells: list[dict], root: Path, threads: int) -> dict[str,
 
 def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, executor: str = "local",
              console: Console | None = None, rerun_other_versions: bool = False,
-             threads: int | None = None) -> dict[str, Any]:
+             threads: int | None = None, started: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every cell not yet done, each worker with :func:`worker_threads` torch threads; returns timing
     figures (also written to ``out/timing.json`` when a cell ran). Raises CellMismatchError, before running
     anything, if a done cell in ``out`` was computed with other settings than its cell in ``cells`` (or, for
     another cell of the same task, with another objective, parameters or steps).
+
+    ``started`` (:func:`gacbench.bench.timing.process_start`) adds the start-up figures to the timing
+    (:func:`gacbench.bench.timing.startup_fields`).
 
     Done cells stored by another environment are counted in a notice and reused, or recomputed with
     ``rerun_other_versions``. A cell that another runner on ``out`` holds is left to it, waited for at the
@@ -372,12 +385,19 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     skipped = done_before + len([r for r in reused if r.get("status") == "done"])
     timing = {"cells": len(cells), "ran": len(ran), "skipped_done": skipped, "failed": len(failed),
               "executor": executor, **timing_record(ran, wall, used if ran else 0, grid_started_at)}
+    if started is not None:
+        timing.update(startup_fields(ran, started))
     if ran:
         write_json(root / "timing.json", timing)
     return timing
 
 
-def main(args) -> int:
+def main(args, started: dict[str, Any] | None = None) -> int:
+    """``gacbench bench``. ``started``: when the process started (:func:`gacbench.bench.timing.process_start`;
+    default: read from /proc, else this module's import). ``timing.json`` is written twice: by the grid with
+    the start-up figures, which the report copies into ``summary.json``, and after the report with the figures
+    from the process's start to the written report (:func:`gacbench.bench.timing.outside_fields`)."""
+    started = started or process_start(_IMPORTED_AT, "runner-import")
     console = Console()
     suite = load_suite(args.suite)
     methods = parse_methods(args.methods, suite, args.suite)
@@ -409,7 +429,8 @@ def main(args) -> int:
     restore = _stop_on_signals()
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
-                          rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads)
+                          rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads,
+                          started=started)
         check_stop()  # a stop whose raise was lost in the grid's last cell
     except GridInterrupted as stop:
         done = sum(is_done(out, c) for c in cells)
@@ -423,6 +444,13 @@ def main(args) -> int:
     finally:
         restore()
     report = _write_summary(out, cells, suite.get("families"))
+    if timing["ran"]:  # the run from its process's start to here: after summary.json, so only in timing.json
+        timing = outside_fields(timing, time.time())
+        try:
+            write_json(out / "timing.json", timing)
+        except OSError as exc:
+            _raise_if_unwritable(exc)
+            raise
     for line in report["incomplete"]:
         console.print(f"[yellow]incomplete cell[/]: {line}", highlight=False)
     console.print(

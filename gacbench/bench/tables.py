@@ -705,8 +705,15 @@ def _size_section(points: list[dict], trend: dict | None) -> list[str]:
 def _step_share_note(timing: dict | None) -> str:
     if not timing or timing.get("step_share") is None:
         return ""
+    outside = ""
+    if timing.get("outside_step_share") is not None:
+        outside = (f"; {timing['outside_step_share']:.0%} of the {timing['outside_wall_s']:.0f} s from the process's "
+                   "start to its written report")
+    elif timing.get("startup_s") is not None:
+        outside = (f"; {timing['startup_s']:.0f} s of start-up before its first cell, and its share from the "
+                   "process's start to the written report in timing.json")
     return (f" Last run: step share {timing['step_share']:.0%} ({timing['ran']} cells, {timing['workers']} worker(s), "
-            f"{timing['wall_s']:.0f} s wall).")
+            f"{timing['wall_s']:.0f} s wall{outside}).")
 
 
 def toward_markdown(rows: list[dict]) -> list[str]:

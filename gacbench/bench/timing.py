@@ -3,24 +3,52 @@
 A cell's ``status.json`` holds ``started_at`` and ``ended_at`` (Unix time) and ``time``: the seconds of
 its span split into :data:`CELL_PARTS` (they add up to ``ended_at - started_at``). :func:`timing_record`
 lays each worker's cells on the grid's own span (``grid_started_at`` .. ``grid_started_at + wall``): the
-time before a worker's first cell (``start``: process start and imports), its cells' parts, the gaps
-between its cells, the time from its last cell to the last cell of the grid (``idle``: waiting for the
-other workers) and from there to the end (``shutdown``: the workers exit, the pool closes). Every worker's
-line adds up to the wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in
-the order printed, with what each one holds.
+time before a worker's first cell (``start``: the worker's start and imports, or what is left of them when
+a fork server imported them before the grid started), its cells' parts, the gaps between its cells, the
+time from its last cell to the last cell of the grid (``idle``: waiting for the other workers) and from
+there to the end (``shutdown``: the workers exit, the pool closes). Every worker's line adds up to the
+wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in the order printed,
+with what each one holds.
+
+The grid's span starts after the runner's imports and planning and ends before its report: seen from
+outside the process (``time gacbench bench ...``) the run is longer. :func:`process_start` reads when the
+process started, :func:`startup_fields` adds the start-up (process start to the first cell) to a record and
+:func:`outside_fields` the rest once the report is written: the process's wall time from its start and the
+step share of it, always at most the grid's (:data:`OUTSIDE_KEYS`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Any
+
+#: The record's figures seen from outside the process, with what each one holds.
+OUTSIDE_KEYS: dict[str, str] = {
+    "process_started_at": "when the process started (Unix time)",
+    "process_clock": "how that was read: 'proc' (Linux's /proc), else the import the caller names",
+    "first_cell_started_at": "when the first cell of this run started (Unix time)",
+    "last_cell_ended_at": "when the last cell of this run ended (Unix time)",
+    "startup_s": "process start to the first cell's start: the runner's imports and planning, the workers' start",
+    "report_s": "last cell to the written summary and figures: the workers' exit, the report",
+    "outside_wall_s": "process start to the written summary and figures",
+    "outside_step_share": "step_s / (outside_wall_s x workers)",
+}
+
+#: Where the outside figures are while they are not known yet (summary.json is written before its report ends).
+OUTSIDE_PENDING = ("report_s, outside_wall_s and outside_step_share are measured after this summary's report is "
+                   "written: see timing.json")
+
+#: How far (s) a start read from /proc may lie after the caller's fallback moment (its clock ticks are 10 ms).
+PROC_SLACK_S = 0.05
 
 #: The parts of one cell's span, in status.json's ``time``.
 CELL_PARTS = ("setup", "model", "engine", "eval", "steps", "trainer", "write", "other")
 
 #: Every part of wall x workers, with what it holds.
 PARTS: dict[str, str] = {
-    "start": "process start and imports",
+    "start": "worker start and imports (what is left of them)",
     "setup": "objective, callbacks, Trainer (no model load)",
     "model": "model load (and any warm-start build)",
     "engine": "rollout engine start-up",
@@ -37,6 +65,62 @@ PARTS: dict[str, str] = {
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def proc_started_at() -> float | None:
+    """This process's start (Unix time) on Linux: its start in clock ticks after boot (``/proc/self/stat``,
+    field 22, ``SC_CLK_TCK`` ticks a second) against the seconds since boot now (``/proc/uptime``), both
+    to 0.01 s (``/proc/stat``'s ``btime``, the boot's Unix time, is whole seconds); None where they cannot be
+    read."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        now = time.time()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # fields after the command name start at field 3
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return now - (uptime - ticks / hz)
+
+
+def process_start(fallback: float, fallback_clock: str) -> dict[str, Any]:
+    """``{"process_started_at", "process_clock"}``: the start :func:`proc_started_at` reads (``"proc"``; at
+    most ``fallback``, a moment the process reached after it started), or ``fallback`` itself, named
+    ``fallback_clock``, where /proc cannot be read or reads a start more than :data:`PROC_SLACK_S` after it."""
+    proc = proc_started_at()
+    if proc is None or proc > fallback + PROC_SLACK_S:
+        return {"process_started_at": fallback, "process_clock": fallback_clock}
+    return {"process_started_at": min(proc, fallback), "process_clock": "proc"}
+
+
+def startup_fields(results: list[dict], started: dict[str, Any]) -> dict[str, Any]:
+    """The outside figures of a run's timing record known before its report (:data:`OUTSIDE_KEYS`): ``started``
+    (:func:`process_start`), the first cell's start and the last cell's end among ``results`` (the cells run,
+    None if none started), ``startup_s``, and ``report_s``, ``outside_wall_s`` and ``outside_step_share`` as
+    None with ``outside_pending`` saying where they are (:func:`outside_fields` fills them)."""
+    starts = [r["started_at"] for r in results if _finite(r.get("started_at"))]
+    ends = [r["ended_at"] for r in results if _finite(r.get("ended_at"))]
+    first, last = (min(starts), max(ends)) if starts and ends else (None, None)
+    return {**started, "first_cell_started_at": first, "last_cell_ended_at": last,
+            "startup_s": None if first is None else first - started["process_started_at"],
+            "report_s": None, "outside_wall_s": None, "outside_step_share": None, "outside_pending": OUTSIDE_PENDING}
+
+
+def outside_fields(timing: dict[str, Any], ended_at: float) -> dict[str, Any]:
+    """``timing`` (a record with :func:`startup_fields`) completed at ``ended_at`` (Unix time, after the report):
+    ``report_s`` (from the last cell), ``outside_wall_s`` (from the process's start) and ``outside_step_share``
+    (``step_s`` over ``outside_wall_s`` x ``workers``), without ``outside_pending``."""
+    out = {k: v for k, v in timing.items() if k != "outside_pending"}
+    wall = ended_at - timing["process_started_at"]
+    last = timing.get("last_cell_ended_at")
+    out["report_s"] = None if last is None else ended_at - last
+    out["outside_wall_s"] = wall
+    workers = timing.get("workers") or 0
+    out["outside_step_share"] = (timing["step_s"] / (wall * workers)
+                                 if timing.get("step_share") is not None and wall > 0 and workers > 0 else None)
+    return out
 
 
 def cell_parts(seconds: dict[str, float], span: float) -> dict[str, float]:
@@ -129,6 +213,12 @@ def timing_lines(timing: dict[str, Any], verbose: bool = False) -> list[str]:
 
     lines = [f"step share {timing['step_share']:.0%}: {timing['step_s']:.1f} s of optimizer steps over "
              f"{timing['workers']} worker(s) x {timing['wall_s']:.1f} s wall (eval {timing['eval_s']:.1f} s)"]
+    if timing.get("outside_step_share") is not None:
+        lines[0] = (f"step share {timing['step_share']:.0%} of the grid's wall, {timing['outside_step_share']:.0%} of "
+                    f"the process's: {timing['step_s']:.1f} s of optimizer steps over {timing['workers']} worker(s) "
+                    f"x {timing['wall_s']:.1f} s grid wall, {timing['outside_wall_s']:.1f} s from process start to "
+                    f"the written report (start-up {_seconds(timing.get('startup_s'))}, report "
+                    f"{_seconds(timing.get('report_s'))}; eval {timing['eval_s']:.1f} s)")
     for w in timing["per_worker"]:
         lines.append(f"  worker pid {w['pid']}: {w['cells']} cells, resident memory after its first cell "
                      f"{mb(w['rss_mb_first'])} MB, after its last {mb(w['rss_mb_last'])} MB, "
@@ -136,6 +226,10 @@ def timing_lines(timing: dict[str, Any], verbose: bool = False) -> list[str]:
     if verbose and timing.get("parts"):
         lines += breakdown_lines(timing)
     return lines
+
+
+def _seconds(x: float | None) -> str:
+    return "?" if x is None else f"{x:.1f} s"
 
 
 def breakdown_lines(timing: dict[str, Any]) -> list[str]:
@@ -150,4 +244,8 @@ def breakdown_lines(timing: dict[str, Any]) -> list[str]:
         if "parts" in w:
             lines.append(f"  worker pid {w['pid']}: " + ", ".join(f"{k} {v:.1f}" for k, v in w["parts"].items()
                                                                   if abs(v) >= 0.05) + " (s)")
+    if timing.get("outside_wall_s") is not None:
+        lines.append(f"outside the grid's span: {timing['outside_wall_s']:.1f} s from process start to the written "
+                     f"report = start-up {_seconds(timing.get('startup_s'))} before the first cell + the cells' span "
+                     f"+ report {_seconds(timing.get('report_s'))} after the last cell")
     return lines

@@ -2,22 +2,55 @@
 
 Objectives are looked up in a registry (:mod:`gacbench.objectives.registry`): the synthetic ones
 (quadratic, logistic, mlp, bandit, sequence) register here; other packages register theirs
-(``gacbench.llm`` registers ``grpo``).
+(``gacbench.llm`` registers ``grpo``). Each registers by its ``"module:Class"`` path and the classes
+are attributes of this package imported on first access, so that importing the package (or the
+registry) does not import torch and Lightning.
 """
 
-from gacbench.objectives.bandit import SoftmaxBandit
-from gacbench.objectives.base import Objective
-from gacbench.objectives.logistic import LogisticRegression
-from gacbench.objectives.mlp import MLPClassifier
-from gacbench.objectives.quadratic import NoisyQuadratic
-from gacbench.objectives.registry import is_registered, objective_class, register_objective, registered_objectives
-from gacbench.objectives.sequence import SequencePolicy
+from __future__ import annotations
 
-register_objective("quadratic", NoisyQuadratic)
-register_objective("logistic", LogisticRegression)
-register_objective("mlp", MLPClassifier)
-register_objective("bandit", SoftmaxBandit)
-register_objective("sequence", SequencePolicy)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gacbench.objectives.registry import is_registered, objective_class, register_objective, registered_objectives
+
+#: each class this package exports, and its module
+_CLASSES = {
+    "Objective": "gacbench.objectives.base",
+    "NoisyQuadratic": "gacbench.objectives.quadratic",
+    "LogisticRegression": "gacbench.objectives.logistic",
+    "MLPClassifier": "gacbench.objectives.mlp",
+    "SoftmaxBandit": "gacbench.objectives.bandit",
+    "SequencePolicy": "gacbench.objectives.sequence",
+}
+
+#: the synthetic objectives' names and classes
+SYNTHETIC = {"quadratic": "NoisyQuadratic", "logistic": "LogisticRegression", "mlp": "MLPClassifier",
+             "bandit": "SoftmaxBandit", "sequence": "SequencePolicy"}
+
+for _name, _cls in SYNTHETIC.items():
+    register_objective(_name, f"{_CLASSES[_cls]}:{_cls}")
+
+if TYPE_CHECKING:
+    from gacbench.objectives.bandit import SoftmaxBandit
+    from gacbench.objectives.base import Objective
+    from gacbench.objectives.logistic import LogisticRegression
+    from gacbench.objectives.mlp import MLPClassifier
+    from gacbench.objectives.quadratic import NoisyQuadratic
+    from gacbench.objectives.sequence import SequencePolicy
+
+
+def __getattr__(name: str) -> Any:
+    """A class of :data:`_CLASSES`, imported from its module on first access and kept."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module 'gacbench.objectives' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_CLASSES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_CLASSES})
 
 
 def make_objective(name: str, **params) -> Objective:
