@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gacbench.bench.cell import cell_dir
+from gacbench.bench.groups import seed_mean, smooth_curve
 from gacbench.bench.pipeline import (
     batch_latency,
     hiding_staleness,
@@ -14,7 +15,7 @@ from gacbench.bench.pipeline import (
     simulate,
     steady_step_s,
 )
-from gacbench.bench.time_to_quality import async_bench_check, first_crossing, seed_mean, smooth_curve
+from gacbench.bench.time_to_quality import async_bench_check, first_crossing
 from gacbench.cli import main
 from gacbench.jsonio import write_json
 

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gacbench.bench.groups import seed_mean, smooth_curve
 from gacbench.bench.pipeline import check_setting, mean_step_s, simulate, steady_step_s
 from gacbench.usage import UsageError
 
@@ -122,7 +121,7 @@ def load_curves(root: Path, measure: str = "auto", smooth: int = DEFAULT_SMOOTH)
     "runs": {(method, s): {seed: {version: value}}}}}. ``measure``: ``auto`` (policy reward where every done cell
     of the task logs it, else training reward), ``policy`` or ``training``; the training reward is smoothed
     (:func:`smooth_curve`, ``smooth`` versions). A task whose cells lack the asked measure is left out."""
-    from gacbench.bench.groups import label_by_settings
+    from gacbench.bench.groups import label_by_settings, smooth_curve  # imports Lightning: not at module import
     from gacbench.bench.records import cell_record, discover_cells
 
     specs = discover_cells(root)
@@ -162,6 +161,8 @@ def time_to_quality(curves: dict[str, dict], settings: list[Setting], fractions=
     ``at_first_point``, the seeds that reach it and the range of their times, and the speed-up on the clock
     against sync (sync's time / this time; None where either never reaches it or reaches it at its curve's first
     point, where the time is only an upper bound). Tasks without sync are left out."""
+    from gacbench.bench.groups import seed_mean  # imports Lightning: not at module import
+
     rows = []
     for task, data in curves.items():
         runs = data["runs"]
