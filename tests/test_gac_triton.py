@@ -227,17 +227,7 @@ def test_triton_takes_only_lists_it_can_read():
 
 # -- the GPU run: its targets and its rows for MEASURED, on synthetic records ------------------------------------
 
-H200, N = "NVIDIA H200", 1_720_574_976
-
-
-def _record(keep: float, shrink: float) -> dict:
-    """An overhead record at the 1.7B shape on an H200, as run_overhead writes it, with eager's figures from the
-    last GPU run and the Triton path's ``keep`` and ``shrink``."""
-    return {"params": N, "gpu": H200, "torch": "2.11.0+cu128", "shape_name": "qwen3-1.7b", "adamw_step_s": 0.0163,
-            "gac_keep_over_adamw": 1.01, "gac_over_adamw": 1.33, "gac_case": "shrink", "gac_keep_case": "keep",
-            "first_round_extra_eager_s": 0.4, "gac_keep_triton_over_adamw": keep, "gac_triton_over_adamw": shrink,
-            "gac_triton_case": "shrink", "gac_keep_triton_case": "keep", "first_round_extra_triton_s": 3.2,
-            "floor_keep_over_adamw": 0.36, "floor_project_over_adamw": 0.72}
+from test_gac_kernels import _record  # noqa: E402  (the same synthetic overhead record as the auto-table tests)
 
 
 @pytest.mark.parametrize("keep,shrink,ok", [(0.31, 0.74, True), (0.46, 0.74, False), (0.31, 0.91, False)])
