@@ -1,13 +1,14 @@
 """gacbench: a benchmark suite for asynchronous (stale-rollout) RL training and its stabilizers,
 centred on Gradient Alignment Control (GAC).
 
-The public names below are imported on first use (:func:`__getattr__`), so that importing a light part of
-the package (the command line, ``gacbench.usage``) does not import torch and Lightning."""
+The public names below are imported on first use (:func:`gacbench.lazy.lazy_attributes`), so that
+importing a light part of the package (the command line, ``gacbench.usage``) does not import torch and Lightning."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gacbench.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -25,14 +26,4 @@ if TYPE_CHECKING:
     from gacbench.hooks import attach_alignment_monitor, attach_gac
 
 
-def __getattr__(name: str) -> Any:
-    """A public name of :data:`_EXPORTS`, imported from its module on first access and kept."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'gacbench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_attributes("gacbench", _EXPORTS, globals())

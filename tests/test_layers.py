@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gacbench"
 # rank of each room (a sub-package, or a top-level module); a room may import rooms of a strictly lower rank
 RANK = {
     "usage": -1,  # UsageError, raised by every room (it imports nothing of the package)
+    "lazy": -1,  # the packages' attributes imported on first access (it imports nothing of the package)
     "functional": 0, "loggers": 0, "jsonio": 0, "trainer": 0, "provenance": 0,
     "callbacks": 1, "hooks": 1,
     "stabilizers": 2,

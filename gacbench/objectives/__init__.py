@@ -9,9 +9,9 @@ registry) does not import torch and Lightning.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from gacbench.lazy import lazy_attributes
 from gacbench.objectives.registry import is_registered, objective_class, register_objective, registered_objectives
 
 #: each class this package exports, and its module
@@ -40,17 +40,7 @@ if TYPE_CHECKING:
     from gacbench.objectives.sequence import SequencePolicy
 
 
-def __getattr__(name: str) -> Any:
-    """A class of :data:`_CLASSES`, imported from its module on first access and kept."""
-    if name not in _CLASSES:
-        raise AttributeError(f"module 'gacbench.objectives' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_CLASSES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_CLASSES})
+__getattr__, __dir__ = lazy_attributes("gacbench.objectives", _CLASSES, globals())
 
 
 def make_objective(name: str, **params) -> Objective:
