@@ -189,6 +189,9 @@ def test_regime_checks_by_hand():
         others.append(rec)
     (again,) = regime_checks(cells + others)
     assert [e["gap"] for e in again["stale"]] == [e["gap"] for e in check["stale"]] and again["met"] is False
+    # a task of sync alone gets its first criterion, which decides `met`
+    (alone,) = regime_checks([c for c in cells if c["method"] == "sync"])
+    assert alone["sync"] == check["sync"] and alone["stale"] == [] and alone["met"] is True
     # a grid that does not log its policy's reward has no checks
     for c in cells:
         del c["_by_version"]["eval/policy_reward"]

@@ -373,7 +373,7 @@ def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_d
 
 
 def test_policy_reward_is_the_current_versions_mean_with_its_sampling_error(model_dir, monkeypatch):
-    """eval/policy_reward at the eval points (every 3 steps and the end) is the mean reward of the engine's samples
+    """eval/policy_reward at the eval points (before the first update, every 3 steps and the end) is the mean reward of the engine's samples
     of the held-out prompts at that version, with the sampling standard error sqrt(sum_i var_i / n) / P."""
     from gacbench.llm.grpo import POLICY_EVAL_SEED
     from gacbench.rollout.engines import Rollout
@@ -403,12 +403,12 @@ def test_policy_reward_is_the_current_versions_mean_with_its_sampling_error(mode
 
     monkeypatch.setattr(m, "on_train_start", on_train_start)
     trainer.fit(m)
-    assert [c[0] for c in calls] == [3, 6, 7] and all(c[1:] == (3, 4) for c in calls)
+    assert [c[0] for c in calls] == [0, 3, 6, 7] and all(c[1:] == (3, 4) for c in calls)
     # rewards per prompt: 1/4, 2/4, 3/4 right -> mean 0.5; variances (n - 1 denominators): 1/4, 1/3, 1/4
     se = ((0.25 + 1 / 3 + 0.25) / 4) ** 0.5 / 3
-    assert trainer.logger.values("eval/policy_reward") == pytest.approx([0.5, 0.5, 0.5])
-    assert trainer.logger.values("eval/policy_reward_se") == pytest.approx([se] * 3)
-    assert trainer.logger.values("eval/policy_version") == [3.0, 6.0, 7.0]
+    assert trainer.logger.values("eval/policy_reward") == pytest.approx([0.5] * 4)
+    assert trainer.logger.values("eval/policy_reward_se") == pytest.approx([se] * 4)
+    assert trainer.logger.values("eval/policy_version") == [0.0, 3.0, 6.0, 7.0]
 
 
 def test_policy_eval_settings_are_checked():

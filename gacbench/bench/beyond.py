@@ -161,7 +161,8 @@ def headline_beyond(tables: dict[str, list[dict]]) -> list[dict]:
 
 def regime_checks(cells: list[dict]) -> list[dict]:
     """The regime criteria of a task whose sync and stale cells all log their policy's own reward
-    (``eval/policy_reward``), recomputed from its cells, each against :data:`REGIME_SE` standard errors over seeds:
+    (``eval/policy_reward``; a task without stale cells gets the first criterion alone), recomputed from its cells,
+    each against :data:`REGIME_SE` standard errors over seeds:
 
     - ``sync``: synchronous training learns: per seed its policy reward at its last eval point minus its first
       (``first_version``, ``last_version``: the versions, where every sync seed shares them), the mean ``rise``, its
@@ -178,7 +179,7 @@ def regime_checks(cells: list[dict]) -> list[dict]:
     for task in sorted({c["task"] for c in done}):
         sync = [c for c in done if c["task"] == task and c["method"] == "sync" and c["staleness"] == 0]
         stale = [c for c in done if c["task"] == task and c["method"] == "stale" and c["staleness"] > 0]
-        if not sync or not stale or not all(c.get("_by_version", {}).get(POLICY_REWARD) for c in sync + stale):
+        if not sync or not all(c.get("_by_version", {}).get(POLICY_REWARD) for c in sync + stale):
             continue
         firsts = {min(c["_by_version"][POLICY_REWARD]) for c in sync}
         lasts = {max(c["_by_version"][POLICY_REWARD]) for c in sync}

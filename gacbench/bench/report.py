@@ -64,7 +64,7 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   and ``beyond_p_adj``, beside the raw share (:func:`~gacbench.bench.beyond.beyond_on_policy`); the methods with
   neither control are listed in ``beyond_on_policy_uncontrolled``; fig_beyond.png plots the headline measure's;
 - ``regime_checks`` (a task whose sync and stale cells log ``eval/policy_reward``): does sync's policy reward rise
-  from its first eval point to its last, and does stale lose a gap at each s, each in standard errors over seeds
+  from its first eval point to its last, and does stale lose a gap at each s it ran, each in standard errors over seeds
   against 3 (:func:`~gacbench.bench.beyond.regime_checks`);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``

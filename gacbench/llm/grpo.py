@@ -139,7 +139,8 @@ class OptimizerConfig:
 class PolicyEvalConfig:
     """The policy's own reward, the primary outcome of a stale run (its training ``reward/mean`` at step t is the
     reward of the rollouts of θ_{t-s}): ``samples`` completions sampled at temperature 1 by the rollout engine for
-    each of the first ``prompts`` held-out problems, every ``every`` steps (None: ``eval_every``) and at the end.
+    each of the first ``prompts`` held-out problems, before the first update (version 0, not after a resume), every
+    ``every`` steps (None: ``eval_every``) and at the end.
     Logged as ``eval/policy_reward`` (the mean over prompts and samples), ``eval/policy_reward_se`` (its sampling
     standard error on this fixed prompt set), ``eval/policy_version`` (the version t measured) and
     ``time/policy_eval_s``. Every run draws with the same seed (:data:`POLICY_EVAL_SEED`), so two runs at one
@@ -372,6 +373,8 @@ class GRPOModule(Objective):
                                "works.") from exc
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.policy_eval_cfg.prompts and self.global_step == 0:  # θ_0: where every run of one seed starts
+            self.log_scalars(self.policy_reward())
         self._t_step = time.perf_counter()
 
     def optimizer_step(self, *args, **kwargs) -> None:
