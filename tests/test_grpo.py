@@ -373,8 +373,9 @@ def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_d
 
 
 def test_policy_reward_is_the_current_versions_mean_with_its_sampling_error(model_dir, monkeypatch):
-    """eval/policy_reward at the eval points (before the first update, every 3 steps and the end) is the mean reward of the engine's samples
-    of the held-out prompts at that version, with the sampling standard error sqrt(sum_i var_i / n) / P."""
+    """eval/policy_reward at the eval points (before the first update, every 3 steps and the end) is the mean
+    reward of the engine's samples of the held-out prompts at that version, with the sampling standard error
+    sqrt(sum_i var_i / n) / P."""
     from gacbench.llm.grpo import POLICY_EVAL_SEED
     from gacbench.rollout.engines import Rollout
 
