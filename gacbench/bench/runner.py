@@ -479,11 +479,12 @@ def main(args, started: dict[str, Any] | None = None) -> int:
 DISK_FULL_FIX = "free space (or raise the quota) and rerun the same command: the finished cells are kept"
 
 
-def _raise_if_disk_full(exc: BaseException) -> None:
-    """A full disk or quota behind ``exc`` becomes a UsageError naming the path that could not be written."""
+def _raise_if_disk_full(exc: BaseException, fix: str = DISK_FULL_FIX) -> None:
+    """A full disk or quota behind ``exc`` becomes a UsageError naming the path that could not be written and
+    ``fix``."""
     full = disk_full(exc)
     if full is not None:
-        raise UsageError(disk_full_message(full, DISK_FULL_FIX)) from None
+        raise UsageError(disk_full_message(full, fix)) from None
 
 
 #: the errors of a folder or file this process may not write: permissions, a read-only file system
@@ -493,13 +494,10 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 def _raise_if_unwritable(exc: BaseException, fix: str = DISK_FULL_FIX) -> None:
     """A full disk (:func:`_raise_if_disk_full`, its fix ``fix``), a read-only folder or a denied permission
     behind ``exc`` becomes a one-line UsageError naming the path and the cause."""
-    full = disk_full(exc)
-    if full is not None:
-        raise UsageError(disk_full_message(full, fix)) from None
+    _raise_if_disk_full(exc, fix)
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
-        cause = exc.strerror or os.strerror(exc.errno)
-        raise UsageError(f"cannot write {exc.filename or 'a file'}: {cause} ({errno.errorcode[exc.errno]}); make the "
-                         "folder writable, or copy the bench directory to a writable place and run there") from None
+        raise UsageError(disk_full_message(exc, "make the folder writable, or copy the bench directory to a "
+                                                "writable place and run there")) from None
 
 
 def _write_summary(out: Path, cells: list[dict] | None, families: dict | None = None) -> dict[str, Any]:
