@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, DriftMonitor
 from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE and hold re-exported)
     CLAIM_FILE,
     DISK_FULL,
+    claim_dir,
     hold,
     json_safe,
     read_json,
@@ -367,27 +367,13 @@ class CellMismatchError(UsageError):
     error: ``gacbench bench`` prints it as one line and exits 2)."""
 
 
-def _holder() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-
-
 @contextlib.contextmanager
 def claim(d: Path) -> Iterator[dict | None]:
-    """Claim the cell directory ``d`` for the ``with`` block: yields None when this process holds the claim
-    (its pid, host and start time are then written in ``d/.claim``), else the record of the process that holds
-    it (``{"pid", "host", "since"}``, or ``{}`` while the holder has not written it yet)."""
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / CLAIM_FILE
-    with hold(path, wait=False) as held:
-        if not held:
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            yield holder if isinstance(holder, dict) else {}
-            return
-        path.write_text(json.dumps(_holder()))
-        yield None
+    """Claim the cell directory ``d`` for the ``with`` block (:func:`gacbench.jsonio.claim_dir`): yields None when
+    this process holds the claim (its pid, host and start time are then written in ``d/.claim``), else the record
+    of the process that holds it (``{"pid", "host", "since"}``, or ``{}`` while the holder has not written it yet)."""
+    with claim_dir(d) as (held, record):
+        yield None if held else record
 
 
 def claim_released(d: Path) -> bool:

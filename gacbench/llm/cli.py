@@ -65,7 +65,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 import warnings
@@ -300,21 +299,14 @@ def refuse_other_run(path: str | Path, recorded: str | None, config_hash: str | 
 
 def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
     """Claim the run directory ``log_dir`` for this process until ``stack`` closes (an exclusive ``flock`` on
-    ``log_dir/.claim``, recording pid, host and start time, as the bench runner claims a cell): a directory
-    another live process holds is refused in one line naming its pid; a claim whose holder is gone is taken
-    over, saying so on stderr."""
-    from gacbench.jsonio import CLAIM_FILE, hold, pid_alive
+    ``log_dir/.claim``, recording pid, host and start time: :func:`gacbench.jsonio.claim_dir`, as the bench runner
+    claims a cell; the record is cleared when ``stack`` closes): a directory another live process holds is refused
+    in one line naming its pid; a claim whose holder is gone is taken over, saying so on stderr."""
+    from gacbench.jsonio import CLAIM_FILE, claim_dir, pid_alive
 
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / CLAIM_FILE
-    held = stack.enter_context(hold(path, wait=False))
+    held, holder = stack.enter_context(claim_dir(log_dir))  # held: this process's record is written
     if held:  # a clean end clears the record (before the lock is released), so a record found here is stale
-        stack.callback(path.write_text, "")
-    try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        holder = {}
-    holder = holder if isinstance(holder, dict) else {}
+        stack.callback((log_dir / CLAIM_FILE).write_text, "")
     if not held:
         pid = holder.get("pid", "unknown: it has not written its record yet")
         raise UsageError(f"{log_dir} is in use by another gacbench grpo run (pid {pid}"
@@ -325,7 +317,6 @@ def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
         state = "no longer running" if not pid_alive(pid) else "no longer holding it"
         print(f"gacbench grpo: taking over {log_dir}: the run that claimed it (pid {pid}) is {state}",
               file=sys.stderr)
-    path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
 
 
 def finished_run(log_dir: str | None, ckpt_step: int | None, max_steps: int) -> bool:
