@@ -19,7 +19,7 @@ import torch
 
 from gacbench.llm.model import cached_model_dir, config_key, default_cache_dir, load, tiny_config
 from gacbench.llm.task import ArithmeticTask, Problem, exact_reward
-from gacbench.llm.tasks import TaskConfig, build_task
+from gacbench.llm.tasks import TaskConfig, build_task, task_factory
 
 
 def sft_batch(tok, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +84,11 @@ def warm_start(model, tok, task: ArithmeticTask, steps: int, batch_size: int = 6
 def warm_task(cfg: TaskConfig, task) -> ArithmeticTask:
     """The task a built-in model's warm-start trains on for a run on ``task`` (built from ``cfg``): the run's own
     task at seed 0 when it sets ``warm_on_task`` (the scratchpad task), else the arithmetic task of ``cfg``'s
-    max_ops and max_operand. Seed 0 either way, so every seed of a grid starts from the same checkpoint."""
+    max_ops and max_operand. Seed 0 either way, so every seed of a grid starts from the same checkpoint. ``cfg`` is
+    not checked again: its settings were checked (:func:`gacbench.llm.tasks.check_task_settings`) before ``task``
+    was built from it."""
     if getattr(task, "warm_on_task", False):
-        return build_task(cfg, 0)
+        return task_factory(cfg.name)(cfg, 0)
     return ArithmeticTask(max_ops=cfg.max_ops, max_operand=cfg.max_operand)
 
 
