@@ -42,6 +42,20 @@ def test_every_shipped_llm_suite_pins_the_theta0_of_its_start_point(suite):
         assert pinned.PINNED[name].startswith(t.get("theta0", "<missing>")), f"{suite.stem}/{task}: theta0"
 
 
+@pytest.mark.parametrize("params", [{}, {"model": {"warm_steps": 50}, "task": {"max_ops": 1, "max_operand": 4}},
+                                    {"task": {"name": "scratchpad", "options": {"max_operand": 5}}}])
+def test_the_start_point_a_suite_pins_is_the_directory_a_run_loads(params, monkeypatch):
+    from gacbench.llm import warmstart
+    from gacbench.llm.tasks import TaskConfig
+
+    monkeypatch.setattr(warmstart, "warm_started_dir", lambda config, task, steps: Path(warmstart.warm_key(
+        config, task, steps)))
+    model = params.get("model", {})
+    loaded = warmstart.built_in_model_dir(model.get("size", "tiny"), model.get("warm_steps", 400),
+                                          TaskConfig(**params.get("task", {})))
+    assert loaded.name == warmstart.start_point(params)[0]
+
+
 def test_a_pinned_start_point_is_the_shipped_directory_without_a_build(tmp_path, monkeypatch):
     shipped = _fake_checkpoint(tmp_path / "models" / "warm-x", b"weights")
     monkeypatch.setenv("GACBENCH_MODELS", str(tmp_path / "models"))
