@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +139,27 @@ def hold(path: Path, wait: bool) -> Iterator[bool]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def claim_record() -> dict[str, Any]:
+    """What a claim records of the process that holds it: its pid, host and start time."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+
+
+@contextlib.contextmanager
+def claim_dir(d: Path) -> Iterator[tuple[bool, dict]]:
+    """Claim the directory ``d`` (created if missing) for the ``with`` block, without waiting: a :func:`hold` on
+    ``d/.claim``. Yields ``(held, record)``. Held: ``record`` is what the file recorded before (an earlier
+    holder's, or ``{}``), and this process's :func:`claim_record` is written in its place. Not held: ``record``
+    is the holder's (``{}`` while it has not written it yet)."""
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / CLAIM_FILE
+    with hold(path, wait=False) as held:
+        try:
+            record = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            record = {}
+        record = record if isinstance(record, dict) else {}
+        if held:
+            path.write_text(json.dumps(claim_record()))
+        yield held, record

@@ -86,6 +86,34 @@ def test_grpo_and_bench_refuse_unused_and_out_of_range_task_settings_before_load
     assert not out.exists()
 
 
+def test_a_grpo_module_checks_its_task_settings_once(monkeypatch):
+    import gacbench.llm.grpo as grpo
+    from gacbench.llm import tasks
+    from gacbench.llm.warmstart import warm_task
+
+    class Loading(Exception):
+        pass
+
+    def load(*args):
+        raise Loading
+
+    checked = []
+    check = tasks.check_task_settings
+
+    def counted(cfg, owner="GRPOModule"):
+        checked.append(cfg.name)
+        check(cfg, owner)
+
+    monkeypatch.setattr(grpo, "load", load)
+    monkeypatch.setattr(tasks, "check_task_settings", counted)
+    with pytest.raises(Loading):  # the settings checked and the task built: the model comes next
+        grpo.GRPOModule(model={"path": "/nonexistent"}, engine={"name": "hf"})
+    assert checked == ["arithmetic"]
+    cfg = tasks.TaskConfig(name="scratchpad")
+    assert warm_task(cfg, tasks.build_task(cfg, 4)).seed == 0  # its own task again, at seed 0, not checked again
+    assert checked == ["arithmetic", "scratchpad"]
+
+
 # -- the run directory's claim ----------------------------------------------------------------------------------
 HOLD = """import contextlib, sys, time
 from pathlib import Path

@@ -451,6 +451,25 @@ def test_another_suites_settings_for_a_stored_task_are_refused_before_anything_r
     assert bench(tiny_suite(tmp_path / "b", seeds=[1]), out) == 0  # the same settings, other seeds: added
 
 
+def test_the_checks_before_a_grid_read_each_done_cell_once(tmp_path, monkeypatch):
+    from gacbench.bench import runner
+
+    cells = expand_cells(load_suite(str(tiny_suite(tmp_path))))
+    out = tmp_path / "out"
+    assert run_grid(cells, out)["failed"] == 0
+    reads = []
+
+    def counted(root, c):
+        reads.append(cell_dir(root, c))
+        return stored_done(root, c)
+
+    monkeypatch.setattr(cell_mod, "stored_done", counted)
+    monkeypatch.setattr(runner, "stored_done", counted)
+    assert run_grid(cells, out)["ran"] == 0
+    # once for the checks (settings against the stored cells, their environments), once for the cells left to run
+    assert sorted(reads) == sorted([cell_dir(out, c) for c in cells] * 2)
+
+
 # -- the done check -------------------------------------------------------------------------------------
 def test_a_metrics_csv_without_exactly_its_last_steps_row_is_not_done(tmp_path):
     status = run_cell(CELL, tmp_path)

@@ -42,6 +42,20 @@ def test_every_shipped_llm_suite_pins_the_theta0_of_its_start_point(suite):
         assert pinned.PINNED[name].startswith(t.get("theta0", "<missing>")), f"{suite.stem}/{task}: theta0"
 
 
+@pytest.mark.parametrize("params", [{}, {"model": {"warm_steps": 50}, "task": {"max_ops": 1, "max_operand": 4}},
+                                    {"task": {"name": "scratchpad", "options": {"max_operand": 5}}}])
+def test_the_start_point_a_suite_pins_is_the_directory_a_run_loads(params, monkeypatch):
+    from gacbench.llm import warmstart
+    from gacbench.llm.tasks import TaskConfig
+
+    monkeypatch.setattr(warmstart, "warm_started_dir", lambda config, task, steps: Path(warmstart.warm_key(
+        config, task, steps)))
+    model = params.get("model", {})
+    loaded = warmstart.built_in_model_dir(model.get("size", "tiny"), model.get("warm_steps", 400),
+                                          TaskConfig(**params.get("task", {})))
+    assert loaded.name == warmstart.start_point(params)[0]
+
+
 def test_a_pinned_start_point_is_the_shipped_directory_without_a_build(tmp_path, monkeypatch):
     shipped = _fake_checkpoint(tmp_path / "models" / "warm-x", b"weights")
     monkeypatch.setenv("GACBENCH_MODELS", str(tmp_path / "models"))
@@ -79,7 +93,7 @@ def test_a_malformed_theta0_is_refused(tmp_path, value):
 
 
 def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, monkeypatch):
-    from gacbench.bench import theta0
+    from gacbench.bench import cell
     from gacbench.bench.cell import cell_dir
     from gacbench.bench.runner import expand_cells
     from gacbench.bench.theta0 import check_theta0
@@ -91,11 +105,14 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
     pin = check_theta0(suite, cells, tmp_path)["arithmetic"]
     d = cell_dir(tmp_path, cells[0])
     d.mkdir(parents=True)
-    monkeypatch.setattr(theta0, "stored_done", lambda root, c: {"status": "done"} if c == cells[0] else None)
+    monkeypatch.setattr(cell, "stored_done", lambda root, c: {"status": "done"} if c == cells[0] else None)
     write_json(d / "config.json", {**cells[0], "provenance": {"initial_weights": pin}})
     check_theta0(suite, cells, tmp_path)  # its own θ₀: accepted
     write_json(d / "config.json", {**cells[0], "provenance": {"initial_weights": "0" * 64}})
     with pytest.raises(UsageError, match=r"1 stored cell\(s\) of task 'arithmetic' .* another θ₀ .* 0000000000000000"):
         check_theta0(suite, cells, tmp_path)
+    with pytest.raises(UsageError, match="another θ₀"):  # the done cells as the grid runner read them
+        check_theta0(suite, cells, tmp_path, cell.stored_done_files(tmp_path, cells))
+    check_theta0(suite, cells, tmp_path, {})  # none done when they were read: nothing is read again
     write_json(d / "config.json", {**cells[0]})  # no recorded weights: accepted (identified by its rewards)
     check_theta0(suite, cells, tmp_path)

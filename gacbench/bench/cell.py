@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, DriftMonitor
 from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE and hold re-exported)
     CLAIM_FILE,
     DISK_FULL,
+    claim_dir,
     hold,
     json_safe,
     read_json,
@@ -282,15 +282,35 @@ def stored_done_cells(root: Path, task: str) -> list[tuple[Path, dict]]:
     return out
 
 
-def stored_diff(root: Path, cell: dict, status: dict | None = None) -> dict[str, tuple[Any, Any]]:
-    """:func:`identity_diff` of ``cell`` against what its directory stores: the status's copy of its cell and
-    ``config.json`` each (a copied or edited directory may disagree in either)."""
-    d = cell_dir(root, cell)
-    diff: dict[str, tuple[Any, Any]] = {}
+def read_config(d: Path) -> Any:
+    """The config.json of the cell directory ``d`` as stored, or None when it cannot be read."""
     try:
-        config = read_json(d / "config.json")
+        return read_json(d / "config.json")
     except (OSError, ValueError):
-        config = None
+        return None
+
+
+def stored_done_files(root: Path, cells: list[dict]) -> dict[Path, tuple[dict, Any]]:
+    """The done cells among ``cells`` stored in ``root``, read once for the checks made before a grid runs: each
+    one's directory -> ``(status, config)``, the status as :func:`stored_done` returns it and its config.json as
+    :func:`read_config` does."""
+    out: dict[Path, tuple[dict, Any]] = {}
+    for c in cells:
+        d = cell_dir(root, c)
+        if d not in out:
+            status = stored_done(root, c)
+            if status is not None:
+                out[d] = (status, read_config(d))
+    return out
+
+
+def stored_diff(root: Path, cell: dict, status: dict | None = None, config: Any = None) -> dict[str, tuple[Any, Any]]:
+    """:func:`identity_diff` of ``cell`` against what its directory stores: the status's copy of its cell and
+    ``config.json`` each (a copied or edited directory may disagree in either); ``config``: the config.json
+    already read (:func:`stored_done_files`), else it is read here."""
+    diff: dict[str, tuple[Any, Any]] = {}
+    if config is None:
+        config = read_config(cell_dir(root, cell))
     for stored in (status.get("cell") if status is not None else None, config):
         if isinstance(stored, dict):
             for key, change in identity_diff(stored, cell).items():
@@ -347,27 +367,13 @@ class CellMismatchError(UsageError):
     error: ``gacbench bench`` prints it as one line and exits 2)."""
 
 
-def _holder() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-
-
 @contextlib.contextmanager
 def claim(d: Path) -> Iterator[dict | None]:
-    """Claim the cell directory ``d`` for the ``with`` block: yields None when this process holds the claim
-    (its pid, host and start time are then written in ``d/.claim``), else the record of the process that holds
-    it (``{"pid", "host", "since"}``, or ``{}`` while the holder has not written it yet)."""
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / CLAIM_FILE
-    with hold(path, wait=False) as held:
-        if not held:
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            yield holder if isinstance(holder, dict) else {}
-            return
-        path.write_text(json.dumps(_holder()))
-        yield None
+    """Claim the cell directory ``d`` for the ``with`` block (:func:`gacbench.jsonio.claim_dir`): yields None when
+    this process holds the claim (its pid, host and start time are then written in ``d/.claim``), else the record
+    of the process that holds it (``{"pid", "host", "since"}``, or ``{}`` while the holder has not written it yet)."""
+    with claim_dir(d) as (held, record):
+        yield None if held else record
 
 
 def claim_released(d: Path) -> bool:
@@ -389,23 +395,22 @@ def summary_lock(root: Path) -> Iterator[None]:
 CLAIMED = "claimed"
 
 
-def stored_provenance(root: Path, cell: dict) -> dict | None:
+def stored_provenance(root: Path, cell: dict, config: Any = None) -> dict | None:
     """The ``provenance`` of the run stored in ``cell``'s directory (its config.json), else the cell's own, else
-    None (a cell stored without it, or whose config.json cannot be read: ``unrecorded``)."""
-    try:
-        config = read_json(cell_dir(Path(root), cell) / "config.json")
-    except (OSError, ValueError):
-        config = None
+    None (a cell stored without it, or whose config.json cannot be read: ``unrecorded``). ``config``: the
+    config.json already read (:func:`stored_done_files`), else it is read here."""
+    if config is None:
+        config = read_config(cell_dir(Path(root), cell))
     prov = config.get("provenance") if isinstance(config, dict) else None
     if prov is None:
         prov = cell.get("provenance")
     return prov if isinstance(prov, dict) else None
 
 
-def stored_environment(root: Path, cell: dict) -> str:
+def stored_environment(root: Path, cell: dict, config: Any = None) -> str:
     """The :func:`gacbench.provenance.environment_key` of the run stored in ``cell``'s directory
-    (``unrecorded`` when its config.json holds no provenance)."""
-    return environment_key(stored_provenance(root, cell), weights=False)
+    (``unrecorded`` when its config.json holds no provenance); ``config`` as :func:`stored_provenance`."""
+    return environment_key(stored_provenance(root, cell, config), weights=False)
 
 
 def run_cell(cell: dict, root: str | os.PathLike, threads: int | None = None,

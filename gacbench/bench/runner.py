@@ -60,6 +60,7 @@ from gacbench.bench.cell import (
     stored_diff,
     stored_done,
     stored_done_cells,
+    stored_done_files,
     stored_environment,
     summary_lock,
     write_json,
@@ -243,16 +244,18 @@ def order_cells(cells: list[dict]) -> list[dict]:
     return [c for group in groups.values() for c in sorted(group, key=rank)]
 
 
-def check_stored(cells: list[dict], root: Path) -> None:
+def check_stored(cells: list[dict], root: Path, stored: dict[Path, tuple[dict, Any]] | None = None) -> None:
     """Refuse a grid whose done cells in ``root`` were computed with other settings (see cell.identity_diff),
     and a grid whose task's objective, parameters or steps differ from a done cell of the same task stored in
-    ``root`` under another method, staleness or seed: one directory holds one setting per task."""
+    ``root`` under another method, staleness or seed: one directory holds one setting per task. ``stored``: the
+    grid's done cells as :func:`stored_done_files` read them, else they are read here."""
     mismatched: list[tuple[Path, str, dict]] = []
     grid_dirs = {cell_dir(root, c): c for c in cells}
+    stored = stored_done_files(root, cells) if stored is None else stored
     for c in cells:
-        done = stored_done(root, c)
-        if done is not None:
-            diff = stored_diff(root, c, done)
+        found = stored.get(cell_dir(root, c))
+        if found is not None:
+            diff = stored_diff(root, c, *found)
             if diff:
                 mismatched.append((cell_dir(root, c), c["task"], diff))
     others = 0
@@ -313,15 +316,18 @@ def worker_threads(workers: int, threads: int | None = None) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def other_environments(cells: list[dict], root: Path, threads: int) -> dict[str, list[dict]]:
+def other_environments(cells: list[dict], root: Path, threads: int,
+                       stored: dict[Path, tuple[dict, Any]] | None = None) -> dict[str, list[dict]]:
     """The done cells of ``cells`` stored in ``root`` by another environment than this run's (this process's
     :func:`gacbench.provenance.provenance` with the workers' ``threads``), by their environment key
-    (``unrecorded`` for a cell stored without provenance)."""
+    (``unrecorded`` for a cell stored without provenance). ``stored`` as :func:`check_stored`."""
     here = environment_key({**provenance(), "threads": threads})
+    stored = stored_done_files(root, cells) if stored is None else stored
     out: dict[str, list[dict]] = {}
     for c in cells:
-        if is_done(root, c):
-            key = stored_environment(root, c)
+        found = stored.get(cell_dir(root, c))
+        if found is not None:
+            key = stored_environment(root, c, found[1])
             if key != here:
                 out.setdefault(key, []).append(c)
     return out
@@ -329,14 +335,17 @@ def other_environments(cells: list[dict], root: Path, threads: int) -> dict[str,
 
 def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, executor: str = "local",
              console: Console | None = None, rerun_other_versions: bool = False,
-             threads: int | None = None, started: dict[str, Any] | None = None) -> dict[str, Any]:
+             threads: int | None = None, started: dict[str, Any] | None = None,
+             stored: dict[Path, tuple[dict, Any]] | None = None) -> dict[str, Any]:
     """Run every cell not yet done, each worker with :func:`worker_threads` torch threads; returns timing
     figures (also written to ``out/timing.json`` when a cell ran). Raises CellMismatchError, before running
     anything, if a done cell in ``out`` was computed with other settings than its cell in ``cells`` (or, for
     another cell of the same task, with another objective, parameters or steps).
 
     ``started`` (:func:`gacbench.bench.timing.process_start`) adds the start-up figures to the timing
-    (:func:`gacbench.bench.timing.startup_fields`).
+    (:func:`gacbench.bench.timing.startup_fields`). ``stored``: the grid's done cells in ``out`` as
+    :func:`stored_done_files` read them (``gacbench bench`` reads them once, before :func:`check_theta0`), else
+    they are read here, once for the checks before the grid runs.
 
     Done cells stored by another environment are counted in a notice and reused, or recomputed with
     ``rerun_other_versions``. A cell that another runner on ``out`` holds is left to it, waited for at the
@@ -346,11 +355,12 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     if executor not in ("local", "ray"):
         raise UsageError(f"--executor {executor!r} is not 'local' or 'ray'")
     root = check_output_dir("--out", out)
-    check_stored(cells, root)
+    stored = stored_done_files(root, cells) if stored is None else stored
+    check_stored(cells, root, stored)
     check_references(cells, root)
     console = console or Console()
     threads = worker_threads(workers, threads)
-    other = other_environments(cells, root, threads)
+    other = other_environments(cells, root, threads, stored)
     if other:
         n = sum(len(v) for v in other.values())
         kinds = ", ".join(f"{len(v)} {'unrecorded' if k == 'unrecorded' else 'from ' + k}" for k, v in other.items())
@@ -418,7 +428,8 @@ def main(args, started: dict[str, Any] | None = None) -> int:
         c["params"] = merge_params(c["params"], overrides)
     check_params(cells, overrides)
     out = check_output_dir("--out", args.out)
-    check_theta0(suite, cells, out)
+    stored = stored_done_files(out, cells)  # read once for check_theta0 and run_grid's checks
+    check_theta0(suite, cells, out, stored)
     remove_stray_temporaries(out)
     threads = worker_threads(args.workers, getattr(args, "threads", None))
     console.print(f"suite [bold]{suite.get('name', args.suite)}[/]: {len(cells)} cells -> {out}  "
@@ -430,7 +441,7 @@ def main(args, started: dict[str, Any] | None = None) -> int:
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
                           rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads,
-                          started=started)
+                          started=started, stored=stored)
         check_stop()  # a stop whose raise was lost in the grid's last cell
     except GridInterrupted as stop:
         done = sum(is_done(out, c) for c in cells)
@@ -468,11 +479,12 @@ def main(args, started: dict[str, Any] | None = None) -> int:
 DISK_FULL_FIX = "free space (or raise the quota) and rerun the same command: the finished cells are kept"
 
 
-def _raise_if_disk_full(exc: BaseException) -> None:
-    """A full disk or quota behind ``exc`` becomes a UsageError naming the path that could not be written."""
+def _raise_if_disk_full(exc: BaseException, fix: str = DISK_FULL_FIX) -> None:
+    """A full disk or quota behind ``exc`` becomes a UsageError naming the path that could not be written and
+    ``fix``."""
     full = disk_full(exc)
     if full is not None:
-        raise UsageError(disk_full_message(full, DISK_FULL_FIX)) from None
+        raise UsageError(disk_full_message(full, fix)) from None
 
 
 #: the errors of a folder or file this process may not write: permissions, a read-only file system
@@ -482,13 +494,10 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 def _raise_if_unwritable(exc: BaseException, fix: str = DISK_FULL_FIX) -> None:
     """A full disk (:func:`_raise_if_disk_full`, its fix ``fix``), a read-only folder or a denied permission
     behind ``exc`` becomes a one-line UsageError naming the path and the cause."""
-    full = disk_full(exc)
-    if full is not None:
-        raise UsageError(disk_full_message(full, fix)) from None
+    _raise_if_disk_full(exc, fix)
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
-        cause = exc.strerror or os.strerror(exc.errno)
-        raise UsageError(f"cannot write {exc.filename or 'a file'}: {cause} ({errno.errorcode[exc.errno]}); make the "
-                         "folder writable, or copy the bench directory to a writable place and run there") from None
+        raise UsageError(disk_full_message(exc, "make the folder writable, or copy the bench directory to a "
+                                                "writable place and run there")) from None
 
 
 def _write_summary(out: Path, cells: list[dict] | None, families: dict | None = None) -> dict[str, Any]:

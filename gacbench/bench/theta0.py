@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
-from gacbench.bench.cell import stored_done, stored_provenance
+from gacbench.bench.cell import cell_dir, stored_done_files, stored_provenance
 from gacbench.usage import UsageError
 
 HEX = re.compile(r"[0-9a-f]{12,64}")
@@ -38,9 +39,11 @@ def check_suite_theta0(where: str, task: str, spec: dict) -> None:
                          "start point's weights SHA-256 (`gacbench warm-start --suite ...` prints it)")
 
 
-def check_theta0(suite: dict, cells: list[dict], root: Path) -> dict[str, str]:
+def check_theta0(suite: dict, cells: list[dict], root: Path,
+                 stored: dict[Path, tuple[dict, Any]] | None = None) -> dict[str, str]:
     """Check the suite's pins against the library's and the stored cells (see the module doc); returns each
-    checked task's pinned SHA-256."""
+    checked task's pinned SHA-256. ``stored``: the grid's done cells as :func:`stored_done_files` read them
+    (the grid runner reads them once for all its checks), else the pinned tasks' cells are read here."""
     from gacbench.llm import pinned
     from gacbench.llm.warmstart import start_point
 
@@ -62,10 +65,12 @@ def check_theta0(suite: dict, cells: list[dict], root: Path) -> dict[str, str]:
                              f"{point[0] if point else params.get('model')} {have} in gacbench.llm.pinned; fix the "
                              "suite's theta0: (or the pin)")
         pins[task] = pin
+        done = stored if stored is not None else stored_done_files(root, own)
         other = []
         for c in own:
-            if stored_done(root, c) is not None:
-                weights = (stored_provenance(root, c) or {}).get("initial_weights")
+            found = done.get(cell_dir(root, c))
+            if found is not None:
+                weights = (stored_provenance(root, c, found[1]) or {}).get("initial_weights")
                 if weights and weights != pin:
                     other.append((c, weights))
         if other:

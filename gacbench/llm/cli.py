@@ -65,7 +65,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 import warnings
@@ -283,18 +282,16 @@ def read_checkpoint(path: Path) -> tuple[int, str | None]:
     return step, record.get("config_hash") if isinstance(record, dict) else None
 
 
-def checkpoint_step(path: Path) -> int:
-    """The ``global_step`` recorded inside a Lightning checkpoint; raises for a file that cannot be read as one."""
-    return read_checkpoint(path)[0]
-
-
 def check_checkpoint_run(path: str | Path, config_hash: str | None) -> None:
     """Refuse a checkpoint that records another run's hash than ``config_hash`` (a ModelCheckpoint directory
     shared by two runs), naming the checkpoint and both hashes."""
-    if config_hash is None:
-        return
-    _, recorded = read_checkpoint(Path(path))
-    if recorded is not None and recorded != config_hash:
+    if config_hash is not None:
+        refuse_other_run(path, read_checkpoint(Path(path))[1], config_hash)
+
+
+def refuse_other_run(path: str | Path, recorded: str | None, config_hash: str | None) -> None:
+    """:func:`check_checkpoint_run` given the hash ``recorded`` already read from the checkpoint at ``path``."""
+    if config_hash is not None and recorded is not None and recorded != config_hash:
         raise UsageError(f"--ckpt_path: {path} belongs to another run (its config hash {recorded}, this run's "
                          f"{config_hash}: another method, seed or model setting); resume from a checkpoint of this "
                          "run, or give each run its own ModelCheckpoint dirpath")
@@ -302,21 +299,14 @@ def check_checkpoint_run(path: str | Path, config_hash: str | None) -> None:
 
 def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
     """Claim the run directory ``log_dir`` for this process until ``stack`` closes (an exclusive ``flock`` on
-    ``log_dir/.claim``, recording pid, host and start time, as the bench runner claims a cell): a directory
-    another live process holds is refused in one line naming its pid; a claim whose holder is gone is taken
-    over, saying so on stderr."""
-    from gacbench.jsonio import CLAIM_FILE, hold, pid_alive
+    ``log_dir/.claim``, recording pid, host and start time: :func:`gacbench.jsonio.claim_dir`, as the bench runner
+    claims a cell; the record is cleared when ``stack`` closes): a directory another live process holds is refused
+    in one line naming its pid; a claim whose holder is gone is taken over, saying so on stderr."""
+    from gacbench.jsonio import CLAIM_FILE, claim_dir, pid_alive
 
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / CLAIM_FILE
-    held = stack.enter_context(hold(path, wait=False))
+    held, holder = stack.enter_context(claim_dir(log_dir))  # held: this process's record is written
     if held:  # a clean end clears the record (before the lock is released), so a record found here is stale
-        stack.callback(path.write_text, "")
-    try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        holder = {}
-    holder = holder if isinstance(holder, dict) else {}
+        stack.callback((log_dir / CLAIM_FILE).write_text, "")
     if not held:
         pid = holder.get("pid", "unknown: it has not written its record yet")
         raise UsageError(f"{log_dir} is in use by another gacbench grpo run (pid {pid}"
@@ -327,7 +317,6 @@ def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
         state = "no longer running" if not pid_alive(pid) else "no longer holding it"
         print(f"gacbench grpo: taking over {log_dir}: the run that claimed it (pid {pid}) is {state}",
               file=sys.stderr)
-    path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
 
 
 def finished_run(log_dir: str | None, ckpt_step: int | None, max_steps: int) -> bool:
@@ -369,23 +358,25 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None)
             raise UsageError(f"--ckpt_path {ckpt_path}: no such checkpoint file "
                              "(--ckpt_path last takes the run's latest)")
         try:
-            step = checkpoint_step(path)
+            step, recorded = read_checkpoint(path)
         except Exception as exc:  # any failure to read the file: the file is the problem
             raise UsageError(f"--ckpt_path {path} cannot be read as a checkpoint ({_reason(exc)}); give another "
                              "checkpoint of the run, or --ckpt_path last") from None
-        check_checkpoint_run(path, config_hash)
+        refuse_other_run(path, recorded, config_hash)
         return str(path), step
     ckpt_dir = _ckpt_dir(trainer)
     found = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir and ckpt_dir.is_dir() else []
     if not found:
         raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path")
-    good: list[tuple[int, Path]] = []
+    good: list[tuple[int, Path, str | None]] = []  # (step, path, the config hash it records)
     bad: list[tuple[Path, str]] = []
     for path in found:
         try:
-            good.append((checkpoint_step(path), path))
+            step, recorded = read_checkpoint(path)
         except Exception as exc:  # an unreadable checkpoint: reported below
             bad.append((path, _reason(exc)))
+        else:
+            good.append((step, path, recorded))
     best = max(good, key=lambda sp: (sp[0], sp[1].name != "last.ckpt", sp[1].stat().st_mtime), default=None)
     for path, reason in bad:
         if best is None:
@@ -397,7 +388,7 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None)
                              f"previous good one is {best[1]} (step {best[0]}): resume from it with --ckpt_path "
                              f"{best[1]}, after moving {path} out of {ckpt_dir}")
         warnings.warn(f"--ckpt_path last: skipping the unreadable older checkpoint {path} ({reason})", stacklevel=2)
-    check_checkpoint_run(best[1], config_hash)
+    refuse_other_run(best[1], best[2], config_hash)
     return str(best[1]), best[0]
 
 

@@ -47,7 +47,7 @@ from gacbench.callbacks._common import log_metrics
 from gacbench.functional.collective import release_process_group_at_exit
 from gacbench.llm.data_parallel import data_parallel_loss, rank_share
 from gacbench.llm.model import load
-from gacbench.llm.tasks import TaskConfig, build_task, reward_fn
+from gacbench.llm.tasks import TaskConfig, reward_fn, task_factory
 from gacbench.objectives.base import Objective, given_settings
 from gacbench.provenance import weights_sha256
 from gacbench.rollout.advantages import advantage_fn
@@ -225,7 +225,7 @@ class GRPOModule(Objective):
                                    "optimizer": dataclasses.asdict(self.optimizer_cfg),
                                    "policy_eval": dataclasses.asdict(self.policy_eval_cfg)})
         self.staleness, self.lr, self.steps, self.seed, self.eval_size = staleness, lr, steps, seed, eval_size
-        self.task = build_task(self.task_cfg, seed)
+        self.task = task_factory(self.task_cfg.name)(self.task_cfg, seed)  # its settings checked above
         self.reward = reward_fn(self.task_cfg.reward or self.task.default_reward)
         model_path = self.model_cfg.path
         t_model = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 
 from gacbench.llm.model import cached_model_dir, config_key, default_cache_dir, load, tiny_config
 from gacbench.llm.task import ArithmeticTask, Problem, exact_reward
-from gacbench.llm.tasks import TaskConfig, build_task
+from gacbench.llm.tasks import TaskConfig, build_task, task_factory
 
 
 def sft_batch(tok, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,19 +84,29 @@ def warm_start(model, tok, task: ArithmeticTask, steps: int, batch_size: int = 6
 def warm_task(cfg: TaskConfig, task) -> ArithmeticTask:
     """The task a built-in model's warm-start trains on for a run on ``task`` (built from ``cfg``): the run's own
     task at seed 0 when it sets ``warm_on_task`` (the scratchpad task), else the arithmetic task of ``cfg``'s
-    max_ops and max_operand. Seed 0 either way, so every seed of a grid starts from the same checkpoint."""
+    max_ops and max_operand. Seed 0 either way, so every seed of a grid starts from the same checkpoint. ``cfg`` is
+    not checked again: its settings were checked (:func:`gacbench.llm.tasks.check_task_settings`) before ``task``
+    was built from it."""
     if getattr(task, "warm_on_task", False):
-        return build_task(cfg, 0)
+        return task_factory(cfg.name)(cfg, 0)
     return ArithmeticTask(max_ops=cfg.max_ops, max_operand=cfg.max_operand)
+
+
+def built_in_start(size: str, cfg: TaskConfig, task=None) -> tuple[object, ArithmeticTask]:
+    """``(config, warm task)`` of the built-in model of ``size`` for a run on the task of ``cfg`` (``task``: that
+    task, built at seed 0 when not given): :func:`warm_task`'s task. The one choice behind both
+    :func:`built_in_model_dir` (the directory a run loads) and :func:`start_point` (what a suite's ``theta0``
+    pins)."""
+    from gacbench.llm.model import sized_config
+
+    return sized_config(size), warm_task(cfg, task if task is not None else build_task(cfg, 0))
 
 
 def built_in_model_dir(size: str, warm_steps: int, cfg: TaskConfig, task=None) -> Path:
     """The built-in model of ``size`` warm-started for ``warm_steps`` steps for a run on the task of ``cfg``
-    (``task``: that task, built at seed 0 when not given): :func:`warm_task`'s task, cached."""
-    from gacbench.llm.model import sized_config
-
-    return warm_started_dir(sized_config(size), task=warm_task(cfg, task if task is not None else build_task(cfg, 0)),
-                            steps=warm_steps)
+    (``task``: that task, built at seed 0 when not given): :func:`built_in_start`'s, cached."""
+    config, task = built_in_start(size, cfg, task)
+    return warm_started_dir(config, task=task, steps=warm_steps)
 
 
 def warm_key(config=None, task: ArithmeticTask | None = None, steps: int = 400, seed: int = 0) -> str:
@@ -147,14 +157,11 @@ def warm_started_dir(config=None, task: ArithmeticTask | None = None, steps: int
 
 def start_point(params: dict) -> tuple[str, object, ArithmeticTask, int] | None:
     """The built-in start point of a GRPO run with these parameters (a suite task's ``params``): (name, config,
-    warm task, steps), or None when ``model.path`` names a checkpoint of the user's."""
-    from gacbench.llm.model import sized_config
-
+    warm task, steps) of :func:`built_in_start`, or None when ``model.path`` names a checkpoint of the user's."""
     model = params.get("model") or {}
     if model.get("path"):
         return None
     cfg = TaskConfig(**(params.get("task") or {}))
-    config, task, steps = sized_config(model.get("size", "tiny")), warm_task(cfg, build_task(cfg, 0)), \
-        int(model.get("warm_steps", 400))
+    (config, task), steps = built_in_start(model.get("size", "tiny"), cfg), int(model.get("warm_steps", 400))
     return warm_key(config, task, steps), config, task, steps
 

@@ -18,8 +18,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from gacbench.stabilizers.base import LossStabilizer, PolicyBatch, check_positive, masked_mean, sanitize
-from gacbench.stabilizers.importance import decoupled_ppo_loss
+from gacbench.stabilizers.base import PolicyBatch, masked_mean, sanitize
+from gacbench.stabilizers.importance import DecoupledPPO, decoupled_ppo_loss
 
 
 def a3po_alpha(lag: Tensor) -> Tensor:
@@ -53,20 +53,12 @@ def a3po_loss(batch: PolicyBatch, weight_cap: float | None = None,
     return loss, metrics
 
 
-class A3PO(LossStabilizer):
+class A3PO(DecoupledPPO):
     """A-3PO (arXiv 2512.06547; AReaL's ``prox_logp_method: loglinear``): decoupled PPO with the proximal policy
     interpolated as log pi_behav + alpha (log pi_theta - log pi_behav), alpha = (s - 1) / s at lag s, instead of
     recomputed; ``weight_cap``/``cap_mode`` as ``decoupled-ppo``."""
 
     on_policy_identity = True  # lag 0: alpha = 0, pi_prox = pi_behav = pi_theta, decoupled PPO with weight 1
-
-    def __init__(self, weight_cap: float | None = None, cap_mode: str = "truncate") -> None:
-        if weight_cap is not None:
-            check_positive("A3PO", weight_cap=weight_cap)
-        if cap_mode not in ("truncate", "mask"):
-            raise ValueError(f"A3PO: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
-        self.weight_cap, self.cap_mode = weight_cap, cap_mode
-        self.on_policy_identity = weight_cap is None or weight_cap >= 1.0
 
     def policy_loss(self, batch: PolicyBatch):
         return a3po_loss(batch, self.weight_cap, self.cap_mode)

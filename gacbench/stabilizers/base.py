@@ -213,6 +213,41 @@ class Stabilizer(Callback):
     on_policy_identity = False
 
 
+class StepLRScale:
+    """Mixin for a stabilizer that rescales the learning rate of each optimizer step (list it before the stabilizer
+    base): every parameter group's rate is multiplied by ``step_lr_scale()`` in ``on_before_optimizer_step`` and
+    restored right after the step by a one-shot step hook (before any learning-rate scheduler reads it), or at the
+    end of the batch for a step that did not run (a skipped non-finite step). At a scale of exactly 1.0 the optimizer
+    is not touched. ``scales_lr`` declares it, so that two such callbacks can refuse to compound."""
+
+    scales_lr = True
+    _pending = None  # (optimizer, base learning rates, step hook) while a step is scaled
+
+    def step_lr_scale(self) -> float:
+        raise NotImplementedError
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._restore()
+        scale = self.step_lr_scale()
+        if scale == 1.0:
+            return
+        base = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * scale
+        self._pending = (optimizer, base, optimizer.register_step_post_hook(lambda opt, args, kwargs: self._restore()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            optimizer, base, handle = pending
+            handle.remove()
+            for g, lr in zip(optimizer.param_groups, base):
+                g["lr"] = lr
+
+
 class LossStabilizer(Stabilizer):
     """A loss-side stabilizer: ``policy_loss(batch)`` returns the policy loss and its metrics. The loss settings
     (``batch.clip_low``, ``batch.clip_high``, ``batch.agg``) come from the module, in the batch."""

@@ -61,10 +61,11 @@ class DecoupledPPO(LossStabilizer):
     on_policy_identity = True  # pi_prox = pi_behav = pi_theta: weight 1, the module's surrogate in r = 1
 
     def __init__(self, weight_cap: float | None = None, cap_mode: str = "truncate") -> None:
+        name = type(self).__name__  # a subclass (A3PO) is named in its own errors
         if weight_cap is not None:
-            check_positive("DecoupledPPO", weight_cap=weight_cap)
+            check_positive(name, weight_cap=weight_cap)
         if cap_mode not in ("truncate", "mask"):
-            raise ValueError(f"DecoupledPPO: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
+            raise ValueError(f"{name}: cap_mode={cap_mode!r} is not 'truncate' or 'mask'")
         self.weight_cap, self.cap_mode = weight_cap, cap_mode
         self.on_policy_identity = weight_cap is None or weight_cap >= 1.0  # a cap below 1 scales or drops weight 1
 

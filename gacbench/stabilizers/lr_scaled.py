@@ -22,7 +22,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from gacbench.callbacks._common import log_metrics
-from gacbench.stabilizers.base import Stabilizer, check_positive
+from gacbench.stabilizers.base import Stabilizer, StepLRScale, check_positive
 
 FORMS = ("min", "smooth")
 
@@ -56,13 +56,12 @@ def staleness_bound(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> i
     return int(sims[0].staleness) if sims else 0
 
 
-class StalenessLR(Stabilizer):
+class StalenessLR(StepLRScale, Stabilizer):
     """Staleness-scaled learning rate (arXiv 2607.01083): eta min(1, s0 / S) at staleness bound S, s0 = 1 by default,
     or eta / (1 + S / s0) with form='smooth'. The base rate at S = 0. Composes with GAC and with one loss-side
     stabilizer; not with another callback that rescales the rate (VCPO)."""
 
     kind = "gradient"
-    scales_lr = True
     on_policy_identity = True  # the multiplier at S = 0 is exactly 1.0: the optimizer is not touched
 
     def __init__(self, s0: float = 1.0, form: str = "min") -> None:
@@ -70,7 +69,6 @@ class StalenessLR(Stabilizer):
         self.s0, self.form = float(s0), form
         self.staleness = 0
         self.scale = 1.0
-        self._pending = None  # (optimizer, base learning rates, step hook) while a step is scaled
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         others = [type(cb).__name__ for cb in trainer.callbacks if cb is not self and getattr(cb, "scales_lr", False)]
@@ -84,23 +82,5 @@ class StalenessLR(Stabilizer):
     def on_train_start(self, trainer, pl_module) -> None:
         log_metrics(trainer, {"lr/staleness_bound": float(self.staleness), "lr/staleness_scale": self.scale})
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._restore()
-        if self.scale == 1.0:
-            return  # S = 0 (or S <= S0 with form="min"): the optimizer is not touched
-        base = [g["lr"] for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * self.scale
-        self._pending = (optimizer, base, optimizer.register_step_post_hook(lambda opt, args, kwargs: self._restore()))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._restore()  # a step that did not run (a skipped non-finite step) leaves the rate unscaled too
-
-    def _restore(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            optimizer, base, handle = pending
-            handle.remove()
-            for g, lr in zip(optimizer.param_groups, base):
-                g["lr"] = lr
-
+    def step_lr_scale(self) -> float:
+        return self.scale

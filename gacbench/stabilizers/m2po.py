@@ -51,10 +51,11 @@ VARIANTS = ("paper", "areal", "official")
 TIES = ("split", "together")
 
 
-def _gather(values: Tensor) -> Tensor:
-    """All ranks' 1-D values, concatenated (identity without torch.distributed)."""
+def _gather(values: Tensor) -> tuple[Tensor, int]:
+    """All ranks' 1-D values, concatenated in rank order, and how many of them the ranks before this one contribute
+    (``values`` and 0 without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return values
+        return values, 0
     n = torch.tensor([values.numel()], device=values.device)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, n)
@@ -63,16 +64,8 @@ def _gather(values: Tensor) -> Tensor:
     padded[: values.numel()] = values
     out = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(out, padded)
-    return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)])
-
-
-def _rank_offset(n: int, device) -> int:
-    """How many values the ranks before this one contribute to :func:`_gather` (0 without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return 0
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([n], dtype=torch.long, device=device))
-    return int(sum(int(s.item()) for s in sizes[: dist.get_rank()]))
+    offset = int(sum(int(s.item()) for s in sizes[: dist.get_rank()]))
+    return torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)]), offset
 
 
 def _suffix_means(desc: Tensor) -> Tensor:
@@ -104,7 +97,7 @@ def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, t
     lr = sanitize(log_ratio.detach().float(), mask)
     cand = trust_region_tokens(lr, adv, mask) if tokens == "trust-region" else mask
     v = lr**2
-    vals = _gather(v[cand])
+    vals, offset = _gather(v[cand])  # offset: this rank's first value in vals
     if vals.numel() == 0 or float(vals.mean()) <= tau:
         return mask.clone()
     desc = torch.sort(vals, descending=True).values
@@ -120,7 +113,7 @@ def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, t
     at_cut_local = cand & (v == cut)
     tied_global = vals == cut
     n_take = k - int((desc > cut).sum())
-    tied_before = int(tied_global[: _rank_offset(int(cand.sum()), v.device)].sum())  # cut is one of vals: >= 1 tie
+    tied_before = int(tied_global[:offset].sum())  # cut is one of vals: >= 1 tie
     order = torch.cumsum(at_cut_local.flatten().long(), 0).reshape(v.shape) + tied_before  # 1-based rank among ties
     drop = (cand & (v > cut)) | (at_cut_local & (order <= n_take))
     return mask & ~drop
@@ -161,7 +154,7 @@ def m2po_official_bounds(log_ratio: Tensor, adv: Tensor, mask: Tensor, budget: f
     check_positive("m2po_official_bounds", budget=budget)
     mask = mask.bool()
     lr = sanitize(log_ratio.detach().float(), mask)
-    v = _gather((lr**2)[trust_region_tokens(lr, adv, mask)])
+    v, _ = _gather((lr**2)[trust_region_tokens(lr, adv, mask)])
     if v.numel() == 0:
         return 0.0, math.inf, 0.0
     m2 = float(v.mean())

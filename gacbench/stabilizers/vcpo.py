@@ -32,6 +32,7 @@ from gacbench.stabilizers.base import (
     LOG_RATIO_CLAMP,
     LossStabilizer,
     PolicyBatch,
+    StepLRScale,
     agg_loss,
     check_positive,
     global_sum,
@@ -111,15 +112,13 @@ def rows_needing_norms(adv_seq: Tensor, group: Tensor) -> Tensor:
     return torch.nonzero(live[gid]).flatten()
 
 
-class VCPO(LossStabilizer):
+class VCPO(StepLRScale, LossStabilizer):
     """VCPO: ESS-scaled learning rate sqrt(min(1, rho_ess / rho_base)) and the off-policy optimal baseline, with the
     sequence-level truncated IS loss of the authors' scripts (``is_cap`` = 8). ``baseline=False`` keeps the
     module's advantages (no per-sequence backward passes); the baseline needs PolicyBatch.group. The advantages
     are the module's: GRPO's default estimator divides by the unbiased group std, the authors' code by the
     population std, a factor sqrt((G - 1) / G) (0.935 at G = 8); ``rollout.advantage: grpo-population`` gives
     theirs."""
-
-    scales_lr = True  # rescales each step's learning rate (lr-scaled refuses to run alongside)
 
     def __init__(self, rho_base: float = 1.0, is_cap: float = 8.0, baseline: bool = True) -> None:
         check_positive("VCPO", rho_base=rho_base, is_cap=is_cap)
@@ -130,8 +129,7 @@ class VCPO(LossStabilizer):
         # and lr scale sqrt(min(1, 1 / rho_base)) = 1 leave the module's gradient and step
         self.on_policy_identity = not baseline and self.rho_base <= 1.0 and self.is_cap >= 1.0
         self._params: list[Tensor] = []
-        self._lr_scale = 1.0
-        self._pending = None  # (optimizer, base learning rates, step hook) while a step is scaled
+        self._lr_scale = 1.0  # this step's learning-rate multiplier, set by policy_loss
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -166,22 +164,5 @@ class VCPO(LossStabilizer):
         metrics["vcpo/adv_abs_mean"] = masked_mean(adv_seq.detach().abs().unsqueeze(-1).expand_as(r), m)
         return loss, metrics
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        """Scale every parameter group's learning rate for this step; a one-shot hook restores it right after the
-        step (before any learning-rate scheduler reads it)."""
-        self._restore()
-        base = [g["lr"] for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g["lr"] = g["lr"] * self._lr_scale
-        self._pending = (optimizer, base, optimizer.register_step_post_hook(lambda opt, args, kwargs: self._restore()))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._restore()  # a step that did not run (e.g. a skipped non-finite step) leaves the rate unscaled too
-
-    def _restore(self) -> None:
-        pending, self._pending = getattr(self, "_pending", None), None
-        if pending is not None:
-            optimizer, base, handle = pending
-            handle.remove()
-            for g, lr in zip(optimizer.param_groups, base):
-                g["lr"] = lr
+    def step_lr_scale(self) -> float:
+        return self._lr_scale
