@@ -11,11 +11,14 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
 - ``packages``: the versions of torch, vllm, transformers and lightning (``null`` when absent);
 - ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name;
 - ``isa``: the vector instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
-  ``AVX2``, ``AVX512``, ...), with ``cpu_model`` and ``cpu_flags`` (the vector extensions /proc/cpuinfo lists)
-  for a person to read: the same code on an AVX2 and an AVX512 machine rounds differently.
+  ``AVX2``, ``AVX512``, ...), and ``cpu_vendor`` (/proc/cpuinfo's ``vendor_id``: ``GenuineIntel``,
+  ``AuthenticAMD``), with ``cpu_model`` and ``cpu_flags`` (the vector extensions /proc/cpuinfo lists) for a
+  person to read: the same code on an AVX2 and an AVX512 machine rounds differently, and so does the same code
+  on an Intel and an AMD machine at one instruction set (the math libraries take vendor-specific paths; a
+  GRPO cell's gradient norm at step 0 differs in the 8th digit).
 
 The environment key is everything but the commit: the source hash, the package versions, the thread count,
-the device and the instruction set. Two cells with the same key ran the same library code on the same stack.
+the device, the instruction set and the CPU vendor. Two cells with the same key ran the same library code on the same stack.
 
 A run that starts from a checkpoint also records the checkpoint: ``initial_weights``, :func:`weights_sha256` of
 its weight files (the GRPO objective: the local model directory, or the built-in model's warm-started
@@ -124,22 +127,24 @@ VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512", "amx", "avx_vnni")
 
 @functools.lru_cache(maxsize=1)
 def cpu_description() -> dict[str, Any]:
-    """``isa`` (torch's CPU kernel capability), ``cpu_model`` and ``cpu_flags`` (sorted vector extensions) from
-    /proc/cpuinfo, ``None`` where it cannot be read (not Linux)."""
+    """``isa`` (torch's CPU kernel capability), ``cpu_vendor``, ``cpu_model`` and ``cpu_flags`` (sorted vector
+    extensions) from /proc/cpuinfo, ``None`` where it cannot be read (not Linux)."""
     import torch
 
-    model, flags = None, None
+    vendor, model, flags = None, None, None
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
     for line in text.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == "model name" and model is None:
+        if name.strip() == "vendor_id" and vendor is None:
+            vendor = value.strip() or None
+        elif name.strip() == "model name" and model is None:
             model = value.strip()
         elif name.strip() == "flags" and flags is None:
             flags = sorted(f for f in value.split() if f.startswith(VECTOR_FLAGS))
-    return {"isa": torch.backends.cpu.get_cpu_capability(), "cpu_model": model, "cpu_flags": flags}
+    return {"isa": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": vendor, "cpu_model": model, "cpu_flags": flags}
 
 
 def provenance() -> dict[str, Any]:
@@ -152,16 +157,16 @@ def provenance() -> dict[str, Any]:
 
 def environment_key(prov: dict | None, weights: bool = True) -> str:
     """A short label that is equal for two runs exactly when they ran the same library source on the same
-    packages, thread count and device, from the same initial weights where they recorded them:
-    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 weights 9f8e7d6c5b4a``. ``weights=False``: the code
+    packages, thread count, device and CPU kind, from the same initial weights where they recorded them:
+    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 AuthenticAMD weights 9f8e7d6c5b4a``. ``weights=False``: the code
     environment alone (what a process can compare with its own before it loads a model). A run stored without
     provenance has the key ``unrecorded``."""
     if not isinstance(prov, dict) or not prov.get("source_sha256"):
         return "unrecorded"
     pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
     key = f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
-    if prov.get("isa"):  # runs stored before the instruction set was recorded keep their key
-        key += f" isa {prov['isa']}"
+    if prov.get("isa"):  # runs stored before the instruction set (or the vendor) was recorded keep their key
+        key += f" isa {prov['isa']}" + (f" {prov['cpu_vendor']}" if prov.get("cpu_vendor") else "")
     if weights and prov.get("initial_weights"):
         key += f" weights {str(prov['initial_weights'])[:12]}"
     return key

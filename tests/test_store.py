@@ -205,11 +205,30 @@ def test_the_instruction_set_is_recorded_and_tells_two_machines_apart():
     prov = provenance()
     assert prov["isa"] == torch.backends.cpu.get_cpu_capability()
     assert prov["cpu_flags"] is None or all(f.startswith(("avx", "fma", "f16c", "amx")) for f in prov["cpu_flags"])
-    avx512 = {**prov, "isa": "AVX512"}
-    assert environment_key(prov).endswith(f"isa {prov['isa']}") and environment_key(avx512).endswith("isa AVX512")
-    assert environment_key(prov) != environment_key(avx512) or prov["isa"] == "AVX512"
-    legacy = {k: v for k, v in prov.items() if k not in ("isa", "cpu_model", "cpu_flags")}
+    intel = {**prov, "isa": "AVX2", "cpu_vendor": "GenuineIntel"}
+    amd, avx512 = {**intel, "cpu_vendor": "AuthenticAMD"}, {**intel, "isa": "AVX512"}
+    assert environment_key(intel).endswith("isa AVX2 GenuineIntel") and environment_key(amd).endswith("isa AVX2 AuthenticAMD")
+    assert len({environment_key(intel), environment_key(amd), environment_key(avx512)}) == 3
+    unnamed = {**intel, "cpu_vendor": None}  # stored before the vendor was recorded: its key is unchanged
+    assert environment_key(unnamed).endswith("isa AVX2")
+    legacy = {k: v for k, v in prov.items() if k not in ("isa", "cpu_vendor", "cpu_model", "cpu_flags")}
     assert " isa " not in environment_key(legacy)  # a run stored before it was recorded keeps its key
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo(monkeypatch):
+    import gacbench.provenance as prov_mod
+
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma sse\n\n" \
+           "processor\t: 1\nvendor_id\t: GenuineIntel\n"
+    real = prov_mod.Path.read_text
+    monkeypatch.setattr(prov_mod.Path, "read_text",
+                        lambda self, *a, **k: text if str(self) == "/proc/cpuinfo" else real(self, *a, **k))
+    prov_mod.cpu_description.cache_clear()
+    try:
+        cpu = prov_mod.cpu_description()
+    finally:
+        prov_mod.cpu_description.cache_clear()
+    assert (cpu["cpu_vendor"], cpu["cpu_model"], cpu["cpu_flags"]) == ("AuthenticAMD", "AMD EPYC", ["avx2", "fma"])
 
 
 def test_cells_from_another_environment_are_counted_kept_and_recomputed_on_request(tmp_path, capsys):
