@@ -230,7 +230,9 @@ def _handles(pid: int, sig: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 @pytest.mark.parametrize("command,sig", [(["theory"], signal.SIGTERM), (["theory"], signal.SIGINT),
-                                         (["demo", "--steps", "100000"], signal.SIGTERM)])
+                                         (["demo", "--steps", "100000"], signal.SIGTERM),
+                                         (["rollout-bench", "--engines", "hf", "--repeats", "100000", "--grpo-steps",
+                                           "0"], signal.SIGTERM)])
 def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_plus_the_signal(tmp_path, command,
                                                                                                sig):
     out = tmp_path / "out.json"

@@ -629,3 +629,32 @@ def test_gac_on_a_stale_mixed_dtype_model_keeps_each_dtype(settings):
     else:
         assert [r.dtype for r in gac.transform.state.ref] == [torch.bfloat16, torch.float32, torch.float16]
     assert len(gac.trace.values) >= 8 and all(math.isfinite(c) for c in gac.trace.values)
+
+
+@pytest.mark.filterwarnings("ignore:.*non-finite.*", "ignore:.*skip.*")
+def test_the_trl_callback_logs_no_cosine_for_zero_and_non_finite_gradients():
+    """The TRL callback reports the monitor's c_t (reference="update" attaches it): the zero and the inf step log
+    NaN, the steps after them are measured against the last usable gradient, and its summary counts them skipped."""
+    from transformers import TrainerState
+
+    from gacbench.integrations.trl import GACCallback
+
+    params = [nn.Parameter(torch.zeros_like(t)) for t in _grads(0)]
+    opt = torch.optim.SGD(params, lr=0.0)
+    cb = GACCallback(reference="update", warmup=0)
+    state = TrainerState()
+    cb.on_train_begin(None, state, None, optimizer=opt)
+    seq, want = _sequence()
+    logged = []
+    for t, gs in enumerate(seq):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        state.global_step = t + 1
+        logs = {}
+        state.log_history.append({"step": state.global_step})
+        cb.on_log(None, state, None, logs=logs)
+        logged.append(logs.get("align/cos"))
+    cb.on_train_end(None, state, None)
+    assert logged[0] is None and _same_trace(logged[1:], want), logged
+    assert cb.summary["n"] == 2 and cb.summary["skipped"] == 2
