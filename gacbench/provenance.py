@@ -18,7 +18,8 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
   GRPO cell's gradient norm at step 0 differs in the 8th digit).
 
 The environment key is everything but the commit: the source hash, the package versions, the thread count,
-the device, the instruction set and the CPU vendor. Two cells with the same key ran the same library code on the same stack.
+the device, the instruction set and the CPU vendor. Two cells with the same key ran the same library code on the
+same stack.
 
 A run that starts from a checkpoint also records the checkpoint: ``initial_weights``, :func:`weights_sha256` of
 its weight files (the GRPO objective: the local model directory, or the built-in model's warm-started
@@ -144,7 +145,8 @@ def cpu_description() -> dict[str, Any]:
             model = value.strip()
         elif name.strip() == "flags" and flags is None:
             flags = sorted(f for f in value.split() if f.startswith(VECTOR_FLAGS))
-    return {"isa": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": vendor, "cpu_model": model, "cpu_flags": flags}
+    return {"isa": torch.backends.cpu.get_cpu_capability(), "cpu_vendor": vendor, "cpu_model": model,
+            "cpu_flags": flags}
 
 
 def provenance() -> dict[str, Any]:
@@ -158,9 +160,9 @@ def provenance() -> dict[str, Any]:
 def environment_key(prov: dict | None, weights: bool = True) -> str:
     """A short label that is equal for two runs exactly when they ran the same library source on the same
     packages, thread count, device and CPU kind, from the same initial weights where they recorded them:
-    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 AuthenticAMD weights 9f8e7d6c5b4a``. ``weights=False``: the code
-    environment alone (what a process can compare with its own before it loads a model). A run stored without
-    provenance has the key ``unrecorded``."""
+    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 AuthenticAMD weights 9f8e7d6c5b4a``.
+    ``weights=False``: the code environment alone (what a process can compare with its own before it loads a
+    model). A run stored without provenance has the key ``unrecorded``."""
     if not isinstance(prov, dict) or not prov.get("source_sha256"):
         return "unrecorded"
     pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
