@@ -266,6 +266,7 @@ class GRPOModule(Objective):
         self._consumed: dict[int, dict[str, Any]] = {}  # step -> the rollout batch it consumed (last two; loss_on)
         self._times = {"time/generate_s": 0.0, "time/behav_s": 0.0}
         self._history: list[tuple[float, float, int]] = []  # per step: (step s, generation s, tokens generated)
+        self._theta0_measured = False  # the policy reward of θ_0, once per run
         self._tokens = 0
 
     @classmethod
@@ -373,7 +374,8 @@ class GRPOModule(Objective):
                                "works.") from exc
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        if self.policy_eval_cfg.prompts and self.global_step == 0:  # θ_0: where every run of one seed starts
+        if self.policy_eval_cfg.prompts and self.global_step == 0 and not self._theta0_measured:
+            self._theta0_measured = True  # θ_0, where every run of one seed starts: once, even if step 0 is retried
             self.log_scalars(self.policy_reward())
         self._t_step = time.perf_counter()
 
