@@ -157,21 +157,31 @@ def provenance() -> dict[str, Any]:
             "threads": torch.get_num_threads(), "device": device_name(), **cpu_description()}
 
 
-def environment_key(prov: dict | None, weights: bool = True) -> str:
+def environment_key(prov: dict | None, weights: bool = True, machine: bool = True) -> str:
     """A short label that is equal for two runs exactly when they ran the same library source on the same
     packages, thread count, device and CPU kind, from the same initial weights where they recorded them:
     ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 AuthenticAMD weights 9f8e7d6c5b4a``.
     ``weights=False``: the code environment alone (what a process can compare with its own before it loads a
-    model). A run stored without provenance has the key ``unrecorded``."""
+    model); ``machine=False``: without the CPU kind (the code version, :func:`machine_kind` apart). A run stored
+    without provenance has the key ``unrecorded``."""
     if not isinstance(prov, dict) or not prov.get("source_sha256"):
         return "unrecorded"
     pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
     key = f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
-    if prov.get("isa"):  # runs stored before the instruction set (or the vendor) was recorded keep their key
+    if machine and prov.get("isa"):  # runs stored before the instruction set (or the vendor) was recorded keep it
         key += f" isa {prov['isa']}" + (f" {prov['cpu_vendor']}" if prov.get("cpu_vendor") else "")
     if weights and prov.get("initial_weights"):
         key += f" weights {str(prov['initial_weights'])[:12]}"
     return key
+
+
+def machine_kind(prov: dict | None) -> str | None:
+    """The CPU a run computed on, as far as its arithmetic can tell: /proc/cpuinfo's model name and torch's kernel
+    capability (``AMD EPYC AVX2``), recorded by every run since the instruction set was; ``None`` for a run stored
+    without them."""
+    if not isinstance(prov, dict) or not prov.get("isa"):
+        return None
+    return f"{prov.get('cpu_model') or prov.get('cpu_vendor') or 'unknown CPU'} {prov['isa']}"
 
 
 def code_label(prov: dict | None) -> str:

@@ -10,7 +10,9 @@
 # Only single-version grids are published: a grid whose summary.json lists more than one code version
 # (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
 # provenance count as one version, `unrecorded`) stops the script before its files are copied, naming the
-# versions. Recompute the cells of the other versions (delete them from $RUNS/SUITE/cells and rerun), or pass
+# versions. One exception: keys that differ only in the CPU kind, with every seed of a task on one kind
+# (summary.json `machine_blocks.blocked`), a blocked design whose paired comparisons are each made on one machine.
+# Recompute the cells of the other versions (delete them from $RUNS/SUITE/cells and rerun), or pass
 # --allow-mixed-versions (or set GACBENCH_ALLOW_MIXED_VERSIONS=1): the published summary.md then says at its
 # top that the grid mixes versions, and which groups mix them.
 # Figures are redrawn from the cells on every call (the run directory's fig_*.png are removed before its bench
@@ -42,10 +44,19 @@ import json
 import sys
 
 path, allow = sys.argv[1], sys.argv[2] == "1"
-versions = json.load(open(path)).get("versions")
+summary = json.load(open(path))
+versions = summary.get("versions")
 if versions is None:
     sys.exit(f"paper/make.sh: {path} lists no code versions; rebuild it with gacbench report {path.rsplit('/', 1)[0]}")
-if len(versions) > 1 and not allow:
+blocks = summary.get("machine_blocks") or {}
+if len(versions) > 1 and blocks.get("blocked"):
+    kinds = "; ".join(f"{k}: {v['cells']} cells" for k, v in blocks["kinds"].items())
+    print(f"paper/make.sh: {path}: one code version on {len(blocks['kinds'])} CPU kinds, each seed on one ({kinds})",
+          file=sys.stderr)
+elif len(versions) > 1 and not allow:
+    if blocks.get("mixed_seeds"):
+        mixed = ", ".join(f"{m['task']} seed {m['seed']}" for m in blocks["mixed_seeds"])
+        print(f"paper/make.sh: seeds computed on more than one CPU kind: {mixed}", file=sys.stderr)
     listed = "; ".join(f"{v['description']} ({v['cells']} cells): {v['key']}" for v in versions)
     sys.exit(f"paper/make.sh: {path} mixes {len(versions)} code versions ({listed}); not published. Recompute the "
              "cells of the other versions (delete them from its cells/ and rerun), or pass --allow-mixed-versions")

@@ -163,6 +163,50 @@ def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
     assert "threads and device; the commit" in md  # no instruction set or weights recorded: not named
 
 
+INTEL = {"isa": "AVX512", "cpu_vendor": "GenuineIntel", "cpu_model": "Intel(R) Xeon(R) Processor"}
+AMD = {"isa": "AVX2", "cpu_vendor": "AuthenticAMD", "cpu_model": "AMD EPYC"}
+
+
+def test_one_code_version_on_two_cpu_kinds_with_each_seed_on_one_is_a_blocked_grid(tmp_path):
+    for seed, cpu in ((0, INTEL), (1, INTEL), (2, AMD)):
+        _store(tmp_path, "sync", 0, seed, 1.0 + seed, prov={**_prov("5"), **cpu})
+        _store(tmp_path, "stale", 2, seed, 5.0 + seed, prov={**_prov("5"), **cpu})
+    summary = build_report(tmp_path)["summary"]
+    assert len(summary["versions"]) == 2  # the environment keys name the CPU kind
+    blocks = summary["machine_blocks"]
+    assert blocks == {"kinds": {"AMD EPYC AVX2": {"seeds": {"quadratic": [2]}, "cells": 2},
+                                "Intel(R) Xeon(R) Processor AVX512": {"seeds": {"quadratic": [0, 1]}, "cells": 4}},
+                      "mixed_seeds": [], "code_versions": [environment_key(_prov("5"))], "blocked": True}
+    top = (tmp_path / "summary.md").read_text().split("\n## ")[0]
+    assert "**The cells ran on 2 CPU kinds, each seed on one** (AMD EPYC AVX2: quadratic seeds 2 (2 cells); " \
+           "Intel(R) Xeon(R) Processor AVX512: quadratic seeds 0, 1 (4 cells)), in one code version." in top
+    assert "mixes" not in top
+
+
+def test_a_seed_on_two_cpu_kinds_or_two_code_versions_on_two_kinds_is_not_blocked(tmp_path):
+    _store(tmp_path, "sync", 0, 0, 1.0, prov={**_prov("5"), **INTEL})
+    _store(tmp_path, "stale", 2, 0, 5.0, prov={**_prov("5"), **AMD})  # seed 0's pair split across machines
+    summary = build_report(tmp_path)["summary"]
+    assert summary["machine_blocks"]["mixed_seeds"] == [
+        {"task": "quadratic", "seed": 0, "kinds": ["AMD EPYC AVX2", "Intel(R) Xeon(R) Processor AVX512"]}]
+    assert not summary["machine_blocks"]["blocked"]
+    md = (tmp_path / "summary.md").read_text()
+    assert "**This grid mixes 2 code versions**" in md.split("\n## ")[0]
+    assert "Seeds computed on more than one CPU kind: quadratic seed 0 (AMD EPYC AVX2 and Intel(R) Xeon(R) " \
+           "Processor AVX512)." in md
+    other = tmp_path / "other"
+    _store(other, "sync", 0, 0, 1.0, prov={**_prov("5"), **INTEL})
+    _store(other, "sync", 0, 1, 1.0, prov={**_prov("6"), **AMD})  # another library source on the other machine
+    blocks = build_report(other)["summary"]["machine_blocks"]
+    assert len(blocks["code_versions"]) == 2 and not blocks["mixed_seeds"] and not blocks["blocked"]
+
+
+def test_one_cpu_kind_has_no_machine_blocks(tmp_path):
+    for seed in (0, 1):
+        _store(tmp_path, "sync", 0, seed, 1.0, prov={**_prov("5"), **AMD})
+    assert "machine_blocks" not in build_report(tmp_path)["summary"]
+
+
 FAKE_GACBENCH = '''#!{python}
 """gacbench bench --out DIR stand-in: the summary of a grid of one code version, of two when FAKE_MIXED=1, without
 versions when FAKE_MIXED=none; each call's arguments are appended to DIR/calls."""
@@ -176,9 +220,18 @@ out.mkdir(parents=True, exist_ok=True)
 with open(out / "calls", "a") as f:
     f.write(" ".join(sys.argv[1:]) + "\\n")
 versions = [{{"key": "src 111", "description": "commit aaaaaaaaaa", "cells": 3}}]
+summary = {{"versions": versions}}
 if os.environ["FAKE_MIXED"] == "1":
     versions.append({{"key": "src 222", "description": "commit bbbbbbbbbb (dirty)", "cells": 1}})
-(out / "summary.json").write_text(json.dumps({{}} if os.environ["FAKE_MIXED"] == "none" else {{"versions": versions}}))
+elif os.environ["FAKE_MIXED"] in ("blocked", "seeds"):  # one code version on two CPU kinds
+    versions.append({{"key": "src 111 isa AVX2", "description": "commit aaaaaaaaaa", "cells": 2}})
+    blocked = os.environ["FAKE_MIXED"] == "blocked"
+    summary["machine_blocks"] = {{
+        "kinds": {{"Intel Xeon AVX512": {{"seeds": {{"t": [0, 1]}}, "cells": 3}},
+                  "AMD EPYC AVX2": {{"seeds": {{"t": [2] if blocked else [1, 2]}}, "cells": 2}}}},
+        "mixed_seeds": [] if blocked else [{{"task": "t", "seed": 1, "kinds": ["AMD EPYC AVX2", "Intel Xeon AVX512"]}}],
+        "code_versions": ["src 111"], "blocked": blocked}}
+(out / "summary.json").write_text(json.dumps({{}} if os.environ["FAKE_MIXED"] == "none" else summary))
 (out / "summary.md").write_text("mixed" if len(versions) > 1 else "single")
 (out / "fig_x.png").write_bytes(b"png")
 if os.environ.get("FAKE_INPUT_AFTER") == "1":  # a cell written after the figures were drawn
@@ -242,6 +295,18 @@ def test_make_sh_refuses_a_mixed_grid_unless_allowed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "flag" / "paper" / "grid" / "summary.md").read_text() == "mixed"
     assert _make_sh(tmp_path / "env", mixed=True, allow_env="1").returncode == 0
+
+
+def test_make_sh_publishes_one_code_version_on_two_cpu_kinds_only_when_each_seed_is_on_one(tmp_path):
+    proc = _make_sh(tmp_path, mixed="blocked")
+    assert proc.returncode == 0, proc.stderr
+    assert "grids/grid/summary.json: one code version on 2 CPU kinds, each seed on one (Intel Xeon AVX512: 3 " \
+           "cells; AMD EPYC AVX2: 2 cells)" in proc.stderr
+    assert (tmp_path / "paper" / "grid" / "summary.json").exists()
+    proc = _make_sh(tmp_path / "seeds", mixed="seeds")
+    assert proc.returncode != 0
+    assert "seeds computed on more than one CPU kind: t seed 1" in proc.stderr
+    assert "mixes 2 code versions" in proc.stderr and not (tmp_path / "seeds" / "paper" / "grid").exists()
 
 
 def test_make_sh_refuses_a_summary_without_versions(tmp_path):

@@ -68,7 +68,9 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   against 3 (:func:`~gacbench.bench.beyond.regime_checks`);
 - the c_t statistics use the steps after the suite's warm-up;
 - ``versions``: one entry per distinct environment key of the cells' ``provenance``
-  (:mod:`gacbench.bench.versions`), and the groups that mix keys;
+  (:mod:`gacbench.bench.versions`), and the groups that mix keys; ``machine_blocks`` where the cells ran on more
+  than one CPU kind: the seeds of each kind and whether every seed ran on one kind of one code version (a blocked
+  design, :func:`~gacbench.bench.versions.machine_blocks`);
 - ``timing`` (from ``timing.json``, written by the last ``gacbench bench`` run that executed cells):
   the wall time, cells per minute, the step share (optimizer-step seconds of the cells run /
   (wall time x workers)), each worker's resident memory after each of its cells, and the start-up from
@@ -127,7 +129,7 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     staleness_costs,
 )
 from gacbench.bench.tables import markdown, table1_staleness  # noqa: F401  (re-exported)
-from gacbench.bench.versions import code_versions, mixed_version_groups
+from gacbench.bench.versions import code_versions, machine_blocks, mixed_version_groups
 from gacbench.jsonio import write_text
 from gacbench.provenance import environment_key
 
@@ -159,11 +161,13 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     regime = regime_points(cells_g, specs_g)
     timing = read_timing(root)
     mixed = mixed_version_groups(cells_g)
+    blocks = machine_blocks(records, provs)
     aligned = aligned_shares(groups, cells_g)
     summary = {"cells": [{k: v for k, v in r.items() if k != "_by_version"} for r in records], "groups": groups,
                "recovered": shares, "recovered_reward": reward_shares,
                **({"recovered_by_version": aligned} if aligned else {}),
-               "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {})}
+               "versions": versions, **({"mixed_version_groups": mixed} if len(versions) > 1 else {}),
+               **({"machine_blocks": blocks} if blocks else {})}
     tests = [("vs_stale", "final", shares), ("vs_stale", "reward_last", reward_shares),
              ("vs_stale", "by_version", aligned)]
     # the on-policy controls and their staleness costs, per measure: (summary key suffix, cell key, md title)
@@ -228,7 +232,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     write_text(root / "summary.md", markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed, on_policy, costs,
                                                   sizes, trend, aligned, summary["families"], beyond, uncontrolled,
-                                                  checks))
+                                                  checks, blocks))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares, aligned),
                     sizes, trend, headline_beyond(beyond)) if groups else [])

@@ -220,7 +220,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              sizes: list[dict] | None = None, size_trend: dict | None = None,
              aligned: list[dict] | None = None, families: list[dict] | None = None,
              beyond: dict[str, list[dict]] | None = None, uncontrolled: list[dict] | None = None,
-             regime_checks: list[dict] | None = None) -> str:
+             regime_checks: list[dict] | None = None, machine_blocks: dict | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
@@ -232,11 +232,14 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     ``families``: the multiplicity families (:func:`~gacbench.bench.stats.apply_families`), listed at the end.
     ``beyond``: the shares beyond the on-policy effect (:func:`~gacbench.bench.beyond.beyond_on_policy`) per measure,
     headline first, and ``uncontrolled`` the methods without a control; ``regime_checks``: the regime criteria
-    (:func:`~gacbench.bench.beyond.regime_checks`), after the findings. The findings paragraph at the top reads the
-    headline measure (:func:`findings`)."""
+    (:func:`~gacbench.bench.beyond.regime_checks`), after the findings; ``machine_blocks``: the CPU kinds of a grid
+    computed on several (:func:`~gacbench.bench.versions.machine_blocks`), named at the top. The findings paragraph
+    at the top reads the headline measure (:func:`findings`)."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
-    if versions and len(versions) > 1:
+    if machine_blocks and machine_blocks["blocked"]:
+        lines += [_blocks_note(machine_blocks), ""]
+    elif versions and len(versions) > 1:
         lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
                   + _mixed_note(mixed or []), ""]
     lines += findings(shares, reward_shares or [], aligned or [])
@@ -323,7 +326,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _law_section(law_points(regime or []))
     lines += _size_section(sizes or [], size_trend)
     lines += _families_section(families or [])
-    lines += _versions_section(versions or [], mixed or [])
+    lines += _versions_section(versions or [], mixed or [], machine_blocks)
     return "\n".join(lines) + "\n"
 
 
@@ -421,8 +424,18 @@ def _mixed_note(mixed: list[dict]) -> str:
     return f"{len(mixed)} group(s) average seeds run in different versions: {named}."
 
 
-def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
-    """The distinct code versions of the cells: description, environment key, cell count."""
+def _blocks_note(blocks: dict) -> str:
+    """A blocked grid's CPU kinds and their seeds, in one paragraph."""
+    kinds = "; ".join(f"{kind}: " + ", ".join(f"{t} seeds {', '.join(map(str, s))}" for t, s in v["seeds"].items())
+                      + f" ({v['cells']} cells)" for kind, v in blocks["kinds"].items())
+    return (f"**The cells ran on {len(blocks['kinds'])} CPU kinds, each seed on one** ({kinds}), in one code version. "
+            "Every paired comparison (methods within a seed) is made on one machine; the spread over seeds holds the "
+            "machine's effect as it holds the seed's.")
+
+
+def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | None = None) -> list[str]:
+    """The distinct code versions of the cells: description, environment key, cell count; a blocked grid's
+    environments differ only in the CPU kind, which :func:`_blocks_note` names."""
     if not versions:
         return []
     recorded = any(" isa " in v["key"] or " weights " in v["key"] for v in versions)
@@ -432,8 +445,13 @@ def _versions_section(versions: list[dict], mixed: list[dict]) -> list[str]:
              + "; the commit, dirty where the checkout differed from it; unrecorded: stored without provenance).", ""]
     lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cell{'' if v['cells'] == 1 else 's'}"
               for v in versions]
-    if len(versions) > 1:
+    if blocks and blocks["blocked"]:
+        lines += ["", _blocks_note(blocks)]
+    elif len(versions) > 1:
         lines += ["", f"This grid mixes {len(versions)} code versions: " + _mixed_note(mixed)]
+        if blocks and blocks["mixed_seeds"]:
+            lines.append("Seeds computed on more than one CPU kind: " + ", ".join(
+                f"{m['task']} seed {m['seed']} ({' and '.join(m['kinds'])})" for m in blocks["mixed_seeds"]) + ".")
     return lines
 
 

@@ -1,11 +1,13 @@
 """The code versions a benchmark directory's cells ran in, from the ``provenance`` each cell's config.json records
-(:mod:`gacbench.provenance`): one entry per distinct environment key, and the groups whose seeds mix keys."""
+(:mod:`gacbench.provenance`): one entry per distinct environment key, the groups whose seeds mix keys, and the
+machine blocks of a grid computed on several CPU kinds (one kind per seed, the seeds' paired comparisons within
+one kind)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from gacbench.provenance import code_label, environment_key
+from gacbench.provenance import code_label, environment_key, machine_kind
 
 
 def code_versions(records: list[dict], provenances: list[dict | None]) -> list[dict]:
@@ -29,3 +31,31 @@ def mixed_version_groups(cells: list[dict]) -> list[dict]:
             keys[(c["task"], c["method"], c["staleness"])].add(c["environment"])
     return [{"task": t, "method": m, "staleness": s, "versions": sorted(v)}
             for (t, m, s), v in sorted(keys.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])) if len(v) > 1]
+
+
+def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | None:
+    """Where the done ``cells`` (``provenances[i]`` is ``cells[i]``'s) ran on more than one CPU kind
+    (:func:`~gacbench.provenance.machine_kind`), the seeds of each kind; ``None`` on one kind. A grid whose cells
+    are one code version apart from the machine (``code_versions``: their environment keys without the CPU kind)
+    and whose every seed of a task ran on one kind (``mixed_seeds`` empty) is a blocked design: every paired
+    comparison of the report (methods within a seed) is made on one machine, and the spread over seeds holds the
+    machine's effect as it holds the seed's. ``blocked`` says whether the grid is one. Returns ``kinds`` (kind:
+    the seeds of each task on it, as ``task: [seeds]``, and the done cells), ``mixed_seeds`` (task, seed and the
+    kinds of a seed that ran on more than one), ``code_versions`` and ``blocked``."""
+    done = [(c, p) for c, p in zip(cells, provenances) if c.get("status") == "done"]
+    kinds = {machine_kind(p) or "unrecorded" for _, p in done}
+    if len(kinds) < 2:
+        return None
+    per_seed: dict[tuple, set] = defaultdict(set)
+    by_kind: dict[str, dict] = {k: {"seeds": defaultdict(set), "cells": 0} for k in kinds}
+    for c, p in done:
+        kind = machine_kind(p) or "unrecorded"
+        per_seed[(c["task"], c["seed"])].add(kind)
+        by_kind[kind]["seeds"][c["task"]].add(c["seed"])
+        by_kind[kind]["cells"] += 1
+    mixed = [{"task": t, "seed": s, "kinds": sorted(k)} for (t, s), k in sorted(per_seed.items()) if len(k) > 1]
+    code = sorted({environment_key(p, machine=False) for _, p in done})
+    return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
+                      for k, v in sorted(by_kind.items())},
+            "mixed_seeds": mixed, "code_versions": code,
+            "blocked": not mixed and len(code) == 1 and "unrecorded" not in kinds}
