@@ -117,6 +117,11 @@ def test_the_cache_reuses_an_engine_for_an_equal_key_and_replaces_it_otherwise(s
     assert wider is not third and third.closed  # the policy's dtype differs
     third = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, bigger, tok, max_model_len=32))
     assert third is not wider and wider.closed  # the context differs
+    compiled = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5, compile=True),
+                                **_inputs(d, bigger, tok, max_model_len=32))
+    assert compiled is not third and third.closed  # a compiled forward is another engine
+    third = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, bigger, tok, max_model_len=32))
+    assert third is not compiled and compiled.closed
     E.release_engines("fake")
     assert third.closed and E.cached_engine("fake") is None
     broken = E.acquire_engine(E.EngineSpec("fake"), **_inputs(d, model, tok))
@@ -228,19 +233,56 @@ def _adamw_steps(model, prompts, steps, lr=3e-3):
         opt.step()
 
 
+def _vllm_model(engine):
+    return engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+
+
+def _assert_synced_in_place(engine, model, before=None):
+    """Every linear layer of the engine computes with F.linear on its own full weight, which holds the trainer's
+    tensors exactly (q/k/v and gate/up stacked as rows); a sync copied into the same tensors (``before``: their
+    data pointers at an earlier sync). Returns the data pointers."""
+    vm, sd = _vllm_model(engine), model.state_dict()
+    layers = {n: m for n, m in vm.named_modules() if hasattr(m, "cpu_linear")}
+    assert layers and all(m.cpu_linear is torch.nn.functional.linear for m in layers.values())
+    qkv = [m for n, m in layers.items() if n.endswith("layers.0.self_attn.qkv_proj")][0]
+    pre = "model.layers.0.self_attn."
+    assert torch.equal(qkv.weight, torch.cat([sd[pre + "q_proj.weight"], sd[pre + "k_proj.weight"],
+                                              sd[pre + "v_proj.weight"]]))
+    emb = sd["model.embed_tokens.weight"]
+    assert torch.equal(vm.model.embed_tokens.weight[: emb.shape[0]], emb)  # the tied head reads the same tensor
+    assert set(sd) - set(engine._direct.sources) <= {"lm_head.weight"}  # a tied head is the embedding
+    ptrs = [t.data_ptr() for t in engine._direct.targets]
+    assert before is None or ptrs == before
+    return ptrs
+
+
+def test_vllm_compile_is_refused_where_the_weights_cannot_be_synced_in_place(small):
+    """A compiled forward keeps the kernels it traced: compile=True needs the in-place (direct) sync of a float32
+    engine, refused before anything starts."""
+    d, _, _ = small
+    with pytest.raises(ValueError, match="compile=True needs the direct weight sync of a float32 engine"):
+        E.VLLMEngine(d, compile=True, weight_sync="reload")
+    with pytest.raises(ValueError, match="dtype='bfloat16'"):
+        E.VLLMEngine(d, compile=True, dtype="bfloat16")
+
+
 @pytest.mark.slow
 def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_rollouts(small):
-    """One engine serves three cells (direct weight sync, checked after several AdamW updates); a second engine,
-    built with another seed and syncing through vLLM's reload, reproduces the first cell bit for bit."""
+    """One engine serves three cells (direct weight sync: one fused copy into the engine's own weights, checked
+    after several AdamW updates); a second engine, built with another seed and syncing through vLLM's reload
+    (which packs the weights into oneDNN kernels again), samples the first cell's tokens with its log-probs to the
+    last bits of float32."""
     pytest.importorskip("vllm")
     d, model, tok = small
     prompts = _prompts(tok)
     spec = E.EngineSpec("vllm")
     engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
     assert engine.needs_sync_check and engine.version == 0
+    assert not engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching  # no KV of old weights is reused
     cell_a = {k: v.clone() for k, v in model.state_dict().items()}
     engine.load_weights(model.state_dict(), 0)
     assert engine.sync_method == "direct", engine.sync_note
+    ptrs = _assert_synced_in_place(engine, model)
     expected = engine.generate(prompts, n=4, max_tokens=6, seed=21)
     same = engine.generate([prompts[0]] * 2, n=4, max_tokens=6, seed=3)  # one prompt twice: independent samples
     assert [r.completion_ids for r in same[0]] != [r.completion_ids for r in same[1]]
@@ -255,6 +297,7 @@ def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_
             E.check_sync(engine, model, prompts, tol=1e-4)  # the engine is stale until the sync
         engine.load_weights(model.state_dict(), version)
         assert E.check_sync(engine, model, prompts, tol=1e-4, seed=version) < 1e-4
+        _assert_synced_in_place(engine, model, ptrs)
     assert engine.version == 4
     assert _flat(engine.generate(prompts, n=4, max_tokens=6, seed=21)) != _flat(expected)
 
@@ -271,9 +314,40 @@ def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_
     try:
         reloading.load_weights(model.state_dict(), 0)
         assert reloading.sync_method == "reload"
-        assert _flat(reloading.generate(prompts, n=4, max_tokens=6, seed=21)) == _flat(expected)
+        again = reloading.generate(prompts, n=4, max_tokens=6, seed=21)
+        assert [r.completion_ids for g in again for r in g] == [r.completion_ids for g in expected for r in g]
+        assert max(abs(a - b) for (_, x), (_, y) in zip(_flat(again), _flat(expected)) for a, b in zip(x, y)) < 1e-5
         _adamw_steps(model, prompts, 2)
         reloading.load_weights(model.state_dict(), 1)
         assert E.check_sync(reloading, model, prompts, tol=1e-4) < 1e-4
     finally:
         reloading.close()
+
+
+@pytest.mark.slow
+def test_a_compiled_vllm_engine_follows_the_trainer_through_in_place_syncs(small):
+    """vLLM's compiled forward (compile=True) reads the weights the engine started with, unpacked: every sync is
+    the fused in-place copy, and after each AdamW update the engine's log-probs are the trainer's; a reused
+    compiled engine gives the same rollouts for the same weights and seed, bit for bit."""
+    pytest.importorskip("vllm")
+    d, model, tok = small
+    prompts = _prompts(tok)
+    spec = E.EngineSpec("vllm", compile=True)
+    engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.load_weights(model.state_dict(), 0)
+    assert engine.sync_method == "direct" and engine.weight_sync == "direct"
+    ptrs = _assert_synced_in_place(engine, model)
+    assert all(m.weight.numel() for m in _vllm_model(engine).modules() if hasattr(m, "cpu_linear"))  # never packed
+    expected = engine.generate(prompts, n=4, max_tokens=6, seed=5)
+    for version in range(1, 3):
+        _adamw_steps(model, prompts, 2)
+        with pytest.raises(RuntimeError, match="weight sync failed"):
+            E.check_sync(engine, model, prompts, tol=1e-4)  # the compiled forward is stale until the sync
+        engine.load_weights(model.state_dict(), version)
+        assert E.check_sync(engine, model, prompts, tol=1e-4, seed=version) < 1e-4
+        _assert_synced_in_place(engine, model, ptrs)
+    model.load_state_dict(start)
+    assert E.acquire_engine(spec, **_inputs(d, model, tok, seed=1)) is engine
+    engine.load_weights(model.state_dict(), 0)
+    assert _flat(engine.generate(prompts, n=4, max_tokens=6, seed=5)) == _flat(expected)

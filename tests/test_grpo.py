@@ -136,6 +136,14 @@ def test_bad_settings_are_refused(model_dir, tmp_path):
         module(model_dir, staleness=-1)
     with pytest.raises(FileNotFoundError, match="not a local Hugging Face checkpoint"):
         module(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"engine.compile=true is for the vllm engine in float32 \(this run: "
+                                         r"engine.name='hf', engine.dtype='float32'\)"):
+        GRPOModule(model={"path": model_dir}, engine={"name": "hf", "compile": True})
+    with pytest.raises(ValueError, match="engine.dtype='bfloat16'"):
+        GRPOModule.check_settings({"engine": {"name": "vllm", "dtype": "bfloat16", "compile": True}})
+    with pytest.raises(ValueError, match="engine.compile='yes' must be true or false"):
+        GRPOModule.check_settings({"engine": {"name": "vllm", "compile": "yes"}})
+    GRPOModule.check_settings({"engine": {"name": "vllm", "compile": True}})  # accepted: checked without an engine
 
 
 def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tmp_path):

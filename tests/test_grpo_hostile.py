@@ -171,6 +171,11 @@ def test_the_run_hash_leaves_out_steps_only_and_another_runs_checkpoint_is_refus
     others = [config(seed=1), config(staleness=3), config(lr=2e-4), config(task={"name": "arithmetic", "max_ops": 3}),
               config(top={"method": "gac"}), config(top={"seed_everything": 1})]
     assert len({h, *map(run_hash, others)}) == 1 + len(others)
+    # engine.compile spelled out at its default (false) is the config without it; true is another run
+    engine = {"name": "vllm", "dtype": "float32", "kv_cache_gib": 0.25, "sync_tol": 1e-3}
+    plain = run_hash(config(engine=Namespace(**engine)))
+    assert run_hash(config(engine=Namespace(**engine, compile=False))) == plain != h
+    assert run_hash(config(engine=Namespace(**engine, compile=True))) not in (plain, h)
 
     d = tmp_path / "shared"
     d.mkdir()

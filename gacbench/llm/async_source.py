@@ -151,7 +151,7 @@ class AsyncGRPOSource:
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else m.steps
         e = m.engine_cfg
         self.producer = AsyncRolloutProducer(
-            EngineSpec(e.name, e.dtype, e.kv_cache_gib), model_path=m.model_path,
+            EngineSpec(e.name, e.dtype, e.kv_cache_gib, e.compile), model_path=m.model_path,
             policy_factory=functools.partial(_load_policy, m.model_path), eos_token_id=m.tok.eos_token_id,
             pad_token_id=m.tok.pad_token_id, max_model_len=m.context or None, seed=m.seed,
             prompts_for=self.prompt_ids, n=r.group, max_tokens=r.max_tokens, chunks=r.chunks, last_step=last,

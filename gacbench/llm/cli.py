@@ -242,18 +242,26 @@ class RunConfigSaver(SaveConfigCallback):
 
 RUN_KEY = "gacbench_run"  # a checkpoint's record of the run it belongs to: {"config_hash": ...}
 HASH_EXCLUDED = ("steps",)  # model settings a resume may change: more steps continue the same run
+# (section, key): value at which a model setting is left out of the hash, so that a config without the key (which
+# runs with that value) and one that spells it out have the same hash
+HASH_AT_DEFAULT = {("engine", "compile"): False}
 
 
 def run_hash(config) -> str:
     """The identity of a run, recorded in its checkpoints: a hash of its method, ``seed_everything`` and ``model``
     section (every GRPOModule argument), less ``model.steps`` (``trainer.max_steps``: resuming with more steps
-    continues the same run). The trainer's other settings (devices, logging, checkpointing) are left out too:
-    a run may resume on another machine or with another logger."""
+    continues the same run) and the settings of :data:`HASH_AT_DEFAULT` at their listed values. The trainer's other
+    settings (devices, logging, checkpointing) are left out too: a run may resume on another machine or with
+    another logger."""
     import hashlib
 
     model = config.model.as_dict() if hasattr(config.model, "as_dict") else dict(config.model)
-    ident = {"method": config.method, "seed_everything": config.get("seed_everything"),
-             "model": {k: v for k, v in model.items() if k not in HASH_EXCLUDED}}
+    model = {k: v for k, v in model.items() if k not in HASH_EXCLUDED}
+    for (section, key), value in HASH_AT_DEFAULT.items():
+        part = model.get(section)
+        if isinstance(part, dict) and key in part and part[key] == value:
+            model[section] = {k: v for k, v in part.items() if k != key}
+    ident = {"method": config.method, "seed_everything": config.get("seed_everything"), "model": model}
     text = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -75,12 +75,15 @@ class EngineConfig:
     dtype: the vllm engine's dtype ("bfloat16" for a real model on a GPU). kv_cache_gib: the vllm engine's
     KV-cache reservation (None = vLLM's default share of device memory, which on CPU is 92% of RAM).
     sync_tol: after the first update the engine's log-probs must match the trainer's within this, else the
-    run stops (raise it for a bf16 engine beside an fp32 trainer)."""
+    run stops (raise it for a bf16 engine beside an fp32 trainer). compile: the vllm engine runs vLLM's
+    torch.compile of the model instead of eager execution (float32 on the CPU backend; a longer start-up,
+    faster generation; gacbench.rollout.engines.VLLMEngine)."""
 
     name: str = "hf"
     dtype: str = "float32"
     kv_cache_gib: float | None = 0.25
     sync_tol: float = 1e-3
+    compile: bool = False
 
 
 @dataclass
@@ -272,8 +275,9 @@ class GRPOModule(Objective):
     @classmethod
     def check_settings(cls, params: Mapping[str, Any]) -> None:
         """The sections' keys and values and the module's own, without loading a model or starting an engine:
-        engine.name a registered engine, task.name a registered task and its settings
-        (:func:`gacbench.llm.tasks.check_task_settings`), task.reward None or a registered reward,
+        engine.name a registered engine, engine.compile a bool and true only for vllm in float32, task.name a
+        registered task and its settings (:func:`gacbench.llm.tasks.check_task_settings`), task.reward None or a
+        registered reward,
         model.size a known size (without model.path), staleness >= 0 and the rollout mode's settings
         (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts, max_tokens and
         logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
@@ -285,7 +289,7 @@ class GRPOModule(Objective):
         from gacbench.llm.async_source import resolve_mode
         from gacbench.llm.model import MODEL_SIZES
         from gacbench.llm.tasks import REWARDS, check_task_settings, task_factory
-        from gacbench.objectives.base import check_lookup, check_name, check_range
+        from gacbench.objectives.base import SettingError, check_lookup, check_name, check_range
         from gacbench.rollout.engines import engine_names
 
         owner = cls.__name__
@@ -296,6 +300,13 @@ class GRPOModule(Objective):
         lc = _section(LossConfig, params.get("loss"), "loss")
         o = _section(OptimizerConfig, params.get("optimizer"), "optimizer")
         check_name(owner, "engine.name", e.name, engine_names(), "a registered engine")
+        if not isinstance(e.compile, bool):
+            raise SettingError(f"{owner}: engine.compile={e.compile!r} must be true or false", "engine.compile",
+                               e.compile)
+        if e.compile and (e.name != "vllm" or e.dtype != "float32"):
+            raise SettingError(f"{owner}: engine.compile=true is for the vllm engine in float32 (this run: engine.name="
+                               f"{e.name!r}, engine.dtype={e.dtype!r}); set engine.compile: false",
+                               "engine.compile", e.compile)
         check_lookup(owner, "task.name", t.name, task_factory)
         check_task_settings(t, owner)
         if t.reward is not None:
@@ -323,8 +334,6 @@ class GRPOModule(Objective):
         if pe.every is not None:
             check_range(owner, "policy_eval.every", pe.every, 1, integer=True)
         if pe.prompts and r.mode == "async":
-            from gacbench.objectives.base import SettingError
-
             raise SettingError(f"{owner}: policy_eval.prompts={pe.prompts} needs the trainer's own rollout engine, "
                                "which rollout.mode async does not start; use mode sync or uniform, or set "
                                "policy_eval.prompts: 0", "policy_eval.prompts", pe.prompts)

@@ -6,11 +6,11 @@ without restarting, and reports the policy version those weights belong to:
 - ``hf`` (:class:`HFEngine`): transformers ``generate`` with a KV cache on its own copy of the
   policy; all prompts x n samples in one left-padded batch, each distinct prompt encoded once;
 - ``vllm`` (:class:`VLLMEngine`): vLLM in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
-  On vLLM's CPU backend the weights are written straight into the model and its GEMM kernels are
-  rebuilt by vLLM's own post-processing (``weight_sync="direct"``); elsewhere, or for a model the direct
-  path does not cover, through the model runner's in-place reload (``weight_sync="reload"``). Either
-  way a sync can be verified against the trainer's log-probs (:func:`check_sync`), so that a run never
-  continues silently on stale weights.
+  On vLLM's CPU backend the linear layers compute with ``F.linear`` on weights the engine owns, and a
+  sync is one fused in-place copy into them (``weight_sync="direct"``); elsewhere, or for a model the
+  direct path does not cover, through the model runner's in-place reload (``weight_sync="reload"``).
+  Either way a sync can be verified against the trainer's log-probs (:func:`check_sync`), so that a run
+  never continues silently on stale weights. ``compile=True`` runs vLLM's compiled forward (CPU backend).
 
 Log-probs are those of the sampling distribution at temperature 1 (the policy itself). Every call of
 ``generate`` is seeded by its ``seed`` argument alone, so the rollouts of a call depend only on (weights,
@@ -85,11 +85,13 @@ class RolloutEngine(Protocol):
 class EngineSpec:
     """Engine settings for callers without a config of their own (benchmarks, tests): ``name`` (a
     registered engine), ``dtype`` (the vllm engine's dtype; the hf engine runs in the policy's dtype),
-    ``kv_cache_gib`` (the vllm engine's KV-cache reservation; None = vLLM's default share of memory)."""
+    ``kv_cache_gib`` (the vllm engine's KV-cache reservation; None = vLLM's default share of memory),
+    ``compile`` (the vllm engine's compiled forward, :class:`VLLMEngine`)."""
 
     name: str = "hf"
     dtype: str = "float32"
     kv_cache_gib: float | None = 0.25
+    compile: bool = False
 
 
 def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
@@ -154,11 +156,12 @@ def _architecture(policy: torch.nn.Module) -> str:
 
 
 def engine_key(spec, *, model_path: str, policy: torch.nn.Module, max_model_len: int | None) -> Hashable:
-    """What an engine is built from, apart from weights and seeds: a cached engine is reused only for an
-    equal key."""
+    """What an engine is built from, apart from weights and seeds (name, dtype, KV cache, compile, checkpoint,
+    architecture, device and dtype of the policy, context): a cached engine is reused only for an equal key."""
     first = next(policy.parameters())
     return (spec.name, str(getattr(spec, "dtype", None)), getattr(spec, "kv_cache_gib", None),
-            str(Path(model_path).resolve()), _architecture(policy), str(first.device), str(first.dtype), max_model_len)
+            bool(getattr(spec, "compile", False)), str(Path(model_path).resolve()), _architecture(policy),
+            str(first.device), str(first.dtype), max_model_len)
 
 
 def acquire_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_id: int, pad_token_id: int,
@@ -330,24 +333,54 @@ def _collector_paused():
             gc.enable()
 
 
+@contextlib.contextmanager
+def _unpacked_cpu_gemms():
+    """Inside the block, vLLM's CPU backend leaves linear layers unpacked: ``dispatch_cpu_unquantized_gemm``
+    falls back to ``F.linear`` on the layer's own weight (its path where oneDNN is unavailable) instead of
+    packing the weight into a oneDNN kernel. As it was after the block; a vLLM without that switch raises
+    a RuntimeError."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:  # the engine's start names what to install
+        yield
+        return
+    if not hasattr(ops, "_supports_onednn"):
+        raise RuntimeError("VLLMEngine(compile=True): this vLLM has no vllm._custom_ops._supports_onednn switch to "
+                           "start with unpacked linear layers; use compile=False")
+    was = ops._supports_onednn
+    ops._supports_onednn = False
+    try:
+        yield
+    finally:
+        ops._supports_onednn = was
+
+
 class _Unsupported(Exception):
     pass
 
 
 class _DirectCpuSync:
-    """Writes a Hugging Face state dict into vLLM's model on the CPU backend without vLLM's reload machinery.
+    """Writes a Hugging Face state dict into vLLM's model on the CPU backend with one fused copy.
 
-    After loading, vLLM's CPU backend keeps the linear layers' weights only inside prepacked GEMM kernels
-    (the ``weight`` parameters are emptied, and the tied LM head has its own packed copy of the embedding),
-    so copying into parameters alone leaves the engine on the old weights. Here every kernel-backed layer
-    gets its full weight rebuilt from the trainer's tensors (shards of a fused layer, e.g. q/k/v into
-    ``qkv_proj``, concatenated in the order of the model's ``packed_modules_mapping``), and then the layer's
-    own ``quant_method.process_weights_after_loading`` builds the kernel exactly as at start-up; plain
-    parameters (norms, embedding rows, biases) are copied in place. The plan is made once, against the
-    live model; any layer or tensor it does not cover raises :class:`_Unsupported` (the engine then uses
-    vLLM's reload)."""
+    After loading, vLLM's CPU backend keeps the linear layers' weights only inside prepacked oneDNN GEMM
+    kernels (the ``weight`` parameters are emptied, and the tied LM head has its own packed copy of the
+    embedding), so copying into parameters alone would leave the engine on the old weights, and rebuilding
+    the kernels at every sync costs more than the copy. The plan, made once against the live model, gives
+    every kernel-backed linear layer its full weight back as a parameter (the shards of a fused layer, e.g.
+    q/k/v into ``qkv_proj``, stacked in the order of the model's ``packed_modules_mapping``) and makes it
+    compute with ``F.linear`` on that parameter, the route vLLM takes for a layer it does not pack
+    (``_cpu_skip_gemm_dispatch``, which the plan sets too); the embedding and the LM head compute their logits
+    with ``F.linear`` on their own weight. Every sync is then one ``torch._foreach_copy_`` of the trainer's
+    tensors into views of the engine's parameters (row blocks of fused layers, the first rows of a padded
+    vocabulary, norms, biases): nothing keeps a copy of old weights. ``F.linear`` samples the same tokens as
+    the packed kernels; the log-probs can differ in the last bits of float32 (docs/llm-notes.md). Any layer or
+    tensor the plan does not cover raises :class:`_Unsupported` before the model is changed (the engine then
+    uses vLLM's reload)."""
 
-    def __init__(self, model: torch.nn.Module, names: set[str], shapes: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, model: torch.nn.Module, names: set[str], shapes: dict[str, tuple[int, ...]],
+                 unpacked: bool = False) -> None:
+        """``unpacked``: every linear layer must already compute on its own full weight (an engine started
+        under :func:`_unpacked_cpu_gemms`, whose compiled forward reads those tensors)."""
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
         from vllm.platforms import current_platform
@@ -356,10 +389,11 @@ class _DirectCpuSync:
             raise _Unsupported("not vLLM's CPU backend")
         packed = dict(getattr(model, "packed_modules_mapping", None) or {})
         used: set[str] = set()
-        self.kernels: list[tuple[torch.nn.Module, list[str]]] = []  # weight rebuilt from these names, then repacked
-        self.repack: list[torch.nn.Module] = []  # kernels over a parameter copied in place (embedding, tied head)
-        self.copies: list[tuple[torch.Tensor, list[str]]] = []  # in place; several names are concatenated
-        fused_biases: set[int] = set()  # copied from concatenated shards above, not by name below
+        kernels: list[tuple[torch.nn.Module, list[str], tuple[int, int]]] = []  # full weight from these names
+        heads: list[torch.nn.Module] = []  # embedding / LM head kernels over a parameter kept in place
+        self.targets: list[torch.Tensor] = []  # the engine's tensors (views), one per state-dict name
+        self.sources: list[str] = []
+        fused: set[int] = set()  # weights and biases of the layers above: copied as row blocks, not by name below
         for mname, mod in model.named_modules():
             qm = getattr(mod, "quant_method", None)
             if not hasattr(mod, "cpu_linear"):
@@ -369,12 +403,14 @@ class _DirectCpuSync:
             if getattr(mod, "tp_size", 1) != 1:
                 raise _Unsupported(f"{mname}: tensor-parallel layer")
             if isinstance(qm, UnquantizedEmbeddingMethod):
-                self.repack.append(mod)
+                heads.append(mod)
                 if mname + ".weight" in names and mod.weight.numel():
                     used.add(mname + ".weight")  # the tied head's name: the same tensor as the embedding
                 continue
-            if not isinstance(qm, UnquantizedLinearMethod) or mod.weight.numel() != 0:
+            if not isinstance(qm, UnquantizedLinearMethod):
                 raise _Unsupported(f"{mname}: {type(qm).__name__} layer")
+            if unpacked and mod.weight.numel() == 0:
+                raise _Unsupported(f"{mname}: its weight was packed into a kernel at start-up")
             prefix, _, leaf = mname.rpartition(".")
             prefix = prefix + "." if prefix else ""
             shards = [f"{prefix}{s}.weight" for s in packed.get(leaf, [leaf])]
@@ -382,45 +418,60 @@ class _DirectCpuSync:
                 raise _Unsupported(f"{mname}: no {', '.join(s for s in shards if s not in names)} in the state dict")
             want = (int(mod.output_size_per_partition), int(mod.input_size_per_partition))
             got = (sum(shapes[s][0] for s in shards), shapes[shards[0]][1] if len(shapes[shards[0]]) == 2 else -1)
-            if got != want:
+            if got != want or any(len(shapes[s]) != 2 or shapes[s][1] != want[1] for s in shards):
                 raise _Unsupported(f"{mname}: weight {got} from {shards}, the layer needs {want}")
-            self.kernels.append((mod, shards))
+            kernels.append((mod, shards, want))
             used.update(shards)
+            fused.add(id(mod.weight))  # an unpacked layer's own (full) weight
             if getattr(mod, "bias", None) is not None:
                 biases = [s[: -len("weight")] + "bias" for s in shards]
                 if any(b not in names for b in biases):
                     raise _Unsupported(f"{mname}: bias without {biases} in the state dict")
-                self.copies.append((mod.bias, biases))
+                if mod.bias.dim() != 1 or sum(shapes[b][0] for b in biases) != mod.bias.shape[0]:
+                    raise _Unsupported(f"{mname}: bias {tuple(mod.bias.shape)} from {biases}")
+                self._add_rows(mod.bias, biases, shapes)
                 used.update(biases)
-                fused_biases.add(id(mod.bias))
+                fused.add(id(mod.bias))
+        if not kernels:
+            raise _Unsupported("no CPU GEMM kernels found")
+        plain: list[tuple[torch.nn.Parameter, str]] = []
         for pname, p in model.named_parameters():
-            if id(p) in fused_biases or p.numel() == 0:
+            if id(p) in fused or p.numel() == 0:
                 continue
             if pname not in names:
                 raise _Unsupported(f"parameter {pname} has no tensor in the state dict")
             src = shapes[pname]
             if len(src) != p.dim() or src[0] > p.shape[0] or tuple(src[1:]) != tuple(p.shape[1:]):
                 raise _Unsupported(f"{pname}: {tuple(p.shape)} in the engine, {src} in the state dict")
-            self.copies.append((p, [pname]))  # a padded vocabulary: the first rows
+            plain.append((p, pname))  # a padded vocabulary: the first rows
             used.add(pname)
         if names - used:
             raise _Unsupported(f"state-dict tensors with no place in the engine: {sorted(names - used)[:5]}")
-        if not self.kernels:
-            raise _Unsupported("no CPU GEMM kernels found")
         self.dtype = next(p.dtype for p in model.parameters() if p.numel())
+        for p, pname in plain:
+            self._add_rows(p, [pname], shapes)
+        # every check passed: only now change the model (a refused plan leaves it to vLLM's reload untouched)
+        for mod, shards, want in kernels:
+            if tuple(mod.weight.shape) != want:  # emptied by the packing: the full weight comes back
+                mod.weight = torch.nn.Parameter(torch.empty(want, dtype=self.dtype), requires_grad=False)
+            mod.cpu_linear = torch.nn.functional.linear  # called as cpu_linear(x, layer.weight, bias)
+            mod._cpu_skip_gemm_dispatch = True  # and a later process_weights_after_loading keeps it unpacked
+            self._add_rows(mod.weight, shards, shapes)
+        for mod in heads:  # the logits read the live (padded) embedding or head weight
+            mod.cpu_linear = torch.nn.functional.linear
+
+    def _add_rows(self, dst: torch.Tensor, names: list[str], shapes: dict[str, tuple[int, ...]]) -> None:
+        """``names`` are copied into consecutive row blocks of ``dst``, from its first row."""
+        row = 0
+        for n in names:
+            rows = shapes[n][0]
+            self.targets.append(dst[row : row + rows])
+            self.sources.append(n)
+            row += rows
 
     @torch.no_grad()
     def __call__(self, state_dict: dict[str, torch.Tensor]) -> None:
-        for dst, names in self.copies:
-            src = state_dict[names[0]] if len(names) == 1 else torch.cat([state_dict[n] for n in names])
-            dst[: src.shape[0]].copy_(src)
-        for mod, shards in self.kernels:
-            # an owned copy: a kernel that keeps the tensor (the plain-torch fallback) must not share trainer memory
-            w = torch.cat([state_dict[s] for s in shards]) if len(shards) > 1 else state_dict[shards[0]].clone()
-            mod.weight = torch.nn.Parameter(w.to(self.dtype).contiguous(), requires_grad=False)
-            mod.quant_method.process_weights_after_loading(mod)
-        for mod in self.repack:
-            mod.quant_method.process_weights_after_loading(mod)
+        torch._foreach_copy_(self.targets, [state_dict[n] for n in self.sources])
 
 
 class VLLMEngine:
@@ -428,31 +479,44 @@ class VLLMEngine:
     cache directory, or a local Qwen3 checkpoint); the engine starts from those weights (version 0).
     ``weight_sync``: "auto" (direct on vLLM's CPU backend where the model is covered, else reload),
     "direct" (fail if not covered) or "reload" (``model_runner.reload_weights``); ``sync_method`` says
-    which one runs, decided at the first sync."""
+    which one runs, decided at the first sync. ``compile``: see :meth:`__init__`."""
 
     needs_sync_check = True  # a reload that changed nothing would go unnoticed (docs/llm-notes.md)
 
     def __init__(self, model_dir: str, max_model_len: int | None = None, seed: int = 0, dtype: str = "float32",
-                 kv_cache_gib: float | None = 0.25, weight_sync: str = "auto") -> None:
+                 kv_cache_gib: float | None = 0.25, weight_sync: str = "auto", compile: bool = False) -> None:
         """``kv_cache_gib``: memory reserved for the KV cache (vLLM's ``kv_cache_memory_bytes``); None lets
         vLLM reserve ``gpu_memory_utilization`` (0.92) of the device, which on the CPU backend means 92% of
-        the machine's RAM, so a second engine, or one beside a busy trainer, cannot start."""
+        the machine's RAM, so a second engine, or one beside a busy trainer, cannot start.
+
+        ``compile``: vLLM's torch.compile of the model (``enforce_eager=False``; on the CPU backend inductor
+        traces the forward once at start-up, which then takes longer, cached across processes by vLLM) instead
+        of eager execution. The compiled forward keeps the kernels it traced, so the engine starts with the
+        linear layers unpacked (``F.linear`` on their own weights) and the weights can only be synced in place:
+        float32 on vLLM's CPU backend with the direct sync, else a ValueError here or a RuntimeError at the
+        first sync."""
         if weight_sync not in ("auto", "direct", "reload"):
             raise ValueError(f"VLLMEngine: weight_sync={weight_sync!r} is not 'auto', 'direct' or 'reload'")
+        if compile and (weight_sync == "reload" or dtype != "float32"):
+            raise ValueError(f"VLLMEngine: compile=True needs the direct weight sync of a float32 engine (got "
+                             f"weight_sync={weight_sync!r}, dtype={dtype!r}): a compiled forward keeps the kernels "
+                             "it traced, which only an in-place copy updates; use compile=False")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by closure
         # vLLM logs every in-place reload (and warns that the rotary embedding has no weights to load): one
         # line per optimizer step; set VLLM_LOGGING_LEVEL=INFO to see them
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        with _collector_paused():  # vLLM's imports and start-up: a large heap of objects that all stay alive
-            self._start(model_dir, max_model_len, seed, dtype, kv_cache_gib)
+        unpacked = _unpacked_cpu_gemms() if compile else contextlib.nullcontext()
+        with _collector_paused(), unpacked:  # vLLM's imports and start-up: a large heap of objects that stay alive
+            self._start(model_dir, max_model_len, seed, dtype, kv_cache_gib, compile)
         self.version = 0
-        self.weight_sync = weight_sync
+        self.compile = compile
+        self.weight_sync = "direct" if compile else weight_sync
         self.sync_method: str | None = None  # "direct" or "reload", once decided
         self.sync_note = ""  # why the direct path is not used, if it is not
         self._direct: _DirectCpuSync | None = None
 
     def _start(self, model_dir: str, max_model_len: int | None, seed: int, dtype: str,
-               kv_cache_gib: float | None) -> None:
+               kv_cache_gib: float | None, compile: bool = False) -> None:
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -461,9 +525,14 @@ class VLLMEngine:
                 "`pip uninstall -y torchvision torchaudio torchcodec` (docs/llm-notes.md); on a GPU machine "
                 "`pip install -e '.[vllm]'`; or use engine='hf'"
             ) from exc
+        from vllm.platforms import current_platform
+
+        if compile and not current_platform.is_cpu():
+            raise ValueError("VLLMEngine: compile=True is for vLLM's CPU backend (its weights are synced in place); "
+                             "use compile=False")
         memory = {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
         try:
-            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=not compile,
                            seed=seed, enable_prefix_caching=False, **memory)
         except Exception as exc:
             raise RuntimeError(f"vLLM could not start on {model_dir}: {type(exc).__name__}: {exc}. Check that the "
@@ -476,12 +545,14 @@ class VLLMEngine:
             self.sync_method = "reload"
             return
         try:
-            self._direct = _DirectCpuSync(model, set(state_dict), {k: tuple(v.shape) for k, v in state_dict.items()})
+            self._direct = _DirectCpuSync(model, set(state_dict), {k: tuple(v.shape) for k, v in state_dict.items()},
+                                          unpacked=self.compile)
             self.sync_method = "direct"
         except _Unsupported as exc:
             if self.weight_sync == "direct":
-                raise RuntimeError(f"VLLMEngine: the direct weight sync does not cover this model ({exc}); use "
-                                   "weight_sync='auto' or 'reload'") from None
+                why = "compile=True syncs only in place" if self.compile else "use weight_sync='auto' or 'reload'"
+                raise RuntimeError(f"VLLMEngine: the direct weight sync does not cover this model ({exc}); "
+                                   f"{why}") from None
             self.sync_method, self.sync_note = "reload", str(exc)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -528,7 +599,7 @@ class VLLMEngine:
 @register_engine("vllm")
 def _build_vllm(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed) -> VLLMEngine:
     return VLLMEngine(model_path, max_model_len=max_model_len, seed=seed, dtype=spec.dtype,
-                      kv_cache_gib=spec.kv_cache_gib)
+                      kv_cache_gib=spec.kv_cache_gib, compile=bool(getattr(spec, "compile", False)))
 
 
 def check_sync(engine: RolloutEngine, model, prompts: list[list[int]], tol: float = 1e-3, seed: int = 0) -> float:
