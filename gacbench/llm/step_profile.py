@@ -69,7 +69,8 @@ def build_module(args):
     from gacbench.llm.grpo import GRPOModule
     from gacbench.trainer import build_trainer
 
-    settings = {"model": {"path": args.model}, "engine": {"name": args.engine},
+    settings = {"model": {"path": args.model},
+                "engine": {"name": args.engine, **({"compile": True} if getattr(args, "compile", False) else {})},
                 "rollout": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                             **({"logprob_rows": args.logprob_rows} if args.logprob_rows else {})},
                 "staleness": 1, "steps": 1, "lr": args.lr, "seed": args.seed, "eval_every": 10**9}
@@ -229,6 +230,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians reported (default 5)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is what each of 2 bench workers gets on 2 cores)")
+    p.add_argument("--compile", action="store_true",
+                   help="the vllm engine's compiled forward (engine.compile: true; CPU backend, float32)")
     p.add_argument("--lr", type=float, default=1e-9,
                    help="AdamW's learning rate (default 1e-9: the repeats stay at almost the same weights)")
     p.add_argument("--seed", type=int, default=0)
