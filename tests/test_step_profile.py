@@ -39,6 +39,7 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
     (["--model", "/nonexistent"], "no config.json"),
     (["--peak-tflops", "0"], "--peak-tflops 0"),
     (["--shape", "tiny-random", "--model", "/x"], "--shape or --model"),
+    (["--compile"], "engine.compile=true is for the vllm engine in float32"),
 ])
 def test_step_profile_refuses_bad_options_in_one_line(args, words, capsys):
     assert main(["step-profile", "--engine", "hf", *args]) == 2

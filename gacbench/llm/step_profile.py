@@ -70,7 +70,7 @@ def build_module(args):
     from gacbench.trainer import build_trainer
 
     settings = {"model": {"path": args.model},
-                "engine": {"name": args.engine, **({"compile": True} if getattr(args, "compile", False) else {})},
+                "engine": {"name": args.engine, **({"compile": True} if args.compile else {})},
                 "rollout": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                             **({"logprob_rows": args.logprob_rows} if args.logprob_rows else {})},
                 "staleness": 1, "steps": 1, "lr": args.lr, "seed": args.seed, "eval_every": 10**9}
@@ -189,6 +189,9 @@ def main(args) -> int:
             raise UsageError("--shape uses the tiny tokenizer (digits and operators): only --task arithmetic")
         args.model = shape_model_dir(args.shape, max_len=64 + args.max_tokens)
     resolve_engine_and_model(args)
+    if args.compile and args.engine != "vllm":
+        raise UsageError(f"--compile: engine.compile=true is for the vllm engine in float32 (this run: --engine "
+                         f"{args.engine}); use --engine vllm or leave out --compile")
     module = build_module(args)
     # Lightning's fit ends with the module on the CPU: train where the run trained (the engine stays there)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
