@@ -42,19 +42,18 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
     machine's effect as it holds the seed's. ``blocked`` says whether the grid is one. Returns ``kinds`` (kind:
     the seeds of each task on it, as ``task: [seeds]``, and the done cells), ``mixed_seeds`` (task, seed and the
     kinds of a seed that ran on more than one), ``code_versions`` and ``blocked``."""
-    done = [(c, p) for c, p in zip(cells, provenances) if c.get("status") == "done"]
-    kinds = {machine_kind(p) or "unrecorded" for _, p in done}
+    done = [(c, p, machine_kind(p) or "unrecorded") for c, p in zip(cells, provenances) if c.get("status") == "done"]
+    kinds = {kind for _, _, kind in done}
     if len(kinds) < 2:
         return None
     per_seed: dict[tuple, set] = defaultdict(set)
     by_kind: dict[str, dict] = {k: {"seeds": defaultdict(set), "cells": 0} for k in kinds}
-    for c, p in done:
-        kind = machine_kind(p) or "unrecorded"
+    for c, _, kind in done:
         per_seed[(c["task"], c["seed"])].add(kind)
         by_kind[kind]["seeds"][c["task"]].add(c["seed"])
         by_kind[kind]["cells"] += 1
     mixed = [{"task": t, "seed": s, "kinds": sorted(k)} for (t, s), k in sorted(per_seed.items()) if len(k) > 1]
-    code = sorted({environment_key(p, machine=False) for _, p in done})
+    code = sorted({environment_key(p, machine=False) for _, p, _ in done})
     return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
                       for k, v in sorted(by_kind.items())},
             "mixed_seeds": mixed, "code_versions": code,
