@@ -60,3 +60,42 @@ def test_gpu_check_bad_arguments_are_one_line(capsys):
     assert main(["gpu-check", "--device", "cpu", "--kernels", "fast"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert main(["gpu-check", "--device", "cpu", "--params", "0"]) == 2
+
+
+@pytest.mark.parametrize("device,tests,want", [("cpu", None, "core"), ("cuda", None, "fast"), ("cpu", "fast", "fast")])
+def test_the_tests_row_runs_the_set_of_its_device(monkeypatch, device, tests, want):
+    """The CPU runs the core files by default, a GPU every fast test; --tests chooses; the row names the set."""
+    import subprocess
+    import types
+
+    from gacbench.bench import gpu_check
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return types.SimpleNamespace(returncode=0, stdout="3 passed in 1.00s\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    from gacbench.bench import overhead
+
+    monkeypatch.setattr(overhead, "_device", lambda d: types.SimpleNamespace(type=device))
+    monkeypatch.setattr(gpu_check, "environment", lambda dev: {"device": device})
+    result = gpu_check.run_gpu_check(device, kernels=(), grpo_steps=0, skip_overhead=True, tests=tests)
+    row = result["rows"][-1]
+    assert row["check"] == "tests" and row["ok"] and row["detail"].startswith(f"{want}: 3 passed")
+    (cmd,) = seen
+    files = cmd[cmd.index("no:cacheprovider") + 1:]
+    assert files == (list(gpu_check.CORE_TESTS) if want == "core" else ["tests"])
+    assert all((gpu_check.Path(gpu_check.__file__).resolve().parents[2] / f).exists() for f in files)
+
+
+def test_gpu_check_refuses_an_unknown_test_set(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["gpu-check", "--device", "cpu", "--tests", "all"])
+    assert exit_.value.code == 2 and "--tests" in capsys.readouterr().err
+    from gacbench.bench.gpu_check import check_tests
+    from gacbench.usage import UsageError
+
+    with pytest.raises(UsageError, match="fast, core"):
+        check_tests(1.0, "all")

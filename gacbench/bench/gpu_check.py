@@ -11,8 +11,10 @@
    each path's row for ``gacbench.functional.kernels.MEASURED`` (what ``kernels="auto"`` chooses from on a GPU).
 4. ``grpo <method>``: a short GRPO run of the tiny built-in model on the device, ``sync`` and ``gac`` at
    s = 8, with the HF engine, and with vLLM where it is installed (``--engines``).
-5. ``tests``: the fast tests (``pytest -m "not slow and not distributed"``) on this machine's torch, when the
-   repository's tests/ folder is present (``--skip-tests`` leaves them out).
+5. ``tests``: tests on this machine's torch, when the repository's tests/ folder is present: ``--tests fast``
+   (the default on a GPU) the fast tests, ``pytest -m "not slow and not distributed"``; ``--tests core`` (the
+   default on the CPU, where the fast tests take longer than the rest of the command) the files of
+   :data:`CORE_TESTS`, the arithmetic that a torch build can change. ``--skip-tests`` leaves them out.
 
 Nothing is downloaded: the tiny model is built from a config and warm-started (cached after its first build).
 ``--device cpu`` runs the same checks at small shapes, so that a machine without a GPU exercises the command; the
@@ -195,13 +197,22 @@ def check_grpo(method: str, engine: str, dev, steps: int, staleness: int = 8) ->
             "steps": trainer.global_step, "fit_s": fit_s}
 
 
-def check_tests(timeout_s: float) -> dict:
-    """The fast tests of the repository this package was loaded from, in a subprocess."""
+# GAC's functional rule and its references (the bf16 EMA among them), the callback on a model, and the staleness
+# simulator's exactness: the arithmetic that depends on how a torch build implements its kernels
+CORE_TESTS = ("tests/test_functional.py", "tests/test_gac_callback.py", "tests/test_staleness.py")
+TEST_SETS = ("fast", "core")
+
+
+def check_tests(timeout_s: float, which: str = "fast") -> dict:
+    """The tests of the repository this package was loaded from, in a subprocess: ``which="fast"`` every fast
+    test, ``"core"`` the files of :data:`CORE_TESTS` (their fast tests)."""
+    if which not in TEST_SETS:
+        raise UsageError(f"--tests {which!r}: give one of {', '.join(TEST_SETS)}")
     root = Path(__file__).resolve().parents[2]
     if not (root / "tests").is_dir():
         return {"check": "tests", "ok": None, "detail": f"skipped: no tests/ folder beside the package ({root})"}
     cmd = [sys.executable, "-m", "pytest", "-m", "not slow and not distributed", "-q", "-p", "no:cacheprovider",
-           "tests"]
+           *(CORE_TESTS if which == "core" else ("tests",))]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout_s)
@@ -211,7 +222,8 @@ def check_tests(timeout_s: float) -> dict:
     summary = next((x.strip("= ") for x in reversed(lines) if re.search(r"\d+ (passed|failed|error)", x)),
                    lines[-1] if lines else proc.stderr.strip()[-200:])
     failed = [x.split(" ", 1)[1].split(" - ")[0] for x in lines if x.startswith(("FAILED ", "ERROR "))]
-    detail = f"{summary} ({time.perf_counter() - t0:.0f} s)" + (f"; failed: {', '.join(failed[:5])}" if failed else "")
+    detail = (f"{which}: {summary} ({time.perf_counter() - t0:.0f} s)"
+              + (f"; failed: {', '.join(failed[:5])}" if failed else ""))
     return {"check": "tests", "ok": proc.returncode == 0, "detail": detail, "failed": failed}
 
 
@@ -228,9 +240,10 @@ def table(env: dict, rows: list[dict]) -> str:
 def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = None, engines: tuple[str, ...] =
                   ("hf", "vllm"), grpo_steps: int | None = None, repeats: int | None = None, skip_tests: bool = False,
                   skip_overhead: bool = False, tests_timeout_s: float = 300.0, stream=None,
-                  params: int | None = None) -> dict:
+                  params: int | None = None, tests: str | None = None) -> dict:
     """Run every check; returns ``{"environment": ..., "rows": [...], "ok": bool}`` (``ok``: no row failed).
-    Defaults by device: on CUDA 30 GRPO steps and 5 timed repeats, on the CPU 10 and 3."""
+    Defaults by device: on CUDA 30 GRPO steps, 5 timed repeats and the fast tests, on the CPU 10, 3 and the
+    core tests."""
     import torch
 
     from gacbench.bench.overhead import Progress, _device
@@ -245,6 +258,9 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
         raise UsageError(f"--engines {','.join(engines)}: give hf, vllm or both")
     grpo_steps = (30 if dev.type == "cuda" else 10) if grpo_steps is None else grpo_steps
     repeats = (5 if dev.type == "cuda" else 3) if repeats is None else repeats
+    tests = ("fast" if dev.type == "cuda" else "core") if tests is None else tests
+    if tests not in TEST_SETS:
+        raise UsageError(f"--tests {tests!r}: give one of {', '.join(TEST_SETS)}")
     if grpo_steps < 0 or repeats < 1:
         raise UsageError("--grpo-steps must be >= 0 (0 skips the GRPO runs) and --repeats >= 1")
     if params is not None and params < 1:
@@ -293,7 +309,7 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
         if skip_tests:
             add({"check": "tests", "ok": None, "detail": "skipped (--skip-tests)"})
         else:
-            guarded("tests", check_tests, tests_timeout_s)
+            guarded("tests", check_tests, tests_timeout_s, tests)
     env["seconds"] = round(time.perf_counter() - t_start, 1)
     return {"environment": env, "rows": rows, "ok": all(r["ok"] is not False for r in rows)}
 
@@ -302,7 +318,7 @@ def main(args) -> int:
     kernels = tuple(k.strip() for k in args.kernels.split(",")) if args.kernels else None
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     result = run_gpu_check(args.device, kernels, engines, args.grpo_steps, args.repeats, args.skip_tests,
-                           args.skip_overhead, args.tests_timeout, params=args.params)
+                           args.skip_overhead, args.tests_timeout, params=args.params, tests=args.tests)
     print(table(result["environment"], result["rows"]), flush=True)
     measured = [r["measured"] for r in result["rows"] if r.get("measured")]
     if measured:
@@ -332,7 +348,10 @@ def add_arguments(p) -> None:
     p.add_argument("--params", type=int, default=None,
                    help="size of the overhead timings (default: the Qwen3-1.7B shape on a GPU, 20M on the CPU)")
     p.add_argument("--skip-overhead", action="store_true", help="leave out the overhead timings")
-    p.add_argument("--skip-tests", action="store_true", help="leave out the fast tests")
+    p.add_argument("--tests", choices=TEST_SETS, default=None,
+                   help="fast: every fast test; core: GAC's arithmetic, the callback and the staleness simulator "
+                        "(default: fast on a GPU, core on the CPU)")
+    p.add_argument("--skip-tests", action="store_true", help="leave out the tests")
     p.add_argument("--tests-timeout", type=float, default=300.0,
-                   help="seconds the fast tests may take before their row fails (default 300)")
+                   help="seconds the tests may take before their row fails (default 300)")
     p.add_argument("--json", default=None, help="also write the table (and the overhead record) to this file")
