@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gpu-check", help="the checks of a GPU machine in one command, ending in one table: GAC's "
                        "kernel paths on the device against the CPU, overhead at the 1.7B shape, tiny GRPO (sync, "
-                       "gac at s = 8), the fast tests (--device cpu: the same at small shapes)")
+                       "gac at s = 8), the tests (--device cpu: the same at small shapes, the core tests)")
     from gacbench.bench.gpu_check import add_arguments as add_gpu_check_arguments
 
     add_gpu_check_arguments(p)
