@@ -203,11 +203,15 @@ CORE_TESTS = ("tests/test_functional.py", "tests/test_gac_callback.py", "tests/t
 TEST_SETS = ("fast", "core")
 
 
+def _check_test_set(which: str) -> None:
+    if which not in TEST_SETS:
+        raise UsageError(f"--tests {which!r}: give one of {', '.join(TEST_SETS)}")
+
+
 def check_tests(timeout_s: float, which: str = "fast") -> dict:
     """The tests of the repository this package was loaded from, in a subprocess: ``which="fast"`` every fast
     test, ``"core"`` the files of :data:`CORE_TESTS` (their fast tests)."""
-    if which not in TEST_SETS:
-        raise UsageError(f"--tests {which!r}: give one of {', '.join(TEST_SETS)}")
+    _check_test_set(which)
     root = Path(__file__).resolve().parents[2]
     if not (root / "tests").is_dir():
         return {"check": "tests", "ok": None, "detail": f"skipped: no tests/ folder beside the package ({root})"}
@@ -259,8 +263,7 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
     grpo_steps = (30 if dev.type == "cuda" else 10) if grpo_steps is None else grpo_steps
     repeats = (5 if dev.type == "cuda" else 3) if repeats is None else repeats
     tests = ("fast" if dev.type == "cuda" else "core") if tests is None else tests
-    if tests not in TEST_SETS:
-        raise UsageError(f"--tests {tests!r}: give one of {', '.join(TEST_SETS)}")
+    _check_test_set(tests)
     if grpo_steps < 0 or repeats < 1:
         raise UsageError("--grpo-steps must be >= 0 (0 skips the GRPO runs) and --repeats >= 1")
     if params is not None and params < 1:
