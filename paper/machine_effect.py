@@ -2,7 +2,7 @@
 machine kinds, compared on what the report reads.
 
 For every cell that both stores hold done, it reads the policy reward of the last evaluated policy version
-(``eval/policy_reward`` at the largest ``eval/policy_version``) and the training rewards (``reward/mean``), and
+(``eval/policy_reward``, filed by version as the report files it) and the training rewards (``reward/mean``), and
 prints:
 
 - per cell: the final policy reward on each kind, B - A, and the first step at which the sampled training rewards
@@ -20,7 +20,6 @@ prints:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -28,37 +27,29 @@ from pathlib import Path
 
 import numpy as np
 
-from gacbench.bench.cell import stored_done_cells
+from gacbench.bench.cell import cell_dir, stored_done
+from gacbench.bench.records import POLICY_REWARD, by_version, discover_cells, read_metrics
 from gacbench.bench.stats import paired_difference
 
 
 def cell_readings(metrics: Path) -> dict:
-    """``final``: the policy reward of the last evaluated version (``version``: that version), ``rewards``: the
-    training reward by step."""
-    final, version, rewards = math.nan, -1, {}
-    with open(metrics, newline="") as f:
-        for row in csv.DictReader(f):
-            if row.get("eval/policy_reward") and row.get("eval/policy_version"):
-                v = int(float(row["eval/policy_version"]))
-                if v > version:
-                    final, version = float(row["eval/policy_reward"]), v
-            if row.get("reward/mean") and row.get("step"):
-                rewards[int(float(row["step"]))] = row["reward/mean"]
-    return {"final": final, "version": version, "rewards": rewards}
+    """``final``: the policy reward of the last evaluated version, as the report files it
+    (:func:`gacbench.bench.records.by_version`; ``version``: that version), ``rewards``: the training reward by
+    step."""
+    series = read_metrics(metrics)
+    policy = by_version(series).get(POLICY_REWARD) or {}
+    version = max(policy, default=-1)
+    return {"final": policy.get(version, math.nan), "version": version, "rewards": dict(series.get("reward/mean", []))}
 
 
 def done_cells(store: Path) -> dict[tuple, dict]:
     """``store``'s done cells by (task, method, staleness, seed), each with its readings."""
-    out = {}
-    for task_dir in sorted(p for p in (store / "cells").iterdir() if p.is_dir()):
-        for d, _ in stored_done_cells(store, task_dir.name):
-            cell = json.loads((d / "config.json").read_text())
-            key = (cell["task"], cell["method"], int(cell["staleness"]), int(cell["seed"]))
-            out[key] = cell_readings(d / "metrics.csv")
-    return out
+    return {(c["task"], c["method"], int(c["staleness"]), int(c["seed"])):
+            cell_readings(cell_dir(store, c) / "metrics.csv")
+            for c in discover_cells(store) if stored_done(store, c) is not None}
 
 
-def parting_step(a: dict[int, str], b: dict[int, str]) -> int | None:
+def parting_step(a: dict[int, float], b: dict[int, float]) -> int | None:
     """The first step whose training reward differs between ``a`` and ``b``; ``None`` if they agree throughout."""
     return next((s for s in sorted(set(a) & set(b)) if a[s] != b[s]), None)
 
@@ -78,11 +69,10 @@ def compare(a: dict[tuple, dict], b: dict[tuple, dict], baseline: str = "stale")
     for task, method, s, seed in both:
         base = (task, baseline, s, seed)
         if method != baseline and base in a and base in b:
-            moves.append({"task": task, "method": method, "staleness": s, "seed": seed,
-                          "a": a[(task, method, s, seed)]["final"] - a[base]["final"],
-                          "b": b[(task, method, s, seed)]["final"] - b[base]["final"]})
-    for m in moves:
-        m["move"] = m["b"] - m["a"]
+            in_a = a[(task, method, s, seed)]["final"] - a[base]["final"]
+            in_b = b[(task, method, s, seed)]["final"] - b[base]["final"]
+            moves.append({"task": task, "method": method, "staleness": s, "seed": seed, "a": in_a, "b": in_b,
+                          "move": in_b - in_a})
     out = {"cells": cells, "diff": paired_difference(np.array([c["b"] for c in cells]),
                                                      np.array([c["a"] for c in cells])),
            "mean_abs_diff": float(np.abs(diffs).mean()), "max_abs_diff": float(np.abs(diffs).max()),

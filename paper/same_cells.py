@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
+
+from gacbench.jsonio import read_json
 
 #: the metrics left out of the comparison: wall times, which differ between any two runs
 SKIPPED_PREFIXES = ("time/",)
@@ -28,7 +29,8 @@ SKIPPED_PREFIXES = ("time/",)
 
 def logged_steps(path: Path) -> dict[int, dict[str, str]]:
     """``metrics.csv``'s values by step: every non-empty value a step logged (Lightning writes one step over
-    several rows), as text, wall times left out."""
+    several rows), as text, wall times left out (the text, not the float that
+    :func:`gacbench.bench.records.read_metrics` parses: a different last digit is a difference)."""
     by_step: dict[int, dict[str, str]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
@@ -54,7 +56,7 @@ def compare(scratch: Path, grid: Path, steps: int | None = None) -> list[dict]:
         entry = {"cell": str(rel), "stored": stored.is_file(), "equal": 0, "differ": 0, "only_one": 0, "first": None}
         if entry["stored"]:
             a, b = logged_steps(path), logged_steps(stored)
-            limit = json.loads((path.parent / "config.json").read_text())["steps"]
+            limit = read_json(path.parent / "config.json")["steps"]
             limit = limit if steps is None else min(limit, steps)
             for step in sorted(set(a) & set(b)):
                 if step >= limit:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gacbench.provenance import cpu_description
+
 REPO = Path(__file__).resolve().parents[1]
 WRAPPER = REPO / "paper" / "as-avx2-kind.sh"
 SWITCHES = ("GACBENCH_AVX2_KIND", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
@@ -22,11 +24,8 @@ PROBE = ("import json, torch, torch.cpu as c\n"
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    """The CPU's vector extensions, as gacbench records them (empty where /proc/cpuinfo cannot be read)."""
+    return set(cpu_description()["cpu_flags"] or ())
 
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in _cpu_flags(),

@@ -29,7 +29,7 @@ def _cell(store: Path, method: str, seed: int, final: float, rewards: list[float
     run_cell(cell, store)
     lines = ["step,reward/mean,eval/policy_reward,eval/policy_version"]
     lines += [f"{s},{r!r}," + ("0.5,4" if s == 4 else ",") for s, r in enumerate(rewards)]
-    lines.append(f"{STEPS},,{final!r},{version}")
+    lines.append(f"{version},,{final!r},{version}")  # theta_version's reward, logged at step version
     (cell_dir(store, cell) / "metrics.csv").write_text("\n".join(lines) + "\n")
 
 
