@@ -99,6 +99,25 @@ def test_sign_flip_p_enumerates_every_assignment():
     assert paired_difference(np.array([1.0, 2.0, 3.0]), np.zeros(3))["p_signflip"] == pytest.approx(0.25)
 
 
+def test_sign_flip_p_samples_above_the_enumeration_limit():
+    """Past SIGN_FLIP_EXACT_MAX pairs the p is a seeded Monte Carlo estimate: it stays within its sampling error
+    of the exact p, repeats exactly, and 42 pairs (2^42 assignments, which enumeration cannot hold in memory)
+    give an answer in bounded memory."""
+    from gacbench.bench.stats import SIGN_FLIP_EXACT_MAX
+
+    rng = np.random.default_rng(3)
+    d = np.linspace(-1.0, 1.6, SIGN_FLIP_EXACT_MAX + 1)  # mean 0.3, exact p about 0.1
+    exact = stats.permutation_test((d, np.zeros_like(d)), lambda x, y, axis=-1: np.mean(x - y, axis=axis),
+                                   permutation_type="samples", vectorized=True, n_resamples=math.inf).pvalue
+    estimate = sign_flip_p(d)
+    assert 0.05 < exact < 0.95 and abs(estimate - exact) < 0.01  # sd of the estimate about 0.0016
+    assert sign_flip_p(d) == estimate
+    many = rng.normal(0.5, 1.0, 42)
+    p = sign_flip_p(many)
+    assert 0 < p < 0.05 and p == sign_flip_p(many)
+    assert paired_difference(many, np.zeros(42))["p_signflip"] == p
+
+
 def test_min_detectable_share_and_seeds_needed_by_hand():
     # (t_{0.975,2} + t_{0.8,2}) / sqrt(3) = (4.3027 + 1.0607) / 1.7321 = 3.0966
     assert min_detectable_share(1.0, -1.0, 3) == pytest.approx((4.302653 + 1.060660) / math.sqrt(3), rel=1e-5)

@@ -80,19 +80,28 @@ def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> 
     return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p, "p_signflip": sign_flip_p(d)}
 
 
+SIGN_FLIP_EXACT_MAX = 16  # pairs up to which sign_flip_p enumerates all 2^n assignments (65,536 at 16)
+SIGN_FLIP_RESAMPLES = 99_999  # random assignments above it
+
+
 def sign_flip_p(d: np.ndarray) -> float:
-    """The exact two-sided sign-flip (paired permutation) p-value of mean(d) = 0: the share of the 2^n sign
+    """The two-sided sign-flip (paired permutation) p-value of mean(d) = 0: the share of the 2^n sign
     assignments of the paired differences whose |mean| reaches the observed one (scipy.stats.permutation_test,
-    permutation_type='samples', every assignment enumerated). It needs no normality, and it cannot go below
-    2 / 2^n (0.25 at n = 3, 0.0625 at n = 5). NaN below two pairs or when every difference is 0."""
+    permutation_type='samples'). Up to ``SIGN_FLIP_EXACT_MAX`` pairs every assignment is enumerated, so the p is
+    exact and cannot go below 2 / 2^n (0.25 at n = 3, 0.0625 at n = 5); above it (2^n assignments would not fit
+    in memory: 2^42 for 42 pairs) it is estimated from ``SIGN_FLIP_RESAMPLES`` random assignments drawn with a
+    fixed seed, so it is reproducible. It needs no normality. NaN below two pairs or when every difference
+    is 0."""
     from scipy import stats
 
     d = np.asarray(d, dtype=np.float64)
     if len(d) < 2 or not np.any(d != 0):
         return math.nan
+    exact = len(d) <= SIGN_FLIP_EXACT_MAX
     res = stats.permutation_test((d, np.zeros_like(d)), lambda x, y, axis=-1: np.mean(x - y, axis=axis),
-                                 permutation_type="samples", vectorized=True, n_resamples=math.inf,
-                                 alternative="two-sided")
+                                 permutation_type="samples", vectorized=True,
+                                 n_resamples=math.inf if exact else SIGN_FLIP_RESAMPLES, batch=8192,
+                                 alternative="two-sided", rng=np.random.default_rng(0))
     return float(min(1.0, res.pvalue))
 
 
