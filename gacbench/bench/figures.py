@@ -481,7 +481,7 @@ def beyond_figure(cv: Canvas, rows: list[dict]) -> None:
     axes[-1, 0].set_xlabel("share beyond the on-policy effect (95% Fieller interval; arrow: interval cut)\nfilled: "
                            "Holm-adjusted p < 0.05 for the difference-in-differences; grey ×: the raw recovered share",
                            fontsize=8)
-    cv.save(fig, "fig_beyond.png")
+    cv.save(fig, "fig_beyond.png", outside=True)  # the title and the two-line label are wider than one panel
 
 
 def law_figure(cv: Canvas, law: list[dict]) -> None:
