@@ -146,6 +146,36 @@ def test_bad_settings_are_refused(model_dir, tmp_path):
     GRPOModule.check_settings({"engine": {"name": "vllm", "compile": True}})  # accepted: checked without an engine
 
 
+def test_a_cells_policy_evaluations_are_its_eval_time_and_no_steps(model_dir, tmp_path, monkeypatch):
+    """The policy reward's evaluations (θ_0's before the first step, then every few steps) are counted in the cell's
+    ``eval`` part: none of them inside a timed optimizer step or in the trainer's remainder."""
+    import csv
+    import time
+
+    from gacbench.bench.cell import cell_dir, run_cell
+
+    pause = 1.0
+    real = GRPOModule.policy_reward
+
+    def slow(self):
+        time.sleep(pause)
+        return real(self)
+
+    monkeypatch.setattr(GRPOModule, "policy_reward", slow)
+    params = {k: v for k, v in grpo_args(model_dir, eval_every=2, eval_size=4).items()
+              if k not in ("staleness", "steps")}
+    cell = {"task": "arith", "objective": "grpo", "steps": 3, "warmup": 0, "method": "sync", "staleness": 0, "seed": 0,
+            "params": {**params, "policy_eval": {"prompts": 2, "samples": 2, "every": 2}}}
+    status = run_cell(cell, tmp_path)
+    assert status["status"] == "done", status.get("error")
+    rows = list(csv.DictReader((cell_dir(tmp_path, cell) / "metrics.csv").open()))
+    versions = [float(r["eval/policy_version"]) for r in rows if r.get("eval/policy_version")]
+    assert versions == [0.0, 2.0, 3.0]
+    parts = status["time"]
+    assert parts["eval"] >= len(versions) * pause
+    assert parts["steps"] < pause and parts["trainer"] < pause  # 3 steps of a tiny model: well under a second
+
+
 def test_grpo_cells_run_through_the_bench_runner_with_their_engine(model_dir, tmp_path):
     from gacbench.bench.report import build_report
     from gacbench.bench.runner import run_grid

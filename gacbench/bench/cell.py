@@ -99,20 +99,23 @@ class StepTimer(pl.Callback):
 
 
 class EvalTimer:
-    """Wraps an objective's ``metric()`` on the instance and adds up the seconds spent in it."""
+    """Wraps the objective's evaluation methods (``timed_evals``: ``metric()``, and e.g. GRPO's policy reward) on the
+    instance and adds up the seconds spent in them."""
 
     def __init__(self, model: pl.LightningModule) -> None:
         self.seconds = 0.0
-        inner = model.metric
+        for name in getattr(model, "timed_evals", ("metric",)):
+            setattr(model, name, self._timed(getattr(model, name)))
 
-        def metric(*args, **kwargs):
+    def _timed(self, inner):
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        model.metric = metric
+        return timed
 
 
 def rss_mb() -> float:

@@ -52,7 +52,7 @@ PARTS: dict[str, str] = {
     "setup": "objective, callbacks, Trainer (no model load)",
     "model": "model load (and any warm-start build)",
     "engine": "rollout engine start-up",
-    "eval": "metric evaluations",
+    "eval": "evaluations (the objective's timed_evals: its metric, GRPO's policy reward)",
     "steps": "optimizer steps",
     "trainer": "fit outside steps, evals, engine start",
     "write": "the cells' config.json",

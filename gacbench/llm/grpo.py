@@ -198,6 +198,7 @@ class GRPOModule(Objective):
     metric_name = "acc"
     higher_is_better = True
     rollout_staleness = True
+    timed_evals = ("metric", "policy_reward")
     uses_loss_stabilizer = True
     accelerator = "auto"  # the GPU when one is present
 
@@ -382,10 +383,14 @@ class GRPOModule(Objective):
                                "stale weights. Resume from the last checkpoint (ckpt_path) once the engine "
                                "works.") from exc
 
-    def on_train_batch_start(self, batch, batch_idx) -> None:
+    def on_train_epoch_start(self) -> None:
+        # before the first batch, so that no step's time holds it (a callback's on_train_batch_start runs before the
+        # module's)
         if self.policy_eval_cfg.prompts and self.global_step == 0 and not self._theta0_measured:
-            self._theta0_measured = True  # θ_0, where every run of one seed starts: once, even if step 0 is retried
+            self._theta0_measured = True  # θ_0, where every run of one seed starts: once per run
             self.log_scalars(self.policy_reward())
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
         self._t_step = time.perf_counter()
 
     def optimizer_step(self, *args, **kwargs) -> None:

@@ -111,6 +111,8 @@ class Objective(pl.LightningModule):
     higher_is_better = False
     rollout_staleness = False
     accelerator = "cpu"  # a bench cell's Trainer accelerator: "cpu", "auto", "gpu" (gacbench.trainer.pick_accelerator)
+    #: the methods that evaluate rather than train: a bench cell counts their seconds as its ``eval`` part
+    timed_evals: tuple[str, ...] = ("metric",)
 
     def __init__(self, eval_every: int = 10) -> None:
         super().__init__()
