@@ -280,6 +280,23 @@ def test_the_uniform_lag_simulator_at_a_single_lag_is_the_fixed_lag_fifo(tiny_ll
         torch.testing.assert_close(p, q, atol=1e-4, rtol=0)  # (1e-7 apart), through Adam's normalisation at lr 3e-3
 
 
+def test_the_policy_reward_under_the_uniform_lag_simulator_is_the_current_versions(tiny_llm_dir):
+    """Under rollout.mode uniform the engine holds the version its last rollout drew; the policy evaluation loads the
+    current weights first: it measures the versions it names, and θ_0's reward is the synchronous run's, draw for
+    draw (the same weights, prompts and seed)."""
+    rewards = {}
+    for mode in ("sync", "uniform"):
+        m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, task=dict(TINY_TASK), staleness=2,
+                       rollout={"prompts": 4, "group": 4, "max_tokens": 4, "mode": mode,
+                                **({"min_staleness": 1} if mode == "uniform" else {})},
+                       policy_eval={"prompts": 4, "samples": 4, "every": 2}, lr=3e-3, steps=5, eval_every=10**6)
+        trainer = make_trainer([], max_steps=5)
+        trainer.fit(m)
+        assert trainer.logger.values("eval/policy_version") == [0.0, 2.0, 4.0, 5.0]
+        rewards[mode] = trainer.logger.values("eval/policy_reward")
+    assert rewards["uniform"][0] == rewards["sync"][0]
+
+
 def test_the_uniform_lag_simulator_draws_seeded_lags_within_its_range(tiny_llm_dir):
     lags = []
     for _ in range(2):

@@ -374,6 +374,11 @@ class GRPOModule(Objective):
         if self.rollout_source is not None:  # the weights go to the rollout workers (or the simulator's snapshots)
             self.rollout_source.publish(self.policy.state_dict(), version)
             return
+        self.load_engine(version)
+
+    def load_engine(self, version: int) -> None:
+        """The current weights into this process's engine as ``version``; a failed load discards the engine and
+        stops the run."""
         try:
             self.engine.load_weights(self.policy.state_dict(), version=version)
         except Exception as exc:
@@ -417,12 +422,15 @@ class GRPOModule(Objective):
         weights, samples ``policy_eval.samples`` completions of each of the first ``policy_eval.prompts`` held-out
         problems. The standard error is the sampling error on this prompt set: sqrt(sum_i var_i / n) / P over the
         P prompts' sample variances var_i of n samples each (the prompts are fixed, so their spread is not noise
-        between runs)."""
+        between runs). Under ``rollout.mode`` uniform the engine holds the version its last rollout drew (t - s_t),
+        so the current weights are loaded into it first (the next rollout loads its own version again)."""
         pe, r = self.policy_eval_cfg, self.rollout_cfg
+        t0 = time.perf_counter()
+        if self.rollout_source is not None and self.engine is not None:
+            self.load_engine(self.global_step)
         if self.engine is None or self.engine.version != self.global_step:
             raise RuntimeError(f"GRPO: policy_eval needs the engine at version {self.global_step}; it holds "
                                f"{getattr(self.engine, 'version', None)}")
-        t0 = time.perf_counter()
         size = min(pe.prompts, getattr(self.task, "sizes", {}).get("eval", pe.prompts))
         problems = self.task.batch("eval", 0, size)
         prompts = [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
