@@ -52,6 +52,9 @@ def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
     assert rows["gac eager"]["actions"] == ["keep", "keep", "shrink", "project"]
     assert rows["grpo gac (hf)"]["steps"] == 2 and "s = 8" in rows["grpo gac (hf)"]["detail"]
     assert rows["grpo sync (hf)"]["detail"].startswith("s = 0")
+    for name in ("grpo sync (hf)", "grpo gac (hf)"):  # the median step leaves out the engine's start in the fit
+        r = rows[name]
+        assert 0 < r["step_s"] <= r["fit_s"] / r["steps"] and f"median step {r['step_s']:.2f} s" in r["detail"]
     assert rows["tests"]["ok"] is None
     assert record["overhead_record"]["overhead eager"]["gac_case"] == "shrink"
 
