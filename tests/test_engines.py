@@ -256,6 +256,38 @@ def _assert_synced_in_place(engine, model, before=None):
     return ptrs
 
 
+def test_the_sampled_tokens_ranks_are_counted_eagerly_with_vllms_integers(monkeypatch):
+    """vLLM's sampler ranks each sampled token by counting the row's entries >= its log-prob; on the CPU the engine
+    counts eagerly where the vocabulary is narrow (the same integers: ties included, the sampled token counts
+    itself) and leaves wider rows to vLLM's compiled count."""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample import sampler
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 50, generator=g).round(decimals=1)  # many ties
+    picked = torch.randint(0, 50, (37, 1), generator=g)
+    values = x.gather(1, picked)
+    ranks = E._count_at_least(x, values)
+    expected = torch.tensor([sum(1 for v in row if v >= val) for row, val in zip(x.tolist(), values[:, 0].tolist())])
+    assert ranks.dtype == torch.int64 and torch.equal(ranks, expected) and bool((ranks >= 1).all())
+
+    wide_calls = []
+
+    def compiled(x, values):  # stands for vLLM's compiled count
+        wide_calls.append(x.shape[-1])
+        return E._count_at_least(x, values)
+
+    monkeypatch.setattr(sampler, "batched_count_greater_than", compiled)
+    E._eager_sampled_ranks()
+    E._eager_sampled_ranks()  # wraps once
+    count = sampler.batched_count_greater_than
+    assert count is not compiled and count.eager_below == E.EAGER_RANK_VOCAB
+    assert torch.equal(count(x, values), expected) and wide_calls == []
+    wide = torch.randn(3, E.EAGER_RANK_VOCAB + 1, generator=g)
+    assert torch.equal(count(wide, wide[:, :1]), E._count_at_least(wide, wide[:, :1]))
+    assert wide_calls == [E.EAGER_RANK_VOCAB + 1]
+
+
 def test_vllm_compile_is_refused_where_the_weights_cannot_be_synced_in_place(small):
     """A compiled forward keeps the kernels it traced: compile=True needs the in-place (direct) sync of a float32
     engine, refused before anything starts."""
@@ -330,10 +362,15 @@ def test_a_compiled_vllm_engine_follows_the_trainer_through_in_place_syncs(small
     the fused in-place copy, and after each AdamW update the engine's log-probs are the trainer's; a reused
     compiled engine gives the same rollouts for the same weights and seed, bit for bit."""
     pytest.importorskip("vllm")
+    from vllm.compilation.counter import compilation_counter
+
     d, model, tok = small
     prompts = _prompts(tok)
     spec = E.EngineSpec("vllm", compile=True)
+    aot = compilation_counter.num_aot_compiles
     engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
+    # not vLLM's AOT path, whose artifact this vLLM cannot load back on the CPU (every start would compile anew)
+    assert compilation_counter.num_aot_compiles == aot
     start = {k: v.clone() for k, v in model.state_dict().items()}
     engine.load_weights(model.state_dict(), 0)
     assert engine.sync_method == "direct" and engine.weight_sync == "direct"

