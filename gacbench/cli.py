@@ -302,14 +302,20 @@ def _grpo(argv: list[str]) -> int:
     return run(argv)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """``gacbench bench``, timed from its process's start (:func:`gacbench.bench.timing.process_start`; where that
-    cannot be read, from this module's import). With the local executor and two or more workers the fork
-    server of the worker pool starts first (:func:`gacbench.bench.workers.start_fork_server`), so that its
-    imports run beside this process's own imports and its planning of the grid."""
-    from gacbench.bench.timing import process_start
+def process_started() -> dict:
+    """When this process started (:func:`gacbench.bench.timing.process_start`): read from /proc, or this module's
+    import where /proc cannot be read or reads a start that belongs to a program which exec'd this one."""
+    from gacbench.bench.timing import EXEC_SLACK_S, process_start
 
-    started = process_start(_IMPORTED_AT, "cli-import")
+    return process_start(_IMPORTED_AT, "cli-import", max_before_s=EXEC_SLACK_S)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``gacbench bench``, timed from its process's start (:func:`process_started`). With the local executor and
+    two or more workers the fork server of the worker pool starts first
+    (:func:`gacbench.bench.workers.start_fork_server`), so that its imports run beside this process's own imports
+    and its planning of the grid."""
+    started = process_started()
     if args.executor == "local" and args.workers > 1:
         from gacbench.bench.workers import start_fork_server
 

@@ -226,6 +226,36 @@ def test_the_process_start_falls_back_where_proc_is_missing_or_reads_a_later_mom
     assert timing.process_start(50.0, "cli-import") == {"process_started_at": 47.5, "process_clock": "proc"}
     monkeypatch.setattr(timing, "proc_started_at", lambda: 50.01)  # within a clock tick: the fallback's moment
     assert timing.process_start(50.0, "cli-import") == {"process_started_at": 50.0, "process_clock": "proc"}
+    # a fallback taken right after the interpreter's start bounds the start from below too
+    monkeypatch.setattr(timing, "proc_started_at", lambda: 47.5)
+    assert timing.process_start(50.0, "cli-import", max_before_s=2.0) == {"process_started_at": 50.0,
+                                                                          "process_clock": "cli-import"}
+    monkeypatch.setattr(timing, "proc_started_at", lambda: 48.5)
+    assert timing.process_start(50.0, "cli-import", max_before_s=2.0) == {"process_started_at": 48.5,
+                                                                          "process_clock": "proc"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("shell_first_s", [0.0, 3.0])
+def test_the_command_lines_start_is_its_own_when_a_shell_execs_it(tmp_path, shell_first_s):
+    """A shell that execs the command in place of itself (``bash -c 'cd DIR && gacbench bench ...'``) hands it its
+    process id and start: the command line's start leaves out what the shell ran before, and is /proc's otherwise."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    shell = shutil.which("sh")
+    if shell is None:
+        pytest.skip("no sh")
+    code = "from gacbench import cli; r = cli.process_started(); print(r['process_started_at'], r['process_clock'])"
+    before = time.time()
+    proc = subprocess.run([shell, "-c", f'sleep {shell_first_s} && exec "$0" -c "$1"', sys.executable, code],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    started, clock = proc.stdout.split()
+    assert clock == ("proc" if shell_first_s == 0 else "cli-import")
+    assert before + shell_first_s - 0.05 <= float(started) <= time.time()
 
 
 def test_the_outside_figures_add_up_from_process_start_to_the_written_report():

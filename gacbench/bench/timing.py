@@ -43,6 +43,12 @@ OUTSIDE_PENDING = ("report_s, outside_wall_s and outside_step_share are measured
 #: How far (s) a start read from /proc may lie after the caller's fallback moment (its clock ticks are 10 ms).
 PROC_SLACK_S = 0.05
 
+#: How far (s) a start read from /proc may lie before the command line's import (``gacbench.cli``): the
+#: interpreter's start-up and the light imports before it take about 0.04 s. A start further back is another
+#: program's: a shell that exec'd the command in place of itself (``bash -c 'cd DIR && gacbench bench ...'`` runs
+#: its last command that way) keeps its process id and start, so /proc would count the shell's earlier commands.
+EXEC_SLACK_S = 2.0
+
 #: The parts of one cell's span, in status.json's ``time``.
 CELL_PARTS = ("setup", "model", "engine", "eval", "steps", "trainer", "write", "other")
 
@@ -85,12 +91,15 @@ def proc_started_at() -> float | None:
     return now - (uptime - ticks / hz)
 
 
-def process_start(fallback: float, fallback_clock: str) -> dict[str, Any]:
+def process_start(fallback: float, fallback_clock: str, max_before_s: float | None = None) -> dict[str, Any]:
     """``{"process_started_at", "process_clock"}``: the start :func:`proc_started_at` reads (``"proc"``; at
     most ``fallback``, a moment the process reached after it started), or ``fallback`` itself, named
-    ``fallback_clock``, where /proc cannot be read or reads a start more than :data:`PROC_SLACK_S` after it."""
+    ``fallback_clock``, where /proc cannot be read, reads a start more than :data:`PROC_SLACK_S` after it, or
+    (given ``max_before_s``, for a fallback taken right after the interpreter's start: :data:`EXEC_SLACK_S`) one
+    more than ``max_before_s`` before it, which belongs to a program that exec'd this one."""
     proc = proc_started_at()
-    if proc is None or proc > fallback + PROC_SLACK_S:
+    if (proc is None or proc > fallback + PROC_SLACK_S
+            or (max_before_s is not None and proc < fallback - max_before_s)):
         return {"process_started_at": fallback, "process_clock": fallback_clock}
     return {"process_started_at": min(proc, fallback), "process_clock": "proc"}
 
