@@ -280,12 +280,21 @@ def test_the_uniform_lag_simulator_at_a_single_lag_is_the_fixed_lag_fifo(tiny_ll
         torch.testing.assert_close(p, q, atol=1e-4, rtol=0)  # (1e-7 apart), through Adam's normalisation at lr 3e-3
 
 
-def test_the_policy_reward_under_the_uniform_lag_simulator_is_the_current_versions(tiny_llm_dir):
+def test_the_policy_reward_under_the_uniform_lag_simulator_is_the_current_versions(tiny_llm_dir, monkeypatch):
     """Under rollout.mode uniform the engine holds the version its last rollout drew; the policy evaluation loads the
     current weights first: it measures the versions it names, and θ_0's reward is the synchronous run's, draw for
     draw (the same weights, prompts and seed)."""
+    loads = []
+    load_engine = GRPOModule.load_engine
+
+    def recorded(self, version):
+        loads.append((version, self.global_step, self.rollout_source is not None))
+        return load_engine(self, version)
+
+    monkeypatch.setattr(GRPOModule, "load_engine", recorded)
     rewards = {}
     for mode in ("sync", "uniform"):
+        loads.clear()
         m = GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, task=dict(TINY_TASK), staleness=2,
                        rollout={"prompts": 4, "group": 4, "max_tokens": 4, "mode": mode,
                                 **({"min_staleness": 1} if mode == "uniform" else {})},
@@ -294,6 +303,10 @@ def test_the_policy_reward_under_the_uniform_lag_simulator_is_the_current_versio
         trainer.fit(m)
         assert trainer.logger.values("eval/policy_version") == [0.0, 2.0, 4.0, 5.0]
         rewards[mode] = trainer.logger.values("eval/policy_reward")
+        if mode == "uniform":  # the simulator publishes the rollouts' weights: every load is an evaluation's θ_t
+            assert loads == [(t, t, True) for t in (0, 2, 4, 5)]
+        else:  # the trainer's own sync after each step
+            assert [v for v, *_ in loads] == list(range(6)) and not any(src for *_, src in loads)
     assert rewards["uniform"][0] == rewards["sync"][0]
 
 

