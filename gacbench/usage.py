@@ -28,13 +28,55 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import (a module's top level, under importlib's frames)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+#: the signals waiting for the main thread's import to end (each is sent again once)
+_pending: set[int] = set()
+
+
+def _deliver_after_import(signum: int) -> None:
+    """Send ``signum`` to the main thread again once it has left every import (a daemon thread looks at its
+    frames every 10 ms); the same signal again meanwhile adds nothing."""
+    import sys
+    import threading
+    import time
+
+    if signum in _pending:
+        return
+    _pending.add(signum)
+    main = threading.main_thread().ident
+
+    def watch() -> None:
+        while _importing(sys._current_frames().get(main)):
+            time.sleep(0.01)
+        _pending.discard(signum)
+        signal.pthread_kill(main, signum)
+
+    threading.Thread(target=watch, name=f"gacbench-{signal.Signals(signum).name}", daemon=True).start()
+
+
 @contextlib.contextmanager
 def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
     """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread; the previous
-    handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes."""
+    handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes.
+
+    A signal that arrives during an import is raised once the import is done: an import's top level can run
+    inside a C++ extension's call (torch's ``torch.distributed`` runs Python while its C++ initialisation is on
+    the stack), where an exception from the handler ends the process with ``terminate called after throwing an
+    instance of 'pybind11::error_already_set'`` (SIGABRT) instead of exit 130 / 143."""
     import threading
 
     def handler(signum, frame):
+        if _importing(frame):
+            _deliver_after_import(signum)
+            return
         raise Interrupted(signum)
 
     if threading.current_thread() is not threading.main_thread():
