@@ -41,15 +41,21 @@ def _importing(frame) -> bool:
 _pending: set[int] = set()
 
 
-def _deliver_after_import(signum: int) -> None:
-    """Send ``signum`` to the main thread again once it has left every import (a daemon thread looks at its
-    frames every 10 ms); the same signal again meanwhile adds nothing."""
+def defer_during_import(signum: int, frame) -> bool:
+    """For a signal handler that raises: whether the signal came during an import (``frame``, the handler's),
+    and is then sent to the main thread again once it has left every import, so that the handler runs again
+    there. Raised inside an import, the exception can pass through a C++ extension's call (torch's
+    ``torch.distributed`` runs Python while its C++ initialisation is on the stack), which ends the process with
+    ``terminate called after throwing an instance of 'pybind11::error_already_set'`` (SIGABRT). A daemon thread
+    looks at the main thread's frames every 10 ms; the same signal again meanwhile adds nothing."""
     import sys
     import threading
     import time
 
+    if not _importing(frame):
+        return False
     if signum in _pending:
-        return
+        return True
     _pending.add(signum)
     main = threading.main_thread().ident
 
@@ -60,22 +66,18 @@ def _deliver_after_import(signum: int) -> None:
         signal.pthread_kill(main, signum)
 
     threading.Thread(target=watch, name=f"gacbench-{signal.Signals(signum).name}", daemon=True).start()
+    return True
 
 
 @contextlib.contextmanager
 def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
     """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread; the previous
     handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes.
-
-    A signal that arrives during an import is raised once the import is done: an import's top level can run
-    inside a C++ extension's call (torch's ``torch.distributed`` runs Python while its C++ initialisation is on
-    the stack), where an exception from the handler ends the process with ``terminate called after throwing an
-    instance of 'pybind11::error_already_set'`` (SIGABRT) instead of exit 130 / 143."""
+    A signal that arrives during an import is raised once the import is done (:func:`defer_during_import`)."""
     import threading
 
     def handler(signum, frame):
-        if _importing(frame):
-            _deliver_after_import(signum)
+        if defer_during_import(signum, frame):
             return
         raise Interrupted(signum)
 

@@ -108,7 +108,7 @@ from gacbench.methods import (
     sync_cell,
 )
 from gacbench.provenance import environment_key, provenance
-from gacbench.usage import UsageError, check_output_dir
+from gacbench.usage import UsageError, check_output_dir, defer_during_import
 
 _IMPORTED_AT = time.time()  # the start-up clock of a caller that did not read its process's start
 
@@ -560,8 +560,8 @@ def _stop_on_signals():
     signums = (signal.SIGINT, signal.SIGTERM)
 
     def stop(signum, frame):
-        if stop_requested() is not None:
-            return  # a second signal while the grid stops
+        if stop_requested() is not None or defer_during_import(signum, frame):
+            return  # a second signal while the grid stops; a signal during an import comes again after it
         request_stop(signum)
         raise GridInterrupted(signum)
 
