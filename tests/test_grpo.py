@@ -1,6 +1,8 @@
 """GRPOModule with the HF engine on the tiny warm-started model: exact lag, behaviour log-probs,
 weight sync every step, loss-side and gradient-side stabilizers, exact resume, errors."""
 
+import functools
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -9,6 +11,7 @@ import torch  # noqa: E402
 from conftest import TINY_TASK, make_trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+import gacbench.llm.grpo as grpo  # noqa: E402
 from gacbench import GAC  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
 from gacbench.rollout.engines import sequence_logprobs  # noqa: E402
@@ -144,6 +147,88 @@ def test_bad_settings_are_refused(model_dir, tmp_path):
     with pytest.raises(ValueError, match="engine.compile='yes' must be true or false"):
         GRPOModule.check_settings({"engine": {"name": "vllm", "compile": "yes"}})
     GRPOModule.check_settings({"engine": {"name": "vllm", "compile": True}})  # accepted: checked without an engine
+
+
+def _counted(calls: dict, key: str, forward, *args, **kwargs):
+    calls[key] += 1
+    return forward(*args, **kwargs)
+
+
+def _packed_batch(seed: int = 0) -> dict:
+    """A hand-made packed batch of 7 rows of unequal prompt and completion lengths (right padding)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.tensor([5, 6, 7, 5, 8, 6, 5])
+    lens = prompt_len + torch.tensor([10, 12, 9, 13, 12, 7, 15])
+    attention = (torch.arange(int(lens.max())).unsqueeze(0) < lens.unsqueeze(1)).long()
+    ids = torch.randint(3, 18, attention.shape, generator=g) * attention
+    mask = torch.arange(int((lens - prompt_len).max())).unsqueeze(0) < (lens - prompt_len).unsqueeze(1)
+    return {"ids": ids, "attention": attention, "mask": mask, "prompt_len": prompt_len}
+
+
+def test_logit_rows_and_gradient_checkpointing_keep_the_log_probs_and_gradients(model_dir):
+    """model.logit_rows (the output layer on a few rows' completion positions at a time, recomputed in the
+    backward pass) and model.gradient_checkpointing (each decoder layer recomputed in the backward pass) give the
+    whole-batch path's log-probs bit for bit and its gradients within rounding, and do recompute: each decoder
+    layer runs twice per forward and backward with checkpointing, the output layer once per chunk in each pass."""
+    packed = _packed_batch()
+    weights = torch.linspace(-1, 1, packed["mask"].numel()).view(packed["mask"].shape)
+
+    def run(**model):
+        m = GRPOModule(**{**grpo_args(model_dir), "model": {"path": model_dir, **model}})
+        calls = {"layer": 0, "head": 0}
+        # counted by their forward methods: module hooks do not run in a checkpoint's recomputation
+        for key, mod in (("layer", m.policy.get_decoder().layers[0].mlp), ("head", m.policy.get_output_embeddings())):
+            mod.forward = functools.partial(_counted, calls, key, mod.forward)
+        lp = m.token_logprobs(packed)
+        (lp * weights).sum().backward()
+        with torch.no_grad():
+            assert torch.equal(m.frozen_logprobs(packed), lp.detach())
+        return lp.detach(), [p.grad for p in m.policy.parameters()], calls
+
+    lp0, g0, calls0 = run()
+    assert calls0 == {"layer": 2, "head": 2}  # the backward recomputes nothing; +1 each for the frozen pass
+    for model, calls in [({"logit_rows": 3}, {"layer": 2, "head": 3 * 2 + 3}),
+                         ({"gradient_checkpointing": True}, {"layer": 3, "head": 2}),
+                         ({"gradient_checkpointing": True, "logit_rows": 7}, {"layer": 3, "head": 3})]:
+        lp, g, seen = run(**model)
+        assert seen == calls, model
+        assert torch.equal(lp, lp0), model
+        scale = max(float(x.abs().max()) for x in g0)
+        assert max(float((x - y).abs().max()) for x, y in zip(g, g0)) <= 1e-6 * scale, model
+
+
+def test_a_stale_run_with_logit_rows_and_checkpointing_trains_as_the_default_one(model_dir):
+    """Three steps at s = 1 (behaviour log-probs, the training forward and backward) with both memory settings:
+    the same lags and rewards, every importance and clipping diagnostic and the final weights within rounding."""
+    runs, weights = [], []
+    for model in ({}, {"gradient_checkpointing": True, "logit_rows": 3}):
+        m = GRPOModule(**{**grpo_args(model_dir, staleness=1, steps=3), "model": {"path": model_dir, **model}})
+        trainer = make_trainer([], max_steps=3)
+        trainer.fit(m)
+        runs.append({k: v for k, v in trainer.logger.series.items() if not k.startswith("time/")})
+        weights.append([p.detach().clone() for p in m.policy.parameters()])
+    assert [v for _, v in runs[1]["stale/lag"]] == [v for _, v in runs[0]["stale/lag"]] == [0, 1, 1]
+    assert runs[1]["reward/mean"] == runs[0]["reward/mean"]
+    diagnostics = [k for k in runs[0] if k.startswith(("is/", "pg/"))]
+    assert len(diagnostics) >= 5 and set(runs[1]) == set(runs[0])
+    for key in diagnostics:
+        assert [v for _, v in runs[1][key]] == pytest.approx([v for _, v in runs[0][key]], rel=1e-4, abs=1e-6), key
+    assert max(float((a - b).abs().max()) for a, b in zip(*weights)) < 1e-5
+
+
+def test_memory_settings_are_checked(model_dir):
+    with pytest.raises(ValueError, match="model.logit_rows=0"):
+        GRPOModule.check_settings({"model": {"logit_rows": 0}})
+    with pytest.raises(ValueError, match="model.logit_rows=2.5"):
+        GRPOModule.check_settings({"model": {"logit_rows": 2.5}})
+    with pytest.raises(ValueError, match="model.gradient_checkpointing='yes' must be true or false"):
+        GRPOModule.check_settings({"model": {"gradient_checkpointing": "yes"}})
+    m = module(model_dir)
+    m.policy.config.final_logit_softcapping = 30.0  # as Gemma's: the logits are not the head's output alone
+    with pytest.raises(ValueError, match=r"sets final_logit_softcapping\); set model.logit_rows: null"):
+        grpo.check_plain_logits(m.policy)
+    m.policy.config.final_logit_softcapping = None
+    grpo.check_plain_logits(m.policy)
 
 
 def test_a_cells_policy_evaluations_are_its_eval_time_and_no_steps(model_dir, tmp_path, monkeypatch):

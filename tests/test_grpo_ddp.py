@@ -97,8 +97,11 @@ def test_the_fsdp_gpu_config_is_the_gpu_config_sharded_over_its_devices():
     devices = fsdp["trainer"]["devices"]
     assert devices > 1 and fsdp["model"]["rollout"]["prompts"] % devices == 0  # each rank its share of the prompts
     assert fsdp["trainer"]["accelerator"] == "gpu" and fsdp["model"]["engine"]["name"] == "hf"
-    for section in ("model", "task", "loss"):
+    for section in ("task", "loss"):
         assert fsdp["model"][section] == single["model"][section]
+    # the strategy's activation checkpointing (each decoder layer) in place of transformers'
+    assert single["model"]["model"].pop("gradient_checkpointing") is True
+    assert fsdp["model"]["model"] == single["model"]["model"]
     differ = {k for k in fsdp["model"]["rollout"] if fsdp["model"]["rollout"][k] != single["model"]["rollout"][k]}
     assert differ == {"prompts"}
     assert {k: v for k, v in fsdp["trainer"].items() if k not in ("strategy", "devices", "num_nodes", "logger")} == \

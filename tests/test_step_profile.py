@@ -40,6 +40,7 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
     (["--peak-tflops", "0"], "--peak-tflops 0"),
     (["--shape", "tiny-random", "--model", "/x"], "--shape or --model"),
     (["--compile"], "engine.compile=true is for the vllm engine in float32"),
+    (["--logit-rows", "0"], "--logit-rows 0"),
 ])
 def test_step_profile_refuses_bad_options_in_one_line(args, words, capsys):
     assert main(["step-profile", "--engine", "hf", *args]) == 2
@@ -72,14 +73,16 @@ def test_the_qwen3_shape_is_qwen3_1_7b():
 @pytest.mark.slow
 def test_step_profile_at_a_random_weight_shape_reports_speeds_and_the_flop_floor(tmp_path, monkeypatch):
     """--shape tiny-random: the code path of --shape qwen3-1.7b at a CPU's size (a model built from a config,
-    random weights, the tiny tokenizer over a larger vocabulary)."""
+    random weights, the tiny tokenizer over a larger vocabulary), with the memory settings of the GPU command."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("GACBENCH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "profile.json"
     assert main(["step-profile", "--engine", "hf", "--shape", "tiny-random", "--prompts", "2", "--group", "2",
-                 "--max-tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+                 "--max-tokens", "4", "--repeats", "1", "--gradient-checkpointing", "--logit-rows", "3",
+                 "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["shape"] == "tiny-random" and rec["device"] == "cpu" and rec["peak_memory_gib"] is None
+    assert rec["gradient_checkpointing"] is True and rec["logit_rows"] == 3
     assert rec["params"] == pytest.approx(4096 * 128 + 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 384
                                                             + 2 * 32 + 2 * 128) + 128)
     floor = rec["flop_floor_s"]

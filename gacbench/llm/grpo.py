@@ -62,11 +62,22 @@ class ModelConfig:
     """path: a local Hugging Face checkpoint directory (e.g. a real Qwen3); None = a small Qwen3 built from a
     config and warm-started for ``warm_steps`` supervised steps on the arithmetic task, or on the run's task where
     it sets ``warm_on_task`` (gacbench.llm.warmstart.warm_task; built once, cached), of the named ``size``
-    (gacbench.llm.model.MODEL_SIZES: ``tiny``, 0.79M parameters; ``small``, 4.7M; ``medium``, 17.3M)."""
+    (gacbench.llm.model.MODEL_SIZES: ``tiny``, 0.79M parameters; ``small``, 4.7M; ``medium``, 17.3M).
+
+    Memory of the trainer's log-prob passes, for models whose batch does not fit otherwise (the same log-probs
+    and gradients within rounding; off by default): ``gradient_checkpointing`` recomputes each decoder layer in
+    the backward pass instead of keeping its activations (transformers' ``gradient_checkpointing_enable``,
+    non-reentrant); ``logit_rows``: the output layer and the log-softmax run on this many sequences at a time,
+    on the completion positions only, and are recomputed in the backward pass, so no (batch, length, vocabulary)
+    logits are ever held (None: the whole batch's logits at once). ``logit_rows`` needs a model whose logits
+    are its output embedding applied to the decoder's last hidden state (Qwen3, Llama, Mistral; a model with
+    logit scaling or soft-capping is refused)."""
 
     path: str | None = None
     warm_steps: int = 400
     size: str = "tiny"
+    gradient_checkpointing: bool = False
+    logit_rows: int | None = None
 
 
 @dataclass
@@ -158,6 +169,41 @@ class PolicyEvalConfig:
 POLICY_EVAL_SEED = 20_260_101
 
 
+#: config keys of transformers models whose logits are not their output embedding of the last hidden state
+#: (Gemma's soft-capping, Cohere's and Granite's scaling): refused by ``model.logit_rows``
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_plain_logits(model: torch.nn.Module) -> None:
+    """Raise a ValueError unless ``model``'s logits are its output embedding applied to its decoder's last hidden
+    state, which ``model.logit_rows`` computes on its own."""
+    config = getattr(model, "config", None)
+    transforms = [k for k in LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if transforms or head is None or decoder is None or decoder is model:
+        why = (f"its config sets {', '.join(transforms)}" if transforms
+               else "it has no separate decoder and output embedding")
+        raise ValueError(f"model.logit_rows: the logits of {type(model).__name__} are not its output embedding of "
+                         f"the decoder's last hidden state ({why}); set model.logit_rows: null")
+
+
+def _picked_logprobs(logits: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) log-probs of ``targets`` from (B, L, V) ``logits`` at positions ``pos``, normalised in float32."""
+    B, T = pos.shape
+    picked = logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])).float()  # (B, T, V)
+    return picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
+
+
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, pos: torch.Tensor,
+                   targets: torch.Tensor) -> torch.Tensor:
+    """:func:`_picked_logprobs` from the last hidden states (B, L, H): the output layer runs on the B x T
+    completion positions only."""
+    B, T = pos.shape
+    picked = head(hidden.gather(1, pos.unsqueeze(-1).expand(B, T, hidden.shape[-1]))).float()  # (B, T, V)
+    return picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
+
+
 def _section(cls: type, value: Any, name: str) -> Any:
     """A config section from a dataclass instance or a dict; unknown keys are named in the error."""
     if isinstance(value, cls):
@@ -245,6 +291,10 @@ class GRPOModule(Objective):
         self.model_path = model_path
         self.policy, self.tok = load(model_path)
         self.policy.train()  # from_pretrained returns eval mode
+        if self.model_cfg.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.model_cfg.logit_rows is not None:
+            check_plain_logits(self.policy)
         self.n_params = sum(p.numel() for p in self.policy.parameters())  # tied embeddings counted once
         # one-off costs a bench cell reports apart: the model's load (and warm start) here, the engine's start-up
         self.cost_s = {"model": time.perf_counter() - t_model, "engine": 0.0}
@@ -314,6 +364,12 @@ class GRPOModule(Objective):
             check_name(owner, "task.reward", t.reward, REWARDS, "a registered reward")
         if m.path is None:
             check_name(owner, "model.size", m.size, MODEL_SIZES, "a known model size")
+        if not isinstance(m.gradient_checkpointing, bool):
+            raise SettingError(f"{owner}: model.gradient_checkpointing={m.gradient_checkpointing!r} must be true or "
+                               "false", "model.gradient_checkpointing", m.gradient_checkpointing)
+        if m.logit_rows is not None:
+            check_range(owner, "model.logit_rows", m.logit_rows, 1, integer=True,
+                        why="null computes the whole batch's logits at once")
         staleness = params.get("staleness", 0)
         check_range(owner, "staleness", staleness, 0, integer=True, why="0 is synchronous GRPO")
         resolve_mode(r, staleness)
@@ -655,15 +711,28 @@ class GRPOModule(Objective):
         """(B, T) log-probs of the completion tokens under ``model`` (default: the current policy; 0 where masked).
         Only the B x T completion positions are normalised (in fp32), not the whole (B, L, V) logits."""
         ids, mask = packed["ids"], packed["mask"]
-        logits = (model or self.policy)(input_ids=ids, attention_mask=packed["attention"]).logits  # (B, L, V)
+        model = model or self.policy
         B, T = mask.shape
         # (B, T): the position whose logits predict completion token k
         pos = (packed["prompt_len"] - 1).unsqueeze(-1) + torch.arange(T, device=ids.device).unsqueeze(0)
         pos = pos.clamp(max=ids.shape[1] - 2)
         targets = ids.gather(1, (pos + 1).clamp(max=ids.shape[1] - 1))  # (B, T)
-        picked = logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])).float()  # (B, T, V)
-        lp = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
-        return lp * mask
+        rows = self.model_cfg.logit_rows
+        if rows is None:
+            logits = model(input_ids=ids, attention_mask=packed["attention"], use_cache=False).logits  # (B, L, V)
+            return _picked_logprobs(logits, pos, targets) * mask
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=packed["attention"],
+                                     use_cache=False).last_hidden_state  # (B, L, H)
+        from torch.utils.checkpoint import checkpoint
+
+        head = functools.partial(_head_logprobs, model.get_output_embeddings())
+        parts = []
+        for i in range(0, B, rows):
+            chunk = (hidden[i : i + rows], pos[i : i + rows], targets[i : i + rows])
+            # recomputed in the backward pass: only the chunk's hidden states are kept, never its logits
+            parts.append(checkpoint(head, *chunk, use_reentrant=False)
+                         if torch.is_grad_enabled() else head(*chunk))
+        return torch.cat(parts) * mask
 
     @torch.no_grad()
     def frozen_logprobs(self, packed: dict[str, torch.Tensor], model=None) -> torch.Tensor:

@@ -22,12 +22,14 @@ The phases run on the device the one trained step ran on (the GPU where there is
 ``--shape qwen3-1.7b``: a model of Qwen3-1.7B's architecture (hidden 2048, 28 layers, 151,936-token vocabulary,
 1.72B parameters) built from its config with random weights (nothing is downloaded; built once and cached,
 ``gacbench.llm.model.cached_model_dir``), for timing at a real shape on a GPU, e.g. ``--prompts 8 --group 8
---max-tokens 512 --precision bf16-mixed``; ``--shape tiny-random`` is the built-in tiny architecture with random
-weights and a 4,096-token vocabulary (the same code path at a size a CPU runs in seconds). Random weights
-rarely emit the end-of-sequence token, so every sample runs to ``--max-tokens``. The record then also gives
-the training device's peak memory, the tokens per second of generation and of the whole step, and the forward
-and backward against the FLOP floor (2 N and 4 N FLOPs per token of the batch, N the parameters, at
-``--peak-tflops``; the attention's own FLOPs are left out, so the floor is a lower bound).
+--max-tokens 512 --precision bf16-mixed --gradient-checkpointing --logit-rows 8`` (without the last two the whole
+batch's logits and activations do not fit one GPU: docs/llm.md, "Memory of the training forward"); ``--shape
+tiny-random`` is the built-in tiny architecture with random weights and a 4,096-token vocabulary (the same code path
+at a size a CPU runs in seconds). Random weights rarely emit the end-of-sequence token, so every sample runs to
+``--max-tokens``. The record then also gives the training device's peak memory, the tokens per second of generation
+and of the whole step, and the forward and backward against the FLOP floor (2 N and 4 N FLOPs per token of the
+batch, N the parameters, at ``--peak-tflops``; the attention's own FLOPs are left out, so the floor is a lower
+bound).
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def build_module(args):
     from gacbench.llm.grpo import GRPOModule
     from gacbench.trainer import build_trainer
 
-    settings = {"model": {"path": args.model},
+    memory = {"gradient_checkpointing": bool(args.gradient_checkpointing),
+              **({"logit_rows": args.logit_rows} if args.logit_rows else {})}
+    settings = {"model": {"path": args.model, **memory},
                 "engine": {"name": args.engine, **({"compile": True} if args.compile else {})},
                 "rollout": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                             **({"logprob_rows": args.logprob_rows} if args.logprob_rows else {})},
@@ -140,6 +144,7 @@ def summarise(timed: dict, module, args) -> dict:
         "params": module.n_params, "model_path": args.model, "engine": args.engine, "task": args.task,
         "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "logprob_rows": module.rollout_cfg.logprob_rows,
+        "gradient_checkpointing": module.model_cfg.gradient_checkpointing, "logit_rows": module.model_cfg.logit_rows,
         "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -174,6 +179,8 @@ def main(args) -> int:
 
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats} must be >= 1")
+    if args.logit_rows is not None and args.logit_rows < 1:
+        raise UsageError(f"--logit-rows {args.logit_rows} must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads} must be >= 1")
     if args.peak_tflops <= 0:
@@ -230,6 +237,12 @@ def add_arguments(p) -> None:
                    help="new tokens per sample (default 6; 48 for --task scratchpad)")
     p.add_argument("--logprob-rows", type=int, default=None,
                    help="rollout.logprob_rows: sequences per pass of the behaviour log-probs (default: GRPO's, 64)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="model.gradient_checkpointing: recompute each decoder layer in the backward pass (the "
+                        "backward then holds one more forward)")
+    p.add_argument("--logit-rows", type=int, default=None,
+                   help="model.logit_rows: the output layer and log-softmax on this many sequences at a time, "
+                        "recomputed in the backward pass (default: the whole batch's logits at once)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians reported (default 5)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is what each of 2 bench workers gets on 2 cores)")
