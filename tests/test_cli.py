@@ -33,6 +33,64 @@ def test_overhead_bf16_buffer_runs():
     assert record["buffer_dtype"] == "bfloat16" and record["gac_s"] > 0
 
 
+def _storages() -> dict[int, int]:
+    """Every live tensor storage of this process (gc-tracked tensors and the gradients of parameters), by address:
+    its size in bytes."""
+    import gc
+
+    import torch
+
+    found: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter):
+            for t in (obj, obj.grad if isinstance(obj, torch.nn.Parameter) else None):
+                if t is not None and t.device.type == "cpu":
+                    found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return found
+
+
+def test_overhead_holds_at_most_eight_gradient_sized_copies(monkeypatch):
+    """At 1.72B float32 parameters each gradient-sized copy is 6.9 GB: the command must fit an 80 GB GPU. Counted
+    from the live storages after each GAC branch's setup and timed call: parameters, gradients, AdamW's two
+    moments, GAC's two references (a branch each) and one scratch buffer for the floors, nothing more (float32
+    units; the command held 12 before each reference was drawn anew in its setup)."""
+    import gacbench.bench.overhead as overhead
+
+    before = set(_storages())
+    held: list[int] = []
+
+    def counted(f):
+        def call():
+            out = f()
+            held.append(sum(n for ptr, n in _storages().items() if ptr not in before))
+            return out
+        return call
+
+    real = overhead._interleaved
+    monkeypatch.setattr(overhead, "_interleaved", lambda cases, *a, **k: real(
+        {name: (counted(fn), counted(setup)) if name.startswith("gac") else (fn, setup)
+         for name, (fn, setup) in cases.items()}, *a, **k))
+    record = run_overhead(params=1_000_000, repeats=1, kernels=("eager",))
+    assert record["gac_case"] == "shrink" and record["gac_keep_case"] == "keep"
+    assert len(held) == 8 and max(held) / (4 * record["params"]) <= overhead.GRADIENT_COPIES + 0.01
+
+
+def test_overhead_refuses_a_gpu_without_room_before_building_anything(monkeypatch):
+    """The Qwen3-1.7B shape needs nine float32 copies of 1.72B elements (62 GB): a GPU with 40 GB free is refused
+    in one message that names the need, the free memory and a --params that fits."""
+    import torch
+
+    from gacbench.bench.overhead import check_memory
+    from gacbench.usage import UsageError
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (40e9, 80e9))
+    with pytest.raises(UsageError, match=r"need about 62 GB of GPU memory .* has 40 GB free of 80 GB; .*--params "
+                                         r"1,00\d,\d{3},\d{3} without --shape"):
+        check_memory(torch.device("cuda"), QWEN3_1_7B.numel())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (79e9, 80e9))
+    check_memory(torch.device("cuda"), QWEN3_1_7B.numel())  # an 80 GB GPU, nearly empty: room
+
+
 def test_shapes():
     assert abs(QWEN3_1_7B.numel() - 1.72e9) / 1.72e9 < 0.02  # Qwen3-1.7B has ~1.72B parameters (tied embeddings)
     assert abs(shape_for_params(20_000_000).numel() - 20_000_000) < 200_000

@@ -13,6 +13,9 @@ printed with it (a kernel that streams memory faster than torch's dot product, s
 go below it). Threads: torch's default (set ``OMP_NUM_THREADS`` to pin them; on a shared machine one thread
 gives the steadiest figures).
 
+Memory: at most :data:`GRADIENT_COPIES` float32 copies of the parameter list at once (55 GB at the Qwen3-1.7B
+shape; checked against a GPU's free memory before anything is built).
+
 The kernel paths are timed one after the other, each in its own interleaved rounds (the first: AdamW, the
 path's two branches and the floors; each later one: its two branches), so that a path's figures are printed as
 soon as they are measured and a slow compile holds back only its own path. Each ratio is to the AdamW step of
@@ -36,7 +39,7 @@ import torch
 
 from gacbench.functional import triton_kernels
 from gacbench.functional.alignment import ACTION_NAMES
-from gacbench.functional.gac import GACTransform
+from gacbench.functional.gac import GACState, GACTransform
 from gacbench.functional.kernels import measurement_row
 from gacbench.usage import UsageError
 
@@ -197,6 +200,26 @@ def _device(device: str | None) -> torch.device:
     return dev
 
 
+#: the most gradient-sized float32 copies :func:`run_overhead` holds at once (the parameters, their gradients,
+#: AdamW's two moments, GAC's reference for each of the two timed branches, the gradient being stepped, and the
+#: floors' scratch buffer in the first rounds); tests/test_cli.py counts them
+GRADIENT_COPIES = 8
+
+
+def check_memory(dev: torch.device, numel: int) -> None:
+    """On a GPU, a usage error before anything is built when its free memory cannot hold :data:`GRADIENT_COPIES`
+    float32 copies of ``numel`` elements and one more for a path's temporaries."""
+    if dev.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(dev)
+    need = (GRADIENT_COPIES + 1) * 4 * numel
+    if need > free:
+        raise UsageError(f"overhead: {numel:,} parameters need about {need / 1e9:.0f} GB of GPU memory "
+                         f"({GRADIENT_COPIES + 1} float32 copies), and {dev} has {free / 1e9:.0f} GB free of "
+                         f"{total / 1e9:.0f} GB; free the GPU, or time a smaller list: --params "
+                         f"{int(free / need * numel * 0.9):,} without --shape")
+
+
 def default_kernels(device: str | None) -> tuple[str, ...]:
     """The paths ``gacbench overhead`` times when ``--kernels`` is not given: every path that runs natively on the
     device (the Triton path on CUDA, not under the CPU's interpreter)."""
@@ -238,10 +261,13 @@ def run_overhead(
         raise UsageError(f"--kernels triton on {dev.type}: {triton_kernels.device_problem(dev.type)}; leave triton "
                          "out of --kernels here")
     qshape = QWEN3_1_7B if shape == "qwen3-1.7b" else shape_for_params(params)
+    check_memory(dev, qshape.numel())
     out.doing(f"building {qshape.numel():,} parameters and their gradients on {dev}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev) * 0.02) for s in qshape.shapes()]
     base_grads = [torch.randn(s, generator=gen).to(dev) for s in qshape.shapes()]
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     fused = dev.type in ("cuda", "cpu")
     try:
         opt = torch.optim.AdamW(ps, lr=1e-6, weight_decay=0.01, fused=fused)
@@ -263,29 +289,37 @@ def run_overhead(
     set_grads()
     opt.step()  # AdamW's moments exist, as after any first step (what kernels="fused-adamw" steps with)
 
-    def gac_case(ref: list[torch.Tensor], c_low: float, kernel: str) -> Case:
-        gac = GACTransform(c_low=c_low, c_high=1.0, buffer_dtype=buffer_dtype, kernels=kernel)
-        for p, r in zip(ps, ref):  # the first step stores the reference
-            p.grad = r.clone()
-        gac.step(ps, swap=True, keep_alias=True)
-        steady = gac.state.clone()
+    # Each case's reference is drawn anew on the device whenever its steady state is restored, and nothing of it
+    # is kept between runs but GAC's own state: at the 1.72B shape a gradient-sized copy is 6.9 GB, and the
+    # command holds GRADIENT_COPIES of them at most (parameters, gradients, AdamW's two moments, the two
+    # branches' references, and the floors' scratch buffer in the first rounds), which fits an 80 GB GPU.
+    def reference(aligned: bool) -> list[torch.Tensor]:
+        """'project': a perturbed copy of g (c ~ 0.9); 'keep': an independent direction (c ~ 0)."""
+        draw = torch.Generator(device=dev).manual_seed(seed + 1 + aligned)
+        return [(g + 0.5 * torch.randn(g.shape, generator=draw, device=dev)) if aligned else
+                torch.randn(g.shape, generator=draw, device=dev) for g in base_grads]
 
-        def setup() -> None:
+    def gac_case(aligned: bool, c_low: float, kernel: str) -> Case:
+        gac = GACTransform(c_low=c_low, c_high=1.0, buffer_dtype=buffer_dtype, kernels=kernel)
+
+        def setup() -> None:  # GAC's steady state: the first step stores the reference, as in a run
+            for p in ps:
+                p.grad = None
+            gac.state = GACState()
+            for p, r in zip(ps, reference(aligned)):
+                p.grad = r
+            gac.step(ps, swap=True, keep_alias=True)
             for p, g in zip(ps, base_grads):
                 p.grad = g.clone()
-            gac.state = steady.clone()
 
         fused = opt if kernel == "fused-adamw" else None
         return (lambda: gac.step(ps, swap=True, keep_alias=True, optimizer=fused)), setup, gac
-
-    perturbed = [g + 0.5 * torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
-    independent = [torch.randn(g.shape, generator=gen).to(dev) for g in base_grads]
 
     # The floor of each branch on this machine, timed beside them: the kernels GAC's traffic cannot go below.
     # "read": one pass reading g and r (a dot product per tensor): all the keep branch needs with a fused
     # two-product kernel. "write": one g - alpha r pass into r's storage, the projection's read-modify-write.
     flat_g = [g.reshape(-1) for g in base_grads]
-    scratch = [r.reshape(-1).clone() for r in perturbed]
+    scratch = [torch.randn(g.numel(), generator=gen).to(dev) for g in base_grads]
 
     def read_pass() -> None:
         for g, r in zip(flat_g, scratch):
@@ -314,8 +348,8 @@ def run_overhead(
     for kernel in kernels:  # one path at a time, its figures printed as soon as they are measured
         suffix = KERNEL_SUFFIX[kernel]
         out.doing(f"setting up the {kernel} path")
-        branches = {"gac" + suffix: gac_case(perturbed, 0.0, kernel)[:2],
-                    "gac_keep" + suffix: gac_case(independent, 0.5, kernel)[:2]}
+        branches = {"gac" + suffix: gac_case(True, 0.0, kernel)[:2],
+                    "gac_keep" + suffix: gac_case(False, 0.5, kernel)[:2]}
         cases = dict(branches)
         if adamw_s is None:
             cases = {"adamw": (opt.step, set_grads), **branches}
@@ -324,6 +358,7 @@ def run_overhead(
         medians, first = _interleaved(cases, repeats, sync, out,
                                       frozenset(branches) if kernel in COMPILING else frozenset())
         if adamw_s is None:
+            flat_g = scratch = None  # the floors are timed in the first rounds only
             adamw_s = record["adamw_step_s"] = medians["adamw"]
             out.say(f"  AdamW step           {adamw_s * 1e3:9.2f} ms")
             record.update({
@@ -354,7 +389,8 @@ def run_overhead(
         out.say(f"  {kernel}: first round beyond a timed one (the compile, for compiled paths) {extra:.1f} s")
         # this path's references and their copies are freed before the next path's are made
         branches = cases = fn = setup = None
-    record.update({"threads": torch.get_num_threads(), "torch": torch.__version__})
+    record.update({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "peak_memory_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None})
     for kernel in kernels:  # on a GPU: each path's line for the table kernels="auto" chooses from
         row = measurement_row(record, kernel, KERNEL_SUFFIX[kernel])
         if row is not None:
