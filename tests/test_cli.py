@@ -52,8 +52,8 @@ def _storages() -> dict[int, int]:
 def test_overhead_holds_at_most_eight_gradient_sized_copies(monkeypatch):
     """At 1.72B float32 parameters each gradient-sized copy is 6.9 GB: the command must fit an 80 GB GPU. Counted
     from the live storages after each GAC branch's setup and timed call: parameters, gradients, AdamW's two
-    moments, GAC's two references (a branch each) and one scratch buffer for the floors, nothing more (float32
-    units; the command held 12 before each reference was drawn anew in its setup)."""
+    moments, GAC's two references (a branch each), the gradient being stepped and one scratch buffer for the
+    floors, nothing more (float32 units)."""
     import gacbench.bench.overhead as overhead
 
     before = set(_storages())
@@ -83,6 +83,7 @@ def test_overhead_refuses_a_gpu_without_room_before_building_anything(monkeypatc
     from gacbench.bench.overhead import check_memory
     from gacbench.usage import UsageError
 
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (40e9, 80e9))
     with pytest.raises(UsageError, match=r"need about 62 GB of GPU memory .* has 40 GB free of 80 GB; .*--params "
                                          r"1,00\d,\d{3},\d{3} without --shape"):

@@ -229,6 +229,13 @@ def test_memory_settings_are_checked(model_dir):
         grpo.check_plain_logits(m.policy)
     m.policy.config.final_logit_softcapping = None
     grpo.check_plain_logits(m.policy)
+    # logits transformed where no config key says so: found by comparing the two routes on a few tokens
+    hook = m.policy.register_forward_hook(lambda mod, args, out: setattr(out, "logits", out.logits * 2) or out)
+    with pytest.raises(ValueError, match=r"the two differ by up to .* on 8 tokens\); set model.logit_rows: null"):
+        grpo.check_plain_logits(m.policy)
+    assert m.policy.training  # its mode is given back
+    hook.remove()
+    grpo.check_plain_logits(m.policy)
 
 
 def test_a_cells_policy_evaluations_are_its_eval_time_and_no_steps(model_dir, tmp_path, monkeypatch):

@@ -211,6 +211,7 @@ def check_memory(dev: torch.device, numel: int) -> None:
     float32 copies of ``numel`` elements and one more for a path's temporaries."""
     if dev.type != "cuda":
         return
+    torch.cuda.empty_cache()  # memory this process's allocator caches but no tensor holds counts as free
     free, total = torch.cuda.mem_get_info(dev)
     need = (GRADIENT_COPIES + 1) * 4 * numel
     if need > free:
@@ -282,7 +283,7 @@ def run_overhead(
 
     # GAC, as the callback runs it, in its steady state (a stored reference and its cached
     # norm), restored untimed before each run so that every run takes the same branch:
-    # "project": the reference is a perturbed copy of g (c ~ 0.7) and c_low=0, c_high=1, so the
+    # "project": the reference is a perturbed copy of g (c ~ 0.9) and c_low=0, c_high=1, so the
     # aligned component is shrunk (the costly branch); "keep": an independent reference (c ~ 0).
     Case = tuple[Callable[[], object], Callable[[], None], GACTransform]
 
@@ -292,7 +293,8 @@ def run_overhead(
     # Each case's reference is drawn anew on the device whenever its steady state is restored, and nothing of it
     # is kept between runs but GAC's own state: at the 1.72B shape a gradient-sized copy is 6.9 GB, and the
     # command holds GRADIENT_COPIES of them at most (parameters, gradients, AdamW's two moments, the two
-    # branches' references, and the floors' scratch buffer in the first rounds), which fits an 80 GB GPU.
+    # branches' references, the gradient being stepped, and the floors' scratch buffer in the first rounds),
+    # which fits an 80 GB GPU.
     def reference(aligned: bool) -> list[torch.Tensor]:
         """'project': a perturbed copy of g (c ~ 0.9); 'keep': an independent direction (c ~ 0)."""
         draw = torch.Generator(device=dev).manual_seed(seed + 1 + aligned)
@@ -318,8 +320,9 @@ def run_overhead(
     # The floor of each branch on this machine, timed beside them: the kernels GAC's traffic cannot go below.
     # "read": one pass reading g and r (a dot product per tensor): all the keep branch needs with a fused
     # two-product kernel. "write": one g - alpha r pass into r's storage, the projection's read-modify-write.
+    floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
     flat_g = [g.reshape(-1) for g in base_grads]
-    scratch = [torch.randn(g.numel(), generator=gen).to(dev) for g in base_grads]
+    scratch = [torch.randn(g.numel(), generator=gen).to(dev) for g in base_grads] if floors else []
 
     def read_pass() -> None:
         for g, r in zip(flat_g, scratch):
@@ -343,7 +346,6 @@ def run_overhead(
     }
     out.say(f"params={record['params']:,} on {record['device']} ({record['tensors']} tensors, AdamW "
             f"{record['adamw']}, buffer {record['buffer_dtype']}); each figure: the median of {repeats}")
-    floors = buffer_dtype in (None, str(ps[0].dtype).replace("torch.", ""))  # the floor passes are of that dtype
     adamw_s = None
     for kernel in kernels:  # one path at a time, its figures printed as soon as they are measured
         suffix = KERNEL_SUFFIX[kernel]

@@ -71,7 +71,7 @@ class ModelConfig:
     on the completion positions only, and are recomputed in the backward pass, so no (batch, length, vocabulary)
     logits are ever held (None: the whole batch's logits at once). ``logit_rows`` needs a model whose logits
     are its output embedding applied to the decoder's last hidden state (Qwen3, Llama, Mistral; a model with
-    logit scaling or soft-capping is refused)."""
+    logit scaling or soft-capping, or whose two routes disagree on 8 tokens, is refused: ``check_plain_logits``)."""
 
     path: str | None = None
     warm_steps: int = 400
@@ -176,14 +176,33 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 def check_plain_logits(model: torch.nn.Module) -> None:
     """Raise a ValueError unless ``model``'s logits are its output embedding applied to its decoder's last hidden
-    state, which ``model.logit_rows`` computes on its own."""
+    state, which ``model.logit_rows`` computes on its own: a config (or its text config) that sets one of
+    :data:`LOGIT_TRANSFORMS` is refused, and 8 tokens go through both routes (eval mode, no gradients), whose
+    logits must agree."""
     config = getattr(model, "config", None)
-    transforms = [k for k in LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    configs = [config, *([config.get_text_config()] if hasattr(config, "get_text_config") else [])]
+    transforms = sorted({k for c in configs for k in LOGIT_TRANSFORMS if getattr(c, k, None) not in (None, 1, 1.0)})
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    why = None
     if transforms or head is None or decoder is None or decoder is model:
         why = (f"its config sets {', '.join(transforms)}" if transforms
                else "it has no separate decoder and output embedding")
+    else:
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                ids = (torch.arange(1, 9) % model.get_input_embeddings().num_embeddings).unsqueeze(0)
+                ids = ids.to(next(model.parameters()).device)
+                full = model(input_ids=ids, use_cache=False).logits.float()
+                mine = head(decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+        finally:
+            model.train(was)
+        gap = float((full - mine).abs().max())
+        if not gap <= 1e-4 * max(1.0, float(full.abs().max())):
+            why = f"the two differ by up to {gap:.3g} on 8 tokens"
+    if why is not None:
         raise ValueError(f"model.logit_rows: the logits of {type(model).__name__} are not its output embedding of "
                          f"the decoder's last hidden state ({why}); set model.logit_rows: null")
 
@@ -730,7 +749,7 @@ class GRPOModule(Objective):
         for i in range(0, B, rows):
             chunk = (hidden[i : i + rows], pos[i : i + rows], targets[i : i + rows])
             # recomputed in the backward pass: only the chunk's hidden states are kept, never its logits
-            parts.append(checkpoint(head, *chunk, use_reentrant=False)
+            parts.append(checkpoint(head, *chunk, use_reentrant=False, preserve_rng_state=False)
                          if torch.is_grad_enabled() else head(*chunk))
         return torch.cat(parts) * mask
 
