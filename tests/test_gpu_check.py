@@ -39,13 +39,14 @@ def test_a_path_that_computes_something_else_is_a_failed_row(monkeypatch):
 def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
     out = tmp_path / "check.json"
     rc = main(["gpu-check", "--device", "cpu", "--kernels", "eager", "--engines", "hf", "--grpo-steps", "2",
-               "--params", "200000", "--repeats", "1", "--skip-tests", "--json", str(out)])
+               "--params", "200000", "--repeats", "1", "--step-profile", "--skip-tests", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     table = text[text.index("gacbench gpu-check: "):]
     checks = [line.split("  ")[0].strip() for line in table.splitlines()[2:] if line.strip() and
               not line.startswith("wrote")]
-    assert checks == ["gac eager", "overhead eager", "grpo sync (hf)", "grpo gac (hf)", "tests"]
+    assert checks == ["gac eager", "overhead eager", "grpo sync (hf)", "grpo gac (hf)", "step-profile tiny-random",
+                      "tests"]
     record = json.loads(out.read_text())
     assert record["ok"] and record["environment"]["device"] == "cpu"
     rows = {r["check"]: r for r in record["rows"]}
@@ -57,6 +58,12 @@ def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
         assert 0 < r["step_s"] <= r["fit_s"] / r["steps"] and f"median step {r['step_s']:.2f} s" in r["detail"]
     assert rows["tests"]["ok"] is None
     assert record["overhead_record"]["overhead eager"]["gac_case"] == "shrink"
+    # the step-profile row: gacbench step-profile's record at the tiny random shape, with the GPU command's memory
+    # settings, its phases in the row
+    prof = record["step_profile_record"]
+    assert prof["shape"] == "tiny-random" and prof["gradient_checkpointing"] and prof["logit_rows"] == 2
+    assert prof["prompts"] * prof["group"] == 4 and len(prof["all_s"]["generate"]) == 2
+    assert f"stale step {prof['stale_step_s']:.2f} s" in rows["step-profile tiny-random"]["detail"]
 
 
 def test_gpu_check_bad_arguments_are_one_line(capsys):

@@ -200,6 +200,52 @@ def check_grpo(method: str, engine: str, dev, steps: int, staleness: int = 8) ->
             "steps": trainer.global_step, "fit_s": fit_s, "step_s": step_s}
 
 
+#: ``--step-profile``: ``gacbench step-profile``'s options for each device: on CUDA one GRPO step at Qwen3-1.7B's
+#: shape (64 sequences x 512 new tokens, bf16-mixed, the memory settings that let its batch fit one GPU); on the
+#: CPU the same code path at the tiny random shape
+STEP_PROFILE = {
+    "cuda": ["--shape", "qwen3-1.7b", "--engine", "hf", "--prompts", "8", "--group", "8", "--max-tokens", "512",
+             "--precision", "bf16-mixed", "--gradient-checkpointing", "--logit-rows", "8", "--repeats", "2"],
+    "cpu": ["--shape", "tiny-random", "--engine", "hf", "--prompts", "2", "--group", "2", "--max-tokens", "8",
+            "--gradient-checkpointing", "--logit-rows", "2", "--repeats", "2"],
+}
+
+
+def check_step_profile(dev) -> dict:
+    """One GRPO step timed phase by phase (:data:`STEP_PROFILE`, ``gacbench step-profile``) on ``dev``: generation,
+    behaviour log-probs, forward, backward and optimizer, the peak GPU memory, tokens per second and the
+    forward and backward against their FLOP floor."""
+    import argparse
+    import gc
+
+    import torch
+
+    from gacbench.llm import step_profile
+    from gacbench.rollout.engines import release_engines
+
+    if dev.type == "cpu" and torch.cuda.is_available():
+        return {"check": "step-profile", "ok": None, "detail": "skipped: step-profile trains on the GPU where there "
+                "is one; run gpu-check without --device cpu"}
+    parser = argparse.ArgumentParser()
+    step_profile.add_arguments(parser)
+    args = parser.parse_args(STEP_PROFILE[dev.type])
+    try:
+        record = step_profile.profile(args)
+    finally:
+        release_engines()  # the module and its engine's copy of the policy leave the device
+        gc.collect()
+    ph = record["phases_s"]
+    phases = ", ".join(f"{k} {ph[k]:.3f}" for k in ("generate", "behaviour", "forward", "backward", "optimizer"))
+    detail = (f"{args.shape}, {args.prompts}x{args.group} x {args.max_tokens} tokens, precision {args.precision}: "
+              f"stale step {record['stale_step_s']:.2f} s ({phases}); {record['generate_tokens_per_s']:,.0f} generated "
+              f"tokens/s; forward {record['forward_over_floor']:.1f}x, backward {record['backward_over_floor']:.1f}x "
+              f"the FLOP floor at {record['peak_tflops']:g} TFLOP/s")
+    if record["peak_memory_gib"] is not None:
+        detail += f"; peak {record['peak_memory_gib']:.1f} GiB"
+    ok = all(math.isfinite(v) and v >= 0 for v in ph.values())
+    return {"check": f"step-profile {args.shape}", "ok": ok, "detail": detail, "profile": record}
+
+
 # GAC's functional rule and its references (the bf16 EMA among them), the callback on a model, and the staleness
 # simulator's exactness: the arithmetic that depends on how a torch build implements its kernels
 CORE_TESTS = ("tests/test_functional.py", "tests/test_gac_callback.py", "tests/test_staleness.py")
@@ -247,10 +293,10 @@ def table(env: dict, rows: list[dict]) -> str:
 def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = None, engines: tuple[str, ...] =
                   ("hf", "vllm"), grpo_steps: int | None = None, repeats: int | None = None, skip_tests: bool = False,
                   skip_overhead: bool = False, tests_timeout_s: float = 300.0, stream=None,
-                  params: int | None = None, tests: str | None = None) -> dict:
+                  params: int | None = None, tests: str | None = None, step_profile: bool = False) -> dict:
     """Run every check; returns ``{"environment": ..., "rows": [...], "ok": bool}`` (``ok``: no row failed).
     Defaults by device: on CUDA 30 GRPO steps, 5 timed repeats and the fast tests, on the CPU 10, 3 and the
-    core tests."""
+    core tests. ``step_profile``: also one GRPO step at a real shape (:func:`check_step_profile`)."""
     import torch
 
     from gacbench.bench.overhead import Progress, _device
@@ -312,6 +358,8 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
                     continue
                 for method in ("sync", "gac"):
                     guarded(f"grpo {method} ({engine})", check_grpo, method, engine, dev, grpo_steps)
+        if step_profile:
+            guarded("step-profile", check_step_profile, dev)
         if skip_tests:
             add({"check": "tests", "ok": None, "detail": "skipped (--skip-tests)"})
         else:
@@ -324,16 +372,19 @@ def main(args) -> int:
     kernels = tuple(k.strip() for k in args.kernels.split(",")) if args.kernels else None
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     result = run_gpu_check(args.device, kernels, engines, args.grpo_steps, args.repeats, args.skip_tests,
-                           args.skip_overhead, args.tests_timeout, params=args.params, tests=args.tests)
+                           args.skip_overhead, args.tests_timeout, params=args.params, tests=args.tests,
+                           step_profile=args.step_profile)
     print(table(result["environment"], result["rows"]), flush=True)
     measured = [r["measured"] for r in result["rows"] if r.get("measured")]
     if measured:
         print("rows for MEASURED in gacbench/functional/kernels.py (kernels='auto' chooses from them):")
         print("\n".join(f"    {line}" for line in measured), flush=True)
     if args.json:
-        rows = [{k: v for k, v in r.items() if k != "record"} for r in result["rows"]]
+        rows = [{k: v for k, v in r.items() if k not in ("record", "profile")} for r in result["rows"]]
         records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
-        write_json(Path(args.json), json_safe({**result, "rows": rows, "overhead_record": records}))
+        profile = next((r["profile"] for r in result["rows"] if "profile" in r), None)
+        write_json(Path(args.json), json_safe({**result, "rows": rows, "overhead_record": records,
+                                               "step_profile_record": profile}))
         print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
 
@@ -357,6 +408,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tests", choices=TEST_SETS, default=None,
                    help="fast: every fast test; core: GAC's arithmetic, the callback and the staleness simulator "
                         "(default: fast on a GPU, core on the CPU)")
+    p.add_argument("--step-profile", action="store_true",
+                   help="also time one GRPO step phase by phase at Qwen3-1.7B's shape on a GPU (64 x 512 tokens, "
+                        "bf16-mixed; a few minutes), at the tiny random shape on the CPU")
     p.add_argument("--skip-tests", action="store_true", help="leave out the tests")
     p.add_argument("--tests-timeout", type=float, default=300.0,
                    help="seconds the tests may take before their row fails (default 300)")

@@ -171,7 +171,9 @@ def add_speeds(record: dict, timed: dict, device, peak_tflops: float) -> dict:
     return record
 
 
-def main(args) -> int:
+def profile(args) -> dict:
+    """The command's work without its output: checks ``args`` (the command's options; a :class:`UsageError`
+    names a bad one), builds the module, times its phases; returns the record."""
     import torch
 
     from gacbench.llm.async_bench import resolve_engine_and_model
@@ -212,9 +214,13 @@ def main(args) -> int:
     timed = time_phases(module, args.repeats, args.precision)
     record = summarise(timed, module, args)
     record["shape"], record["precision"] = args.shape, args.precision
-    add_speeds(record, timed, device, args.peak_tflops)
+    return add_speeds(record, timed, device, args.peak_tflops)
+
+
+def main(args) -> int:
     from gacbench.jsonio import write_json
 
+    record = profile(args)
     brief = {k: v for k, v in record.items() if k != "all_s"}
     print(json.dumps(brief, indent=2))
     print("step-profile: " + ", ".join(f"{k} {v:.3f} s" for k, v in record["phases_s"].items())
