@@ -207,20 +207,24 @@ def check_plain_logits(model: torch.nn.Module) -> None:
                          f"the decoder's last hidden state ({why}); set model.logit_rows: null")
 
 
-def _picked_logprobs(logits: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, T) log-probs of ``targets`` from (B, L, V) ``logits`` at positions ``pos``, normalised in float32."""
-    B, T = pos.shape
-    picked = logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])).float()  # (B, T, V)
+def _target_logprobs(picked: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, T) log-probs of ``targets`` under (B, T, V) logits, normalised in float32."""
+    picked = picked.float()
     return picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
+
+
+def _picked_logprobs(logits: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`_target_logprobs` from (B, L, V) ``logits`` at positions ``pos``."""
+    B, T = pos.shape
+    return _target_logprobs(logits.gather(1, pos.unsqueeze(-1).expand(B, T, logits.shape[-1])), targets)
 
 
 def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, pos: torch.Tensor,
                    targets: torch.Tensor) -> torch.Tensor:
-    """:func:`_picked_logprobs` from the last hidden states (B, L, H): the output layer runs on the B x T
+    """:func:`_target_logprobs` from the last hidden states (B, L, H): the output layer runs on the B x T
     completion positions only."""
     B, T = pos.shape
-    picked = head(hidden.gather(1, pos.unsqueeze(-1).expand(B, T, hidden.shape[-1]))).float()  # (B, T, V)
-    return picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked.logsumexp(-1)
+    return _target_logprobs(head(hidden.gather(1, pos.unsqueeze(-1).expand(B, T, hidden.shape[-1]))), targets)
 
 
 def _section(cls: type, value: Any, name: str) -> Any:

@@ -71,9 +71,8 @@ def build_module(args):
     from gacbench.llm.grpo import GRPOModule
     from gacbench.trainer import build_trainer
 
-    memory = {"gradient_checkpointing": bool(args.gradient_checkpointing),
-              **({"logit_rows": args.logit_rows} if args.logit_rows else {})}
-    settings = {"model": {"path": args.model, **memory},
+    settings = {"model": {"path": args.model, "gradient_checkpointing": args.gradient_checkpointing,
+                          "logit_rows": args.logit_rows},
                 "engine": {"name": args.engine, **({"compile": True} if args.compile else {})},
                 "rollout": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                             **({"logprob_rows": args.logprob_rows} if args.logprob_rows else {})},
