@@ -357,6 +357,58 @@ def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_
 
 
 @pytest.mark.slow
+def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for_bit(small, monkeypatch):
+    """The engine adds one request per sample to vLLM's engine core and reads its outputs: the tokens and log-probs
+    are those of vLLM's own front end with its fan-out of n seeded samples, bit for bit, for several seeds, lengths
+    and a repeated prompt, after a weight sync too; a call that fails (a prompt too long for the model, an engine
+    step that raises) leaves no request of it in the engine, and the next call is exact again."""
+    pytest.importorskip("vllm")
+    d, model, tok = small
+    prompts = _prompts(tok, k=5)
+    prompts[3] = prompts[1]  # a repeated prompt draws its own samples
+    engine = E.VLLMEngine(d, max_model_len=64, seed=0)
+    try:
+        def check(seed, max_tokens, n=4):
+            groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed)
+            assert [len(g) for g in groups] == [n] * len(prompts)
+            assert all(r.prompt_ids == p and r.version == engine.version for g, p in zip(groups, prompts) for r in g)
+            got = _flat(groups)
+            assert got == _flat(E.front_end_generate(engine, prompts, n, max_tokens, seed))
+            assert all(len(lp) == len(t) for t, lp in got)
+            return got
+
+        first = check(seed=0, max_tokens=6)
+        assert first != check(seed=1, max_tokens=6) and first[1] != first[3 * 4 + 1]
+        lengths = {len(t) for t, _ in check(seed=2, max_tokens=20, n=3)}
+        assert len(lengths) > 1  # some samples stop at the end-of-sequence token
+        _perturb(model, scale=0.05)
+        engine.load_weights(model.state_dict(), 1)
+        assert check(seed=0, max_tokens=6) != first
+
+        # vLLM's input processor refuses the last prompt after the others were added
+        with pytest.raises(Exception, match="maximum context length is 64 tokens"):
+            engine.generate(prompts + [list(range(3, 70))], n=4, max_tokens=6, seed=3)
+        assert not engine._engine_has_requests()
+        core = engine.llm.llm_engine.engine_core
+        real, calls = core.get_output, []
+
+        def failing():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("an engine step failed")
+            return real()
+
+        monkeypatch.setattr(core, "get_output", failing)
+        with pytest.raises(RuntimeError, match="an engine step failed"):
+            engine.generate(prompts, n=4, max_tokens=6, seed=3)
+        monkeypatch.setattr(core, "get_output", real)
+        assert not engine._engine_has_requests()
+        check(seed=3, max_tokens=6)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
 def test_a_compiled_vllm_engine_follows_the_trainer_through_in_place_syncs(small):
     """vLLM's compiled forward (compile=True) reads the weights the engine started with, unpacked: every sync is
     the fused in-place copy, and after each AdamW update the engine's log-probs are the trainer's; a reused

@@ -516,6 +516,23 @@ class _DirectCpuSync:
         torch._foreach_copy_(self.targets, [state_dict[n] for n in self.sources])
 
 
+def _prompt_seed(seed: int, prompts: int, i: int, n: int) -> int:
+    """The seed of prompt ``i``'s first sample in a call of ``prompts`` prompts; sample j draws from seed + j (vLLM's
+    own seeding of n samples). One shared seed would give every prompt of the batch the same random stream
+    (identical groups for repeated prompts); this way every (call seed, prompt, sample) triple has its own stream,
+    and consecutive call seeds never overlap."""
+    return (seed * prompts + i) * n
+
+
+def _sampling_params(n: int, max_tokens: int, seed: int):
+    """vLLM's sampling parameters of a rollout: the policy's own distribution (temperature 1, no top-p or top-k),
+    the sampled token's log-prob, token ids only."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1, logprobs=0, seed=seed,
+                          detokenize=False)
+
+
 class VLLMEngine:
     """vLLM in this process. ``model_dir``: a checkpoint directory vLLM can load (the tiny model's
     cache directory, or a local Qwen3 checkpoint); the engine starts from those weights (version 0).
@@ -557,6 +574,8 @@ class VLLMEngine:
         unpacked = _unpacked_cpu_gemms() if compile else contextlib.nullcontext()
         with _collector_paused(), unpacked:  # vLLM's imports and start-up: a large heap of objects that stay alive
             self._start(model_dir, max_model_len, seed, dtype, kv_cache_gib, compile)
+        self._tasks = self.llm.llm_engine.get_supported_tasks()  # what the input processor checks a request against
+        self._calls = 0  # generate calls so far: each call's request ids are its own
         self.version = 0
         self.compile = compile
         self.weight_sync = "direct" if compile else weight_sync
@@ -634,17 +653,68 @@ class VLLMEngine:
             gc.collect()
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[list[Rollout]]:
-        from vllm import SamplingParams
+        """``n`` samples of each prompt, with the engine's log-prob of each sampled token.
 
-        # vLLM seeds sample j of a request with seed + j: one shared seed would give every prompt of the batch the
-        # same random stream (identical groups for repeated prompts). Request i gets (seed * P + i) * n, so every
-        # (call seed, prompt, sample) triple has its own stream, and consecutive call seeds never overlap.
+        The requests go to vLLM's engine core without its front end (``LLM.generate``'s request handling and output
+        objects: about 5 ms, 8%, of a call of 8 prompts x 8 samples on the CPU, paper/vllm_generate.py): each prompt is checked and
+        turned into a request by vLLM's input processor once, fanned out into one request per sample seeded as
+        vLLM's own fan-out of ``n`` seeds them (``seed + j`` for sample j), added in the same order, and the
+        sampled tokens and log-probs are read from the engine core's outputs. The samples and log-probs are
+        ``LLM.generate``'s, bit for bit (tests/test_engines.py)."""
         P = len(prompts)
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1, logprobs=0,
-                                 seed=(seed * P + i) * n, detokenize=False) for i in range(P)]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [[Rollout(list(prompt), list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
-                         self.version) for c in o.outputs] for prompt, o in zip(prompts, outs)]
+        engine = self.llm.llm_engine
+        core = engine.engine_core
+        self._calls += 1
+        call = self._calls
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        names = []
+        try:
+            for i, prompt in enumerate(prompts):
+                params = _sampling_params(1, max_tokens, _prompt_seed(seed, P, i, n))
+                request = engine.input_processor.process_inputs(
+                    f"{call}-{i}", {"prompt_token_ids": prompt}, params, supported_tasks=self._tasks)
+                for j in range(n):
+                    sample = copy.copy(request)
+                    sample.request_id = f"{call}-{i}-{j}"
+                    sample.sampling_params = copy.copy(request.sampling_params)
+                    sample.sampling_params.seed = params.seed + j
+                    names.append(sample.request_id)
+                    tokens[sample.request_id], logprobs[sample.request_id] = [], []
+                    core.add_request(sample)
+            left = len(names)
+            while left:
+                outputs = core.get_output().outputs
+                if not outputs and not self._engine_has_requests():
+                    raise RuntimeError(f"vLLM's engine core holds no request, but {left} samples did not finish")
+                for out in outputs:
+                    tokens[out.request_id] += out.new_token_ids
+                    if out.new_logprobs is not None:  # the sampled token's log-prob comes first in each row
+                        logprobs[out.request_id] += out.new_logprobs.logprobs[:, 0].tolist()
+                    left -= out.finish_reason is not None
+        except BaseException:
+            core.abort_requests(names)  # none of this call's requests stays in the engine
+            raise
+        return [[Rollout(list(prompt), tokens[name], logprobs[name], self.version)
+                 for name in names[i * n:(i + 1) * n]] for i, prompt in enumerate(prompts)]
+
+    def _engine_has_requests(self) -> bool:
+        """Whether vLLM's engine core holds unfinished requests (True where it runs in another process: its
+        client then waits for outputs and never returns an empty step)."""
+        core = self.llm.llm_engine.engine_core
+        return core.engine_core.scheduler.has_unfinished_requests() if hasattr(core, "engine_core") else True
+
+
+def front_end_generate(engine: VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int,
+                       seed: int) -> list[list[Rollout]]:
+    """:meth:`VLLMEngine.generate`'s rollouts through vLLM's front end (``LLM.generate``, one request of ``n``
+    samples per prompt, fanned out and seeded by vLLM): the reference the engine-core route is checked against
+    (tests/test_engines.py) and timed against (paper/vllm_generate.py)."""
+    P = len(prompts)
+    params = [_sampling_params(n, max_tokens, _prompt_seed(seed, P, i, n)) for i in range(P)]
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[Rollout(list(prompt), list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                     engine.version) for c in o.outputs] for prompt, o in zip(prompts, outs)]
 
 
 @register_engine("vllm")
