@@ -8,7 +8,7 @@ training prompts, a new batch and seed each pair), in pairs whose order alternat
 checked equal, bit for bit. The figures: each route's median call and the paired ratio (engine core over front
 end), median and quartiles over the pairs. Nothing else should run on the machine meanwhile.
 
-    python paper/vllm_generate.py --pairs 60 --threads 2 --json /tmp/vllm-generate.json
+    python paper/vllm_generate.py --pairs 60 --threads 2 --json paper/profile/vllm-generate.json
 """
 
 from __future__ import annotations
