@@ -5,9 +5,11 @@ temperature 1, lr 3e-4, AdamW, no KL, fp32 on the CPU, the machine's threads, 30
 5-30. TRL runs the peer script (``--peer``: a script that takes OUT_DIR MODEL_DIR PROMPTS_JSONL and writes
 OUT_DIR/times.json with ``median_step_s_5_30``; TRL is not a dependency of gacbench, so it runs in its own
 environment, ``--trl-python``). gacbench runs :class:`~gacbench.llm.grpo.GRPOModule` synchronously with each engine
-variant (``hf``, ``vllm``, ``vllm-compile``: ``engine.compile: true``). Each round runs every side once, one after
-the other, so that a round sees one state of a shared machine; the ratios are paired by round, and the table gives
-their medians over rounds with the range. Nothing else should run on the machine meanwhile.
+variant (``hf``, ``vllm``, ``vllm-compile``: ``engine.compile: true``; ``vllm-front-end``, not run by default: the
+eager vllm engine through ``LLM.generate`` instead of vLLM's engine core, :func:`register_front_end_engine`). Each
+round runs every side once, one after the other, so that a round sees one state of a shared machine; the ratios are
+paired by round, and the table gives their medians over rounds with the range. Nothing else should run on the
+machine meanwhile.
 
     python paper/trl_compare.py --peer PEER.py --trl-python .trlenv/bin/python --rounds 8 \\
         --out /tmp/trl-compare --json paper/profile/trl-compare.json
@@ -23,7 +25,24 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {"hf": {"name": "hf"}, "vllm": {"name": "vllm"}, "vllm-compile": {"name": "vllm", "compile": True}}
+VARIANTS = {"hf": {"name": "hf"}, "vllm": {"name": "vllm"}, "vllm-compile": {"name": "vllm", "compile": True},
+            "vllm-front-end": {"name": "vllm-front-end"}}
+
+
+def register_front_end_engine() -> None:
+    """The engine ``vllm-front-end``: the eager vllm engine with its calls through vLLM's front end
+    (``VLLMEngine.route = "front_end"``, ``LLM.generate``), registered as any outside engine is, so that a series
+    pairs the engine-core route with the front end's round by round."""
+    from gacbench.rollout.engines import ENGINES, VLLMEngine, register_engine
+
+    def build(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed) -> VLLMEngine:
+        engine = VLLMEngine(model_path, max_model_len=max_model_len, seed=seed, dtype=spec.dtype,
+                            kv_cache_gib=spec.kv_cache_gib)
+        engine.route = "front_end"
+        return engine
+
+    if "vllm-front-end" not in ENGINES:
+        register_engine("vllm-front-end", build)
 
 
 def gacbench_side(out: str, variant: str) -> None:
@@ -31,6 +50,7 @@ def gacbench_side(out: str, variant: str) -> None:
     from gacbench.llm.grpo import GRPOModule
     from gacbench.trainer import build_trainer
 
+    register_front_end_engine()
     module = GRPOModule(engine=VARIANTS[variant], rollout={"prompts": 8, "group": 8, "max_tokens": 6}, staleness=0,
                         steps=30, lr=3e-4, seed=0, eval_every=10**9)
     t0 = time.perf_counter()
@@ -39,7 +59,8 @@ def gacbench_side(out: str, variant: str) -> None:
     gen = [h[1] for h in module._history]
     Path(out).write_text(json.dumps({"median_step_s_5_30": statistics.median(step[4:]),
                                      "median_generate_s_5_30": statistics.median(gen[4:]),
-                                     "wall_s": time.perf_counter() - t0, "step_s": step, "generate_s": gen}))
+                                     "wall_s": time.perf_counter() - t0, "step_s": step, "generate_s": gen,
+                                     "route": getattr(module.engine, "route", None)}))  # the vllm engines
 
 
 def inputs(where: Path) -> tuple[str, str]:
@@ -97,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         table[k] = {"median_step_ms": 1e3 * statistics.median(step),
                     "median_generate_ms": 1e3 * statistics.median(x["median_generate_s_5_30"] for x in xs),
                     "ratio_to_trl_median": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
-                    "run_wall_s_median": statistics.median(x["wall_s"] for x in xs), "rounds": len(xs)}
+                    "run_wall_s_median": statistics.median(x["wall_s"] for x in xs), "rounds": len(xs),
+                    "route": xs[0].get("route")}
     print("| side | step (median over rounds) | generation | ratio to TRL, paired by round: median (range) |")
     print("|---|---|---|---|")
     for k, t in table.items():

@@ -357,13 +357,18 @@ def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_
 
 
 def test_the_engine_core_route_is_taken_only_under_the_tested_vllm(monkeypatch):
-    """The engine-core route reads vLLM internals of the tested version; under any other version generate goes
-    through vLLM's front end with the same arguments."""
+    """The engine-core route reads vLLM internals of the tested version, with the engine core in this process;
+    under any other version, or with the engine core in another process, generate goes through vLLM's front end
+    with the same arguments."""
     vllm = pytest.importorskip("vllm")
+    from vllm.v1.engine.core_client import InprocClient, SyncMPClient
+
+    in_process, other_process = object.__new__(InprocClient), object.__new__(SyncMPClient)
     for version, route in [("0.32.0", "engine_core"), ("0.32.1", "engine_core"), ("0.33.0", "front_end"),
                            ("0.3.2", "front_end"), ("1.0.0", "front_end")]:
         monkeypatch.setattr(vllm, "__version__", version)
-        assert E._generate_route() == route, version
+        assert E._generate_route(in_process) == route, version
+        assert E._generate_route(other_process) == "front_end", version  # outputs of aborts, blocking reads
     calls = []
     monkeypatch.setattr(E, "front_end_generate", lambda *a: calls.append(a) or [["rollouts"]])
     engine = object.__new__(E.VLLMEngine)  # no engine started: the front-end route reads nothing else
@@ -377,7 +382,8 @@ def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for
     """The engine adds one request per sample to vLLM's engine core and reads its outputs: the tokens and log-probs
     are those of vLLM's own front end with its fan-out of n seeded samples, bit for bit, for several seeds, lengths
     and a repeated prompt, after a weight sync too; a call that fails (a prompt too long for the model, an engine
-    step that raises) leaves no request of it in the engine, and the next call is exact again."""
+    step that raises) leaves no request of it in the engine, and the next call is exact again; a request the call
+    did not make is left unread."""
     pytest.importorskip("vllm")
     d, model, tok = small
     prompts = _prompts(tok, k=5)
@@ -409,11 +415,12 @@ def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for
         core = engine.llm.llm_engine.engine_core
         real, calls = core.get_output, []
 
-        def failing():
+        def failing():  # the second engine step runs, then fails
             calls.append(1)
+            out = real()
             if len(calls) == 2:
                 raise RuntimeError("an engine step failed")
-            return real()
+            return out
 
         monkeypatch.setattr(core, "get_output", failing)
         with pytest.raises(RuntimeError, match="an engine step failed"):
@@ -421,6 +428,15 @@ def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for
         monkeypatch.setattr(core, "get_output", real)
         assert not engine._engine_has_requests()
         check(seed=3, max_tokens=6)
+
+        # a request the call did not make (as an interrupted call could leave) runs beside it, unread
+        from vllm import SamplingParams
+
+        stray = engine.llm.llm_engine.input_processor.process_inputs(
+            "stray", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=3), supported_tasks=engine._tasks)
+        core.add_request(stray)
+        groups = engine.generate(prompts, n=4, max_tokens=6, seed=4)
+        assert [len(g) for g in groups] == [4] * len(prompts) and not engine._engine_has_requests()
     finally:
         engine.close()
 

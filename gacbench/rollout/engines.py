@@ -520,11 +520,15 @@ class _DirectCpuSync:
 ENGINE_CORE_VLLM = ("0.32.",)
 
 
-def _generate_route() -> str:
-    """``"engine_core"`` under a vLLM version of :data:`ENGINE_CORE_VLLM`, else ``"front_end"``."""
+def _generate_route(core) -> str:
+    """``"engine_core"`` under a vLLM version of :data:`ENGINE_CORE_VLLM` with the engine core in this process
+    (``core``: the engine's core client; in another process it may also send outputs for aborted requests and
+    blocks while it has none), else ``"front_end"``."""
     import vllm
+    from vllm.v1.engine.core_client import InprocClient
 
-    return "engine_core" if str(vllm.__version__).startswith(ENGINE_CORE_VLLM) else "front_end"
+    tested = str(vllm.__version__).startswith(ENGINE_CORE_VLLM)
+    return "engine_core" if tested and isinstance(core, InprocClient) else "front_end"
 
 
 def _prompt_seed(seed: int, prompts: int, i: int, n: int) -> int:
@@ -587,7 +591,7 @@ class VLLMEngine:
             self._start(model_dir, max_model_len, seed, dtype, kv_cache_gib, compile)
         self._tasks = self.llm.llm_engine.get_supported_tasks()  # what the input processor checks a request against
         self._calls = 0  # generate calls so far: each call's request ids are its own
-        self.route = _generate_route()  # "engine_core" or "front_end": how generate reaches vLLM
+        self.route = _generate_route(self.llm.llm_engine.engine_core)  # "engine_core" or "front_end"
         self.version = 0
         self.compile = compile
         self.weight_sync = "direct" if compile else weight_sync
@@ -668,13 +672,14 @@ class VLLMEngine:
         """``n`` samples of each prompt, with the engine's log-prob of each sampled token.
 
         The requests go to vLLM's engine core without its front end (``LLM.generate``'s request handling and
-        output objects: about 5 ms, 8%, of a call of 8 prompts x 8 samples on the CPU, paper/vllm_generate.py):
+        output objects: 3 to 5 ms, about 9%, of a call of 8 prompts x 8 samples on the CPU, paper/vllm_generate.py):
         each prompt is checked and turned into a request by vLLM's input processor once, fanned out into one
         request per sample seeded as vLLM's own fan-out of ``n`` seeds them (``seed + j`` for sample j), added in
         the same order, and the sampled tokens and log-probs are read from the engine core's outputs. The samples
         and log-probs are ``LLM.generate``'s, bit for bit (tests/test_engines.py). The route reads vLLM internals
-        as they are in the vLLM version this project tests (:data:`ENGINE_CORE_VLLM`); under another version
-        ``route`` is "front_end" and the call goes through ``LLM.generate`` (:func:`front_end_generate`)."""
+        as they are in the vLLM version this project tests (:data:`ENGINE_CORE_VLLM`) with the engine core in this
+        process; otherwise ``route`` is "front_end" and the call goes through ``LLM.generate``
+        (:func:`front_end_generate`)."""
         if self.route == "front_end":
             return front_end_generate(self, prompts, n, max_tokens, seed)
         P = len(prompts)
@@ -687,7 +692,8 @@ class VLLMEngine:
         names = []
         try:
             for i, prompt in enumerate(prompts):
-                params = _sampling_params(1, max_tokens, _prompt_seed(seed, P, i, n))
+                params = _sampling_params(n, max_tokens, _prompt_seed(seed, P, i, n))  # vLLM checks n here
+                params.n = 1  # one request per sample, as vLLM's fan-out makes them
                 request = engine.input_processor.process_inputs(
                     f"{call}-{i}", {"prompt_token_ids": prompt}, params, supported_tasks=self._tasks)
                 for j in range(n):
@@ -704,6 +710,8 @@ class VLLMEngine:
                 if not outputs and not self._engine_has_requests():
                     raise RuntimeError(f"vLLM's engine core holds no request, but {left} samples did not finish")
                 for out in outputs:
+                    if out.request_id not in tokens:  # a request of an earlier call that never finished
+                        continue
                     tokens[out.request_id] += out.new_token_ids
                     if out.new_logprobs is not None:  # the sampled token's log-prob comes first in each row
                         logprobs[out.request_id] += out.new_logprobs.logprobs[:, 0].tolist()
@@ -715,10 +723,8 @@ class VLLMEngine:
                  for name in names[i * n:(i + 1) * n]] for i, prompt in enumerate(prompts)]
 
     def _engine_has_requests(self) -> bool:
-        """Whether vLLM's engine core holds unfinished requests (True where it runs in another process: its
-        client then waits for outputs and never returns an empty step)."""
-        core = self.llm.llm_engine.engine_core
-        return core.engine_core.scheduler.has_unfinished_requests() if hasattr(core, "engine_core") else True
+        """Whether vLLM's engine core (in this process) holds unfinished requests."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.has_unfinished_requests()
 
 
 def front_end_generate(engine: VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int,
