@@ -119,12 +119,20 @@ def main(argv: list[str] | None = None) -> int:
                     "median_generate_ms": 1e3 * statistics.median(x["median_generate_s_5_30"] for x in xs),
                     "ratio_to_trl_median": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
                     "run_wall_s_median": statistics.median(x["wall_s"] for x in xs), "rounds": len(xs),
-                    "route": xs[0].get("route")}
+                    "route": xs[0].get("route"), "step_ms_by_round": [1e3 * v for v in step],
+                    "generate_ms_by_round": [1e3 * x["median_generate_s_5_30"] for x in xs]}
     print("| side | step (median over rounds) | generation | ratio to TRL, paired by round: median (range) |")
     print("|---|---|---|---|")
     for k, t in table.items():
         print(f"| {k} | {t['median_step_ms']:.1f} ms | {t['median_generate_ms']:.1f} ms | "
               f"{t['ratio_to_trl_median']:.3f} ({t['ratio_min']:.3f}-{t['ratio_max']:.3f}) |")
+    routes = {}
+    if "vllm" in table and "vllm-front-end" in table:  # the two routes of the eager engine, paired by round
+        for key in ("step_ms_by_round", "generate_ms_by_round"):
+            r = [a / b for a, b in zip(table["vllm"][key], table["vllm-front-end"][key])]
+            routes[key.split("_")[0]] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+        print("vllm / vllm-front-end, paired by round: " + ", ".join(
+            f"{k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in routes.items()))
     if args.json:
         import platform
 
@@ -132,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from gacbench.provenance import provenance
 
-        record = {"table": table, "rounds": args.rounds, "threads": torch.get_num_threads(),
+        record = {"table": table, "vllm_over_vllm_front_end": routes or None, "rounds": args.rounds,
+                  "threads": torch.get_num_threads(),
                   "machine": platform.processor() or platform.machine(), "provenance": provenance()}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
