@@ -11,6 +11,8 @@ without restarting, and reports the policy version those weights belong to:
   direct path does not cover, through the model runner's in-place reload (``weight_sync="reload"``).
   Either way a sync can be verified against the trainer's log-probs (:func:`check_sync`), so that a run
   never continues silently on stale weights. ``compile=True`` runs vLLM's compiled forward (CPU backend).
+  Requests go to vLLM's engine core directly, one per sample (the tested vLLM, in this process), with the
+  rollouts ``LLM.generate`` would give.
 
 Log-probs are those of the sampling distribution at temperature 1 (the policy itself). Every call of
 ``generate`` is seeded by its ``seed`` argument alone, so the rollouts of a call depend only on (weights,
@@ -553,7 +555,8 @@ class VLLMEngine:
     cache directory, or a local Qwen3 checkpoint); the engine starts from those weights (version 0).
     ``weight_sync``: "auto" (direct on vLLM's CPU backend where the model is covered, else reload),
     "direct" (fail if not covered) or "reload" (``model_runner.reload_weights``); ``sync_method`` says
-    which one runs, decided at the first sync. ``compile``: see :meth:`__init__`."""
+    which one runs, decided at the first sync. ``compile``: see :meth:`__init__`. ``route``: how
+    :meth:`generate` reaches vLLM ("engine_core", or "front_end": ``LLM.generate``)."""
 
     needs_sync_check = True  # a reload that changed nothing would go unnoticed (docs/llm-notes.md)
 
@@ -730,8 +733,9 @@ class VLLMEngine:
 def front_end_generate(engine: VLLMEngine, prompts: list[list[int]], n: int, max_tokens: int,
                        seed: int) -> list[list[Rollout]]:
     """:meth:`VLLMEngine.generate`'s rollouts through vLLM's front end (``LLM.generate``, one request of ``n``
-    samples per prompt, fanned out and seeded by vLLM): the reference the engine-core route is checked against
-    (tests/test_engines.py) and timed against (paper/vllm_generate.py)."""
+    samples per prompt, fanned out and seeded by vLLM): the route of an engine whose ``route`` is "front_end", and
+    the reference the engine-core route is checked against (tests/test_engines.py) and timed against
+    (paper/vllm_generate.py)."""
     P = len(prompts)
     params = [_sampling_params(n, max_tokens, _prompt_seed(seed, P, i, n)) for i in range(P)]
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
