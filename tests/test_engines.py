@@ -408,6 +408,8 @@ def test_vllm_rollouts_from_the_engine_core_are_vllms_front_end_rollouts_bit_for
         engine.load_weights(model.state_dict(), 1)
         assert check(seed=0, max_tokens=6) != first
 
+        with pytest.raises(Exception, match="n must be at least 1"):  # vLLM checks n before the fan-out
+            engine.generate(prompts, n=0, max_tokens=6, seed=3)
         # vLLM's input processor refuses the last prompt after the others were added
         with pytest.raises(Exception, match="maximum context length is 64 tokens"):
             engine.generate(prompts + [list(range(3, 70))], n=4, max_tokens=6, seed=3)
