@@ -33,11 +33,10 @@ def register_front_end_engine() -> None:
     """The engine ``vllm-front-end``: the eager vllm engine with its calls through vLLM's front end
     (``VLLMEngine.route = "front_end"``, ``LLM.generate``), registered as any outside engine is, so that a series
     pairs the engine-core route with the front end's round by round."""
-    from gacbench.rollout.engines import ENGINES, VLLMEngine, register_engine
+    from gacbench.rollout.engines import ENGINES, register_engine
 
-    def build(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model_len, seed) -> VLLMEngine:
-        engine = VLLMEngine(model_path, max_model_len=max_model_len, seed=seed, dtype=spec.dtype,
-                            kv_cache_gib=spec.kv_cache_gib)
+    def build(spec, **inputs):
+        engine = ENGINES["vllm"](spec, **inputs)  # the vllm engine as the registry builds it
         engine.route = "front_end"
         return engine
 
