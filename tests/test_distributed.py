@@ -3,7 +3,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -33,9 +32,8 @@ def test_ddp_ranks_take_the_same_decisions(tmp_path):
     assert len({row["lag"] for row in r0["rows"][3:]}) > 1  # the uniform schedule varied
 
 
-def _sharded_worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _sharded_worker(rank: int, world: int, rendezvous: str, queue) -> None:
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)
     prev, cur = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
     cur = cur + 0.8 * prev  # strongly aligned: GAC projects
@@ -54,14 +52,12 @@ def _sharded_worker(rank: int, world: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def test_sharded_scalars_match_the_full_vector():
-    with socket.socket() as s:  # a free port on loopback
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_sharded_scalars_match_the_full_vector(tmp_path):
+    rendezvous = str(tmp_path / "rendezvous")  # a file, not a port another process could take meanwhile
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_sharded_worker, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_sharded_worker, args=(r, world, rendezvous, queue)) for r in range(world)]
     for pr in procs:
         pr.start()
     results = sorted(queue.get(timeout=120) for _ in range(world))
@@ -114,11 +110,10 @@ M2PO_SPLIT = [[True, False, True], [False, True, True], [False, True, True], [Tr
 M2PO_TOGETHER = [[True, False, True], [False, True, True], [False, False, True], [True, False, True]]
 
 
-def _m2po_worker(rank: int, world: int, port: int, queue) -> None:
+def _m2po_worker(rank: int, world: int, rendezvous: str, queue) -> None:
     from gacbench.stabilizers.m2po import m2po_mask
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world)
     lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)[2 * rank: 2 * rank + 2]
     ones = torch.ones_like(lr)
     masks = {ties: m2po_mask(lr, ones, ones.bool(), 0.035, ties=ties).tolist() for ties in ("split", "together")}
@@ -127,19 +122,17 @@ def _m2po_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 @pytest.mark.slow  # two spawned processes that import torch and gacbench: 30-55 s on a loaded 2-core machine
-def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order():
+def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order(tmp_path):
     from gacbench.stabilizers.m2po import m2po_mask
 
     lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)
     ones = torch.ones_like(lr)
     assert m2po_mask(lr, ones, ones.bool(), 0.035).tolist() == M2PO_SPLIT
     assert m2po_mask(lr, ones, ones.bool(), 0.035, ties="together").tolist() == M2PO_TOGETHER
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = str(tmp_path / "rendezvous")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_m2po_worker, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_m2po_worker, args=(r, 2, rendezvous, queue)) for r in range(2)]
     for pr in procs:
         pr.start()
     (_, m0), (_, m1) = sorted(queue.get(timeout=120) for _ in range(2))

@@ -4,8 +4,6 @@ before anything is touched; skips leave the optimizer state alone; GradScaler an
 
 import datetime
 import math
-import os
-import socket
 
 import pytest
 import torch
@@ -346,9 +344,9 @@ def test_adding_parameters_after_attaching_is_refused():
 
 # -- torch.distributed: 2 ranks on gloo against 1 process -------------------------------------------------------
 
-def _dist_worker(rank: int, world: int, port: int, steps: int, wrap: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def _dist_worker(rank: int, world: int, rendezvous: str, steps: int, wrap: str, queue) -> None:
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     model = regressor()
     if wrap == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model.net)
@@ -391,16 +389,14 @@ def _dist_worker(rank: int, world: int, port: int, steps: int, wrap: str, queue)
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("wrap,collective", [("ddp", "broadcast"), ("fsdp2", "all_reduce")])
-def test_two_ranks_agree_and_match_one_process(wrap, collective):
+def test_two_ranks_agree_and_match_one_process(wrap, collective, tmp_path):
     """DDP (replicated gradients: rank 0's scalars are broadcast) and FSDP2 fully_shard (DTensor gradient shards:
     the partial scalars are summed), each with half the batch per rank, against one process with all of it."""
     steps, world = 30 if wrap == "ddp" else 12, 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = str(tmp_path / "rendezvous")  # a file, not a port another process could take meanwhile
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_dist_worker, args=(r, world, port, steps, wrap, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_dist_worker, args=(r, world, rendezvous, steps, wrap, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
