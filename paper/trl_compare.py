@@ -73,6 +73,30 @@ def inputs(where: Path) -> tuple[str, str]:
     return str(warm_started_dir()), str(prompts)
 
 
+def summarise(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
+    """The table of a series from each side's per-round records (``runs["trl"]`` and one list per variant, in round
+    order): per side the median step and generation, the step's ratio to TRL's paired by round (median and range),
+    the per-round figures and the route; and, where ``vllm`` and ``vllm-front-end`` both ran, their step and
+    generation ratios paired by round (else an empty dict)."""
+    trl = [x["median_step_s_5_30"] for x in runs["trl"]]
+    table = {}
+    for k, xs in runs.items():
+        step = [x["median_step_s_5_30"] for x in xs]
+        ratio = [a / b for a, b in zip(step, trl)]
+        table[k] = {"median_step_ms": 1e3 * statistics.median(step),
+                    "median_generate_ms": 1e3 * statistics.median(x["median_generate_s_5_30"] for x in xs),
+                    "ratio_to_trl_median": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
+                    "run_wall_s_median": statistics.median(x["wall_s"] for x in xs), "rounds": len(xs),
+                    "route": xs[0].get("route"), "step_ms_by_round": [1e3 * v for v in step],
+                    "generate_ms_by_round": [1e3 * x["median_generate_s_5_30"] for x in xs]}
+    routes = {}
+    if "vllm" in table and "vllm-front-end" in table:  # the two routes of the eager engine, paired by round
+        for key in ("step_ms_by_round", "generate_ms_by_round"):
+            r = [a / b for a, b in zip(table["vllm"][key], table["vllm-front-end"][key])]
+            routes[key.split("_")[0]] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+    return table, routes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--peer", help="TRL's side: a script taking OUT_DIR MODEL_DIR PROMPTS_JSONL")
@@ -109,27 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             runs[v].append(json.loads(rec.read_text()))
         done = ", ".join(f"{k} {x[-1]['median_step_s_5_30'] * 1e3:.1f} ms" for k, x in runs.items())
         print(f"round {r + 1}: {done}", flush=True)
-    trl = [x["median_step_s_5_30"] for x in runs["trl"]]
-    table = {}
-    for k, xs in runs.items():
-        step = [x["median_step_s_5_30"] for x in xs]
-        ratio = [a / b for a, b in zip(step, trl)]
-        table[k] = {"median_step_ms": 1e3 * statistics.median(step),
-                    "median_generate_ms": 1e3 * statistics.median(x["median_generate_s_5_30"] for x in xs),
-                    "ratio_to_trl_median": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
-                    "run_wall_s_median": statistics.median(x["wall_s"] for x in xs), "rounds": len(xs),
-                    "route": xs[0].get("route"), "step_ms_by_round": [1e3 * v for v in step],
-                    "generate_ms_by_round": [1e3 * x["median_generate_s_5_30"] for x in xs]}
+    table, routes = summarise(runs)
     print("| side | step (median over rounds) | generation | ratio to TRL, paired by round: median (range) |")
     print("|---|---|---|---|")
     for k, t in table.items():
         print(f"| {k} | {t['median_step_ms']:.1f} ms | {t['median_generate_ms']:.1f} ms | "
               f"{t['ratio_to_trl_median']:.3f} ({t['ratio_min']:.3f}-{t['ratio_max']:.3f}) |")
-    routes = {}
-    if "vllm" in table and "vllm-front-end" in table:  # the two routes of the eager engine, paired by round
-        for key in ("step_ms_by_round", "generate_ms_by_round"):
-            r = [a / b for a, b in zip(table["vllm"][key], table["vllm-front-end"][key])]
-            routes[key.split("_")[0]] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+    if routes:
         print("vllm / vllm-front-end, paired by round: " + ", ".join(
             f"{k} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" for k, v in routes.items()))
     if args.json:
