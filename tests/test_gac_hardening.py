@@ -321,3 +321,114 @@ def test_ddp_skip_leaves_parameters_and_optimizer_state_untouched_on_every_rank(
 
 if __name__ == "__main__":  # the DDP run of the test above (Lightning starts the second rank from this script)
     _ddp_skip_run(sys.argv[1])
+
+
+def test_a_tiny_gradient_has_a_cosine_like_any_other():
+    # consecutive gradients parallel, norms 3e-16: c = 1, a projection, not the 0 of a zero norm
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-17
+    p = torch.nn.Parameter(torch.zeros(1000))
+    t = GACTransform(kernels="eager")
+    for _ in range(2):
+        p.grad = g.clone()
+        out = t.step([p])
+    assert out.cos == pytest.approx(1.0, abs=1e-6) and out.decision.action == PROJECT
+    assert cosine_from_scalars(torch.tensor([0.0, 1e-300, 0.0], dtype=torch.float64)) == 0.0
+    assert cosine_from_scalars(torch.tensor([1e-300, 1e-300, 1e-300], dtype=torch.float64)) == pytest.approx(1.0)
+
+
+class _ClipsItself(pl.LightningModule):
+    """Linear regression on one fixed batch at lr 0: every gradient is the same, so c_t = 1 from step 2 on.
+    ``own_clip``: the module clips in its own configure_gradient_clipping, which Lightning calls after the
+    callbacks' on_before_optimizer_step."""
+
+    def __init__(self, own_clip: bool) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        self.lin = torch.nn.Linear(8, 1)
+        self.own_clip = own_clip
+
+    def training_step(self, batch, i):
+        return torch.nn.functional.mse_loss(self.lin(self.x), self.y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(range(4), batch_size=1)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.own_clip:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.01)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+@pytest.mark.parametrize("own_clip", [True, False])
+def test_clipping_in_the_modules_own_hook_leaves_the_reference_unclipped(own_clip):
+    gac = GAC(kernels="eager", c_low=0.05, c_high=0.5)
+    trainer = make_trainer(max_steps=4, callbacks=[gac], gradient_clip_val=None if own_clip else 0.01)
+    trainer.fit(_ClipsItself(own_clip))
+    # c_t is taken before clipping against a reference that was not clipped: 1, and every step projected
+    assert gac.trace.values == pytest.approx([1.0] * 3, abs=1e-9)  # steps 2-4 (step 1 has no reference)
+    assert gac.changed == 3
+
+
+def _channels_last_conv():
+    conv = torch.nn.Conv2d(3, 8, 3)
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    return conv, x
+
+
+@pytest.mark.parametrize("reference", ["grad", "ema"])
+def test_a_bfloat16_reference_of_channels_last_parameters_equals_the_contiguous_run(reference):
+    runs = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        conv, x = _channels_last_conv()
+        conv = conv.to(memory_format=layout)
+        t = GACTransform(kernels="eager", buffer_dtype="bfloat16", reference=reference)
+        seen = []
+        for i in range(4):
+            conv.zero_grad(set_to_none=True)
+            conv(x.to(memory_format=layout) * (1.0 + 0.1 * i)).square().mean().backward()
+            out = t.step(list(conv.parameters()))
+            seen.append((out.cos, out.decision.action, [p.grad.contiguous().clone() for p in conv.parameters()]))
+        runs.append(seen)
+    assert not conv.weight.grad.is_contiguous()  # the channels_last run's gradient kept its layout
+    for (c0, a0, g0), (c1, a1, g1) in zip(*runs):
+        assert (math.isnan(c0) and math.isnan(c1)) or c0 == pytest.approx(c1, abs=1e-6)
+        assert a0 == a1
+        for x0, x1 in zip(g0, g1):
+            torch.testing.assert_close(x1, x0, rtol=1e-5, atol=1e-7)
+    assert any(a == PROJECT or a == SHRINK for _, a, _ in runs[1][1:])
+
+
+def test_step_gac_on_channels_last_parameters_equals_the_contiguous_run():
+    from gacbench.functional.step_gac import StepGAC
+
+    runs = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        conv, x = _channels_last_conv()
+        conv = conv.to(memory_format=layout)
+        params = list(conv.parameters())
+        opt = torch.optim.SGD(params, lr=0.1)
+        gac = StepGAC()
+        gac.start(params)
+        seen = []
+        for _ in range(4):
+            opt.zero_grad()
+            conv(x.to(memory_format=layout)).square().mean().backward()
+            opt.step()
+            out = gac.step(params)
+            seen.append((out.cos, out.decision.action, [p.detach().contiguous().clone() for p in params]))
+        runs.append(seen)
+        assert conv.weight.is_contiguous() == (layout == torch.contiguous_format)
+    for (c0, a0, p0), (c1, a1, p1) in zip(*runs):
+        assert (math.isnan(c0) and math.isnan(c1)) or c0 == pytest.approx(c1, abs=1e-6)
+        assert a0 == a1
+        for x0, x1 in zip(p0, p1):
+            torch.testing.assert_close(x1, x0, rtol=1e-5, atol=1e-7)
+    assert any(a != KEEP for _, a, _ in runs[1][1:])

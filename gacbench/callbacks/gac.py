@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from gacbench.callbacks._common import (
@@ -54,6 +55,14 @@ def run_steps(trainer: "pl.Trainer") -> float:
     if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(batches):
         return float(trainer.max_epochs * math.ceil(batches / trainer.accumulate_grad_batches))
     return math.inf
+
+
+def clips_after_hook(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+    """Whether the gradients may be clipped in place after ``on_before_optimizer_step``: Lightning calls the
+    module's ``configure_gradient_clipping`` there on every step, which clips by ``gradient_clip_val`` unless
+    the module overrides it (and then it may clip by its own rule)."""
+    return bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", pl_module,
+                                                             pl.LightningModule)
 
 
 class GAC(Callback):
@@ -279,7 +288,7 @@ class GAC(Callback):
             return
         params = self._params
         sharded = is_sharded(trainer)
-        clipping = bool(trainer.gradient_clip_val)  # Lightning clips p.grad in place after this hook
+        clipping = clips_after_hook(trainer, pl_module)
         reduce = partial(agree, trainer, sharded=sharded)
         # kernels="fused-adamw" takes a shrunk or projected AdamW step itself; not under a GradScaler, which may
         # still decide to skip the step after this hook

@@ -188,15 +188,16 @@ def full_vector_scalars(grads: list[Tensor | None], ref: TensorList) -> Tensor:
     return alignment_scalars([g for g, _ in live], [r for _, r in live], ref_rest=rest)
 
 
-def cosine_from_scalars(scalars: Tensor, eps: float = 1e-30) -> float:
-    """c = <g, r> / (||g|| ||r||) from ``alignment_scalars``; 0.0 when either norm is zero."""
+def cosine_from_scalars(scalars: Tensor) -> float:
+    """c = <g, r> / (||g|| ||r||) from ``alignment_scalars``; 0.0 when either norm is zero, however small the
+    other: a gradient of norm 1e-16 has a direction like any other."""
     g_r, gg, rr = (float(v) for v in scalars.tolist())
-    denom = math.sqrt(gg) * math.sqrt(rr)
-    if not math.isfinite(denom) or not math.isfinite(g_r):
+    if not (math.isfinite(gg) and math.isfinite(rr) and math.isfinite(g_r)):
         return float("nan")
-    if denom <= eps:
+    if gg == 0.0 or rr == 0.0:
         return 0.0
-    return g_r / denom
+    denom = math.sqrt(gg) * math.sqrt(rr)
+    return g_r / denom if denom > 0.0 else g_r / math.sqrt(gg) / math.sqrt(rr)  # the product can underflow
 
 
 def cosine(xs: TensorList, ys: TensorList) -> float:

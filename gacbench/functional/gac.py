@@ -439,7 +439,11 @@ class GACTransform:
                     )
             # each parameter's reference in its own dtype (or all in buffer_dtype): a float32 parameter's part is
             # never rounded to a bfloat16 neighbour's precision
-            st.ref = [torch.zeros_like(t, dtype=self.buffer_dtype or t.dtype) for t in tensors]
+            # (another dtype than the parameter's, the reference is only ever combined with a flat copy of the
+            # gradient, so it is laid out contiguously whatever the parameter's strides: channels_last included)
+            st.ref = [torch.zeros_like(t, dtype=self.buffer_dtype, memory_format=torch.contiguous_format)
+                      if self.buffer_dtype is not None and self.buffer_dtype != t.dtype
+                      else torch.zeros_like(t) for t in tensors]
             if st.saved is not None:
                 self._copy_saved(st.saved)
         return st.ref

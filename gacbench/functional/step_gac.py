@@ -110,7 +110,7 @@ class StepGAC:
             self._scratch = {}
             for t in tensors:
                 d = torch.promote_types(t.dtype, torch.float32)
-                size = t.numel() if t.device.type != "cpu" else min(
+                size = t.numel() if t.device.type != "cpu" or not t.is_contiguous() else min(
                     t.numel(), _CPU_BLOCK_PER_THREAD * torch.get_num_threads())
                 if d not in self._scratch or self._scratch[d].numel() < size:
                     self._scratch[d] = torch.empty(size, dtype=d, device=t.device)
@@ -127,9 +127,13 @@ class StepGAC:
 
     def _blocks(self, now: list[Tensor]) -> list[tuple[Tensor, Tensor, Tensor]]:
         """(theta_{t+1}, theta, r) as matching flat blocks: on the CPU of the size alignment_scalars works in, so
-        that a block's Delta stays in cache between its products; elsewhere one block per tensor."""
+        that a block's Delta stays in cache between its products; elsewhere, and for a parameter whose elements are
+        not laid out in order (channels_last, a transposed view), one block per tensor in the parameter's shape."""
         out = []
         for n, b, r in zip(now, self.theta.views, self.prev.views):
+            if not n.is_contiguous():
+                out.append((n, b, r))
+                continue
             n, b, r = n.view(-1), b.view(-1), r.view(-1)
             size = _CPU_BLOCK_PER_THREAD * torch.get_num_threads() if n.device.type == "cpu" else n.numel()
             out += list(zip(n.split(size), b.split(size), r.split(size)))
