@@ -631,3 +631,13 @@ def test_a_fully_rejected_batch_gives_a_zero_loss_and_finite_metrics():
     loss.backward()
     assert loss.item() == 0.0 and (b.logp.grad == 0).all()
     assert all(math.isfinite(float(v)) for v in m.values()) and float(m["mis/masked_frac"]) == 1.0
+
+
+@pytest.mark.parametrize("ties", ["split", "together"])
+def test_m2po_keeps_every_token_when_its_two_means_round_to_either_side_of_tau(ties):
+    # float32 mean (log r)^2 = 0.0400000028 > tau, while the suffix mean the cut is taken from rounds to
+    # 0.0399999991 <= tau (the exact mean, 0.03999999936, is below tau): nothing is dropped
+    lr = torch.tensor([[0.18094496428966522, 0.2425098419189453, 0.16866503655910492]])
+    adv, mask = torch.ones_like(lr), torch.ones_like(lr, dtype=torch.bool)
+    assert float((lr**2).mean()) > 0.04 >= float(lr.double().pow(2).mean())
+    assert m2po_mask(lr, adv, mask, 0.04, ties=ties).all()

@@ -111,24 +111,30 @@ M2PO_TOGETHER = [[True, False, True], [False, True, True], [False, False, True],
 
 
 def _m2po_worker(rank: int, world: int, rendezvous: str, queue) -> None:
-    from gacbench.stabilizers.m2po import m2po_mask
+    from gacbench.stabilizers.m2po import m2po_mask, m2po_mask_areal
 
     dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world)
     lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)[2 * rank: 2 * rank + 2]
     ones = torch.ones_like(lr)
     masks = {ties: m2po_mask(lr, ones, ones.bool(), 0.035, ties=ties).tolist() for ties in ("split", "together")}
+    masks["areal"] = m2po_mask_areal(lr**2, ones.bool(), 0.035).tolist()
     queue.put((rank, masks))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned processes that import torch and gacbench: 30-55 s on a loaded 2-core machine
 def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order(tmp_path):
-    from gacbench.stabilizers.m2po import m2po_mask
+    from gacbench.stabilizers.m2po import m2po_mask, m2po_mask_areal
 
     lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)
     ones = torch.ones_like(lr)
     assert m2po_mask(lr, ones, ones.bool(), 0.035).tolist() == M2PO_SPLIT
     assert m2po_mask(lr, ones, ones.bool(), 0.035, ties="together").tolist() == M2PO_TOGETHER
+    # AReaL's rule over all 12 tokens (the -0.3 token counts too): sum .5925, mean .0494; dropping the six tied .09
+    # in stable sort order gives .0457, .0413, .0358, .0291 < .035: four go, the first four .09 in batch order,
+    # three of them on rank 0 (each rank alone would drop (0, 1), (1, 0) and (2, 0), (2, 1))
+    areal = m2po_mask_areal(lr**2, ones.bool(), 0.035).tolist()
+    assert areal == [[True, False, True], [False, True, False], [False, True, True], [True, True, True]]
     rendezvous = str(tmp_path / "rendezvous")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -140,3 +146,4 @@ def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order(tmp_path
         pr.join(timeout=60)
     assert m0["split"] + m1["split"] == M2PO_SPLIT
     assert m0["together"] + m1["together"] == M2PO_TOGETHER
+    assert m0["areal"] + m1["areal"] == areal

@@ -181,3 +181,13 @@ def test_bandit_resume_in_the_middle_of_a_stale_run_is_exact(tmp_path):
     with pytest.raises(ValueError, match="staleness=3, this run has staleness=2"):
         make_trainer([], max_steps=10).fit(SoftmaxBandit(steps=10, staleness=2, seed=1),
                                            ckpt_path=next(tmp_path.glob("*step=4.ckpt")))
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo-population", "dr-grpo", "rloo"])
+def test_a_group_of_equal_fractional_rewards_has_zero_advantage(name):
+    # float32 0.7 * 8: the group mean differs from 0.7 in the last bit, and the std is that residue
+    rewards = torch.tensor([[0.7] * 8, [0.3] * 8, [0.1] * 8], dtype=torch.float32)
+    assert (advantage_fn(name)(rewards) == 0).all()
+    mixed = torch.tensor([[0.7, 0.7, 0.7, 0.2], [0.0, 1.0, 1.0, 0.0]])
+    out = advantage_fn(name)(mixed)
+    assert (out != 0).all() and torch.allclose(out.sum(-1), torch.zeros(2), atol=1e-6)

@@ -14,8 +14,9 @@ and the loss is scaled so that one optimizer step equals the single-process step
   by W N_r / N (N_r its tokens, N all ranks' tokens, one all-reduce of a scalar per step, as verl normalises
   by the global token count), so that the average of the ranks' gradients is the gradient of the global
   token-mean.
-- Loss-side stabilizers whose loss uses batch-level statistics (M2PO's second-moment mask, BAPO's bound search)
-  compute those statistics on the rank's share.
+- Loss-side stabilizers whose loss uses batch-level statistics (M2PO's masks and bounds, BAPO's bound search,
+  VCPO's ESS) compute those statistics over all ranks' tokens (one all-gather or all-reduce), as one process
+  holding the whole batch would.
 """
 
 from __future__ import annotations

@@ -47,30 +47,37 @@ def advantage_fn(name: str) -> AdvantageFn:
 def _check(rewards: torch.Tensor) -> None:
     if rewards.dim() != 2 or rewards.shape[-1] < 2:
         raise ValueError("advantages need rewards of shape (prompts, group) with group >= 2, "
-
                          f"got {tuple(rewards.shape)}")
 
+
+def _centred(rewards: torch.Tensor) -> torch.Tensor:
+    """r - mean within each group, exactly 0 in a group whose rewards are all equal: there the float mean of a
+    value such as 0.7 can differ from it in the last bit, which a division by the group's std (also a rounding
+    residue) would turn into an advantage of the same sign for every sample."""
+    centred = rewards - rewards.mean(-1, keepdim=True)
+    tied = (rewards == rewards[..., :1]).all(-1, keepdim=True)
+    return torch.where(tied, torch.zeros_like(centred), centred)
 
 
 @register_advantage("grpo")
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: rewards (P, G) normalised within each group, (r - mean) / (std + eps), std unbiased. (P, G)."""
     _check(rewards)
-    return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + eps)
+    return _centred(rewards) / (rewards.std(-1, keepdim=True) + eps)
 
 
 @register_advantage("grpo-population")
 def group_advantages_population(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """GRPO with the population std: (r - mean) / (std + eps), std over G (not G - 1). (P, G)."""
     _check(rewards)
-    return (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, correction=0, keepdim=True) + eps)
+    return _centred(rewards) / (rewards.std(-1, correction=0, keepdim=True) + eps)
 
 
 @register_advantage("dr-grpo")
 def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO: rewards (P, G) centred within each group, not divided by the std. (P, G)."""
     _check(rewards)
-    return rewards - rewards.mean(-1, keepdim=True)
+    return _centred(rewards)
 
 
 @register_advantage("rloo")
@@ -78,4 +85,6 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO: each reward minus the mean of the other G - 1 rewards of its group. (P, G)."""
     _check(rewards)
     G = rewards.shape[-1]
-    return rewards - (rewards.sum(-1, keepdim=True) - rewards) / (G - 1)
+    loo = rewards - (rewards.sum(-1, keepdim=True) - rewards) / (G - 1)
+    tied = (rewards == rewards[..., :1]).all(-1, keepdim=True)
+    return torch.where(tied, torch.zeros_like(loo), loo)

@@ -104,6 +104,8 @@ def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, t
     suffix_mean = _suffix_means(desc)
     ok = suffix_mean <= tau
     k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else desc.numel()  # candidates to drop
+    if k == 0:  # the mean above and the suffix mean of all values rounded to opposite sides of tau: none goes
+        return mask.clone()
     cut = desc[k - 1]
     if ties == "together":
         # every candidate whose value reaches the last dropped one goes: removing more of the largest values can
@@ -122,10 +124,12 @@ def m2po_mask(log_ratio: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04, t
 def m2po_mask_areal(log_sq: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
     """AReaL's mask, (B, T) bool: sort the response tokens' values ``log_sq`` in descending order, drop the first k
     for the smallest k whose remaining mean is strictly below ``tau`` (ties split by sort order, stable); if no
-    k qualifies, keep only the smallest value."""
+    k qualifies, keep only the smallest value. Under DDP the values are all-gathered (in rank order, so the stable
+    sort splits ties as one process holding the whole batch would)."""
     check_positive("m2po_mask_areal", tau=tau)
     mask = mask.bool()
-    vals = sanitize(log_sq.detach().float(), mask)[mask]
+    local = sanitize(log_sq.detach().float(), mask)[mask]
+    vals, offset = _gather(local)
     if vals.numel() == 0:
         return mask.clone()
     desc, order = torch.sort(vals, descending=True, stable=True)
@@ -137,7 +141,7 @@ def m2po_mask_areal(log_sq: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
     keep_flat = torch.empty_like(keep_sorted)
     keep_flat[order] = keep_sorted
     out = torch.zeros_like(mask)
-    out[mask] = keep_flat
+    out[mask] = keep_flat[offset: offset + local.numel()]
     return out
 
 
