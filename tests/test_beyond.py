@@ -19,7 +19,7 @@ from gacbench.bench.groups import group_records
 from gacbench.bench.power import power_rows
 from gacbench.bench.records import cell_record, discover_cells
 from gacbench.bench.report import build_report
-from gacbench.bench.stats import apply_families, holm_adjust, recovered_shares
+from gacbench.bench.stats import apply_families, detectable_multiplier, holm_adjust, recovered_shares
 from gacbench.bench.tables import markdown
 from gacbench.bench.validate import load_suite
 from gacbench.jsonio import write_json
@@ -55,7 +55,7 @@ def _by_hand() -> dict:
     half = stats.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3)
     return {"share": d.mean() / 0.5, "low": (d.mean() - half) / 0.5, "high": (d.mean() + half) / 0.5,
             "raw": a.mean() / 0.5, "effect": b.mean(), "p": stats.ttest_1samp(d, 0.0).pvalue,
-            "mds": (stats.t.ppf(0.975, 2) + stats.t.ppf(0.8, 2)) / math.sqrt(3) * d.std(ddof=1) / 0.5}
+            "mds": detectable_multiplier(3) * d.std(ddof=1) / 0.5}
 
 
 @pytest.mark.parametrize("sign, hib", [(1.0, True), (-1.0, False)])

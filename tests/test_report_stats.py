@@ -15,6 +15,7 @@ from gacbench.bench.cell import cell_dir
 from gacbench.bench.figures import Canvas, law_figure, method_panels
 from gacbench.bench.regime import law_points
 from gacbench.bench.report import build_report, group_records, holm_adjust, markdown, recovered_shares
+from gacbench.bench.stats import detectable_multiplier
 from gacbench.jsonio import write_json
 
 
@@ -59,7 +60,7 @@ def test_the_table_marks_only_the_entries_significant_after_adjustment():
     line_b = next(x for x in detail if x.startswith("| t | 8 | b |"))
     # b's differences 0.6, 1.0, 1.4 are all > 0: the sign-flip p is 2 / 2^3; the min. detectable share is
     # (t_{0.975,2} + t_{0.8,2}) sd / sqrt(3) / |gap| with sd 0.4 and gap 0.05 - 1.0
-    mds = (stats.t.ppf(0.975, 2) + stats.t.ppf(0.8, 2)) * 0.4 / math.sqrt(3) / 0.95
+    mds = detectable_multiplier(3) * 0.4 / 0.95
     assert line_b.endswith(f"| {raw['b']:.2g} | {adj_b:.2g} | 0.25 | {mds:.2g} | 3 |")
 
 

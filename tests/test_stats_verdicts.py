@@ -22,10 +22,12 @@ from gacbench.bench.stats import (
     aligned_shares,
     aligned_values,
     apply_families,
+    detectable_multiplier,
     fieller_interval,
     in_fieller,
     min_detectable_share,
     paired_difference,
+    paired_t_power,
     resolve_families,
     seeds_needed,
     sign_flip_p,
@@ -119,12 +121,28 @@ def test_sign_flip_p_samples_above_the_enumeration_limit():
 
 
 def test_min_detectable_share_and_seeds_needed_by_hand():
-    # (t_{0.975,2} + t_{0.8,2}) / sqrt(3) = (4.3027 + 1.0607) / 1.7321 = 3.0966
-    assert min_detectable_share(1.0, -1.0, 3) == pytest.approx((4.302653 + 1.060660) / math.sqrt(3), rel=1e-5)
-    assert min_detectable_share(0.2, 0.5, 5) == pytest.approx(
-        (stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) / math.sqrt(5) * 0.2 / 0.5)
-    # target 0.5 with sd 0.1 and gap 0.5: (t + t) / sqrt(n) <= 2.5; n = 3 gives 3.10, n = 4 (3.182 + 0.978) / 2 = 2.08
+    # at the multiplier the paired t-test rejects with the stated power: counted over simulated seeds
+    rng = np.random.default_rng(3)
+    for n in (3, 5):
+        d = rng.normal(detectable_multiplier(n), 1.0, size=(40_000, n))
+        t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
+        rejected = np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1))
+        assert abs(rejected - 0.8) < 0.01  # sd of the count about 0.002
+        # the sizing with t quantiles, (t_{0.975} + t_{0.8}) / sqrt(n), falls short at these n
+        usual = (stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.8, n - 1)) / math.sqrt(n)
+        d = rng.normal(usual, 1.0, size=(40_000, n))
+        t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
+        assert np.mean(np.abs(t) > stats.t.ppf(0.975, n - 1)) < 0.795
+    assert paired_t_power(detectable_multiplier(6, 0.9), 6) == pytest.approx(0.9, abs=1e-9)
+    assert detectable_multiplier(4, power=0.05) == 0.0
+    assert min_detectable_share(1.0, -1.0, 3) == pytest.approx(detectable_multiplier(3))
+    assert min_detectable_share(0.2, 0.5, 5) == pytest.approx(detectable_multiplier(5) * 0.2 / 0.5)
+    # target 0.5 with sd 0.1 and gap 0.5: the multiplier must be <= 2.5; n = 3 gives 3.26, n = 4 2.13
+    assert detectable_multiplier(3) > 2.5 >= detectable_multiplier(4)
     assert seeds_needed(0.1, 0.5, 0.5) == 4
+    for sd, target in ((0.3, 0.2), (1.0, 0.2), (0.05, 0.9)):  # bisection = the first n from a scan
+        scan = next(n for n in range(2, 1001) if min_detectable_share(sd, 0.5, n) <= target)
+        assert seeds_needed(sd, 0.5, target) == scan
     assert seeds_needed(0.1, 0.0, 0.5) is None and seeds_needed(10.0, 1e-6, 0.01) is None
     assert math.isnan(min_detectable_share(0.1, 0.5, 1))
 

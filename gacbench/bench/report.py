@@ -52,7 +52,7 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   (:func:`~gacbench.bench.regime.size_trend`; three sizes or more, one task each); fig_size.png plots both;
 - ``on_policy`` / ``on_policy_reward`` (a suite task's ``on_policy`` methods, run at s = 0): each such
   stabilizer against sync on the final metric / the training reward, the paired difference method - sync (> 0:
-  better) with its t-interval and p-value, and ``vs_sync_p_adj`` (Holm over each table;
+  better) with its t-interval and p-value, and ``vs_sync_p_adj`` (Holm within its family;
   :func:`~gacbench.bench.stats.on_policy_controls`); and ``staleness_cost`` / ``staleness_cost_reward``: for each
   such method at each s > 0, what staleness costs it against its own on-policy run (m at s = 0 minus m at s,
   paired over seeds, > 0: staleness hurts) beside what it costs plain GRPO (sync minus stale at s)

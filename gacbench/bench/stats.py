@@ -5,6 +5,7 @@ detectable share, the multiplicity families, and the reward by policy version (d
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -61,7 +62,8 @@ def mean_bootstrap_ci(x: np.ndarray, level: float = CI_LEVEL, resamples: int = B
 
 def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> dict[str, float]:
     """mean(a - b) over paired seeds, its t-interval (mean +- t_{(1+level)/2, n-1} sd/sqrt(n)) and the two-sided
-    paired t-test's p-value (scipy.stats.ttest_rel; NaN when every difference is equal). NaNs below two seeds."""
+    paired t-test's p-value (scipy.stats.ttest_rel; NaN when every difference is equal, to within the rounding of
+    the subtraction: :func:`differences_equal`). NaNs below two seeds."""
     import warnings
 
     from scipy import stats
@@ -76,8 +78,20 @@ def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> 
     half = float(stats.t.ppf(0.5 + level / 2.0, n - 1) * d.std(ddof=1) / math.sqrt(n))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = float(stats.ttest_rel(a, b).pvalue) if d.std() > 0 else math.nan
+        p = math.nan if differences_equal(a, b) else float(stats.ttest_rel(a, b).pvalue)
     return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p, "p_signflip": sign_flip_p(d)}
+
+
+def differences_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the paired differences a - b are all equal up to the rounding of the subtraction (a few units in
+    the last place of the larger operand): a method that beats another by exactly 0.1 on every seed gives
+    differences such as 0.10000000000000003 and 0.09999999999999998, on which a t-test would read rounding noise
+    as a spread and return p ~ 1e-32."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    d = a - b
+    scale = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0)))
+    return float(np.ptp(d)) <= 8.0 * np.finfo(np.float64).eps * scale if len(d) else True
 
 
 SIGN_FLIP_EXACT_MAX = 16  # pairs up to which sign_flip_p enumerates all 2^n assignments (65,536 at 16)
@@ -144,15 +158,40 @@ def in_fieller(r: float, low: float, high: float, kind: str) -> bool:
     return kind == "unbounded"
 
 
-def detectable_multiplier(n: int, power: float = POWER, alpha: float = ALPHA) -> float:
-    """(t_{1-alpha/2, n-1} + t_{power, n-1}) / sqrt(n): the smallest mean paired difference, in units of the
-    differences' standard deviation, that a two-sided paired t-test at ``alpha`` on n seeds detects with
-    probability about ``power`` (the usual normal-approximation sizing, with t quantiles). NaN below two seeds."""
+def paired_t_power(effect: float, n: int, alpha: float = ALPHA) -> float:
+    """The power of the two-sided paired t-test at ``alpha`` on n seeds when the mean paired difference is
+    ``effect`` standard deviations of the differences: P(|T| > t_{1-alpha/2, n-1}) with T noncentral t on n - 1
+    degrees of freedom, noncentrality effect * sqrt(n). NaN below two seeds."""
     from scipy import stats
 
     if n < 2:
         return math.nan
-    return float((stats.t.ppf(1.0 - alpha / 2.0, n - 1) + stats.t.ppf(power, n - 1)) / math.sqrt(n))
+    df, nc = n - 1, abs(effect) * math.sqrt(n)
+    crit = float(stats.t.ppf(1.0 - alpha / 2.0, df))
+    upper = float(stats.nct.sf(crit, df, nc))
+    lower = float(stats.nct.cdf(-crit, df, nc))  # below 1e-15 where it matters; scipy returns NaN far out (df = 1)
+    return upper + (lower if math.isfinite(lower) else 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def detectable_multiplier(n: int, power: float = POWER, alpha: float = ALPHA) -> float:
+    """The smallest mean paired difference, in units of the differences' standard deviation, that a two-sided
+    paired t-test at ``alpha`` on n seeds detects with probability ``power``: the root of
+    :func:`paired_t_power` (effect, n) = power, exact under normal differences (the noncentral t). The usual
+    sizing (t_{1-alpha/2, n-1} + t_{power, n-1}) / sqrt(n) approximates it and falls short at few seeds: it gives
+    73% power at n = 2, 77% at 3, 79% at 5. NaN below two seeds; 0 when ``power`` <= ``alpha``."""
+    from scipy import optimize, stats
+
+    if n < 2:
+        return math.nan
+    if power <= alpha:
+        return 0.0
+    guess = float((stats.t.ppf(1.0 - alpha / 2.0, n - 1) + stats.t.ppf(power, n - 1)) / math.sqrt(n))
+    high = max(guess, 1e-3)
+    while paired_t_power(high, n, alpha) < power:
+        high *= 1.5
+    return float(optimize.brentq(lambda e: paired_t_power(e, n, alpha) - power, 0.0, high, xtol=1e-12,
+                                 rtol=1e-12))
 
 
 def min_detectable_share(sd_diff: float, gap: float, n: int, power: float = POWER, alpha: float = ALPHA) -> float:
@@ -170,10 +209,16 @@ def seeds_needed(sd_diff: float, gap: float, target: float, power: float = POWER
     more than ``most`` would be needed (or the noise or gap is unknown)."""
     if not (math.isfinite(sd_diff) and math.isfinite(gap)) or gap == 0 or target <= 0:
         return None
-    for n in range(2, most + 1):
-        if min_detectable_share(sd_diff, gap, n, power, alpha) <= target:
-            return n
-    return None
+    if min_detectable_share(sd_diff, gap, most, power, alpha) > target:
+        return None
+    low, high = 1, most  # the share falls as n grows: the fewest n is found by bisection
+    while high - low > 1:
+        mid = (low + high) // 2
+        if min_detectable_share(sd_diff, gap, mid, power, alpha) <= target:
+            high = mid
+        else:
+            low = mid
+    return high
 
 
 def holm_adjust(ps: list[float | None]) -> list[float | None]:

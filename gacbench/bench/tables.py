@@ -70,7 +70,8 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
     lines = [f"## {title}", "",
              "1 = the synchronous result, 0 = no better than stale, < 0 = worse than stale.", "",
              "Min. detectable share: the smallest share a paired test against stale on these seeds detects with 80% "
-             "power at α = 0.05, (t_{0.975,n−1} + t_{0.8,n−1}) · sd(method − stale) / √n / |gap|.", "",
+             "power at α = 0.05, δ_n · sd(method − stale) / |gap|, δ_n the effect in standard deviations at which "
+             "the paired t-test on n seeds has exactly 80% power (the noncentral t; docs/bench.md).", "",
              "| task | s | method | sync | stale | method | share | min. detectable share |",
              "|---|---|---|---|---|---|---|---|"]
     for r in shares:
@@ -288,9 +289,9 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         rows = {(r["task"], r["method"]): r for r in ablation_share_rows(groups, cells, ablation_rows)}
         what = "training reward" if key == "reward_last" else "final metric"
         lines += ["", "## Threshold ablation (c_low, c_high)", "",
-                  f"Recovered share of the stale–sync gap in the {what} (95% paired bootstrap interval) and the "
-                  "paired difference to stale at the same s (t-interval, paired t-test p, and p adjusted by Holm's "
-                  "method over this table's tests), as in the tables above.",
+                  f"Recovered share of the stale–sync gap in the {what} (95% Fieller interval) and the paired "
+                  "difference to stale at the same s (t-interval, paired t-test p, and p adjusted by Holm's method "
+                  "within its family, listed under Multiplicity families below), as in the tables above.",
                   "", "| task | method | s | final (mean) | training reward (last 20%) | share [95% CI] | "
                   "method − stale [95% CI] | p | p adj. | diverged | seeds |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -299,7 +300,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
             reward = (f"{fmt(g['reward_last_mean'], 3)} ± {fmt(g['reward_last_std'], 2)}"
                       if "reward_last_mean" in g else "—")
             share = "—" if r.get("share") is None or math.isnan(r["share"]) else (
-                f"{r['share']:.2f} {fmt_ci(r.get('share_ci_low'), r.get('share_ci_high'))}")
+                f"{r['share']:.2f} {fmt_share_ci(r)}")
             diff = "—" if r.get("vs_stale_diff") is None else (
                 f"{r['vs_stale_diff']:+.3g} {fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)}")
             lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
