@@ -350,6 +350,7 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     def build(calibration: dict | None = None) -> list[Callback]:
         out: list[Callback] = []
         for name, kwargs in parts:
+            _check_setting_names(spec, name, kwargs)
             if name in METHODS:
                 extra = {"calibration": calibration} if METHODS[name].reference else {}
                 out += METHODS[name].build(**kwargs, **extra)
@@ -359,6 +360,20 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
         return out
 
     return Method(spec, "combination", build, stale=True, reference=next(iter(refs), None)), {}
+
+
+def _check_setting_names(spec: str, name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a setting the method or stabilizer ``name`` does not take, naming the closest one and listing its
+    settings (a method whose settings are not known by name is left to its constructor)."""
+    known = method_settings(name)
+    unknown = [k for k in kwargs if k != "calibration" and known and k not in known]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(known), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"method {spec!r}: {name} has no setting {unknown[0]!r}; {hint}its settings are "
+                         f"{', '.join(known)}")
 
 
 def _check_combination(spec: str, callbacks: list[Callback]) -> None:
@@ -423,6 +438,7 @@ def method_callbacks(spec: str, cell: dict | None = None) -> list[Callback]:
     method, kwargs = parse_method(spec)
     if method.reference is not None:
         kwargs = {**kwargs, "calibration": (cell or {}).get("calibration")}
+    _check_setting_names(spec, method.name, kwargs)
     try:
         return method.build(**kwargs)
     except TypeError as exc:

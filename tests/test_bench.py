@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rich.console import Console
 
 from gacbench.bench.cell import cell_dir, run_cell
 from gacbench.bench.report import build_report, recovered_shares
@@ -117,8 +118,12 @@ def test_failed_cell_is_recorded_and_the_grid_goes_on(tmp_path):
     suite = load_suite(str(tiny_suite(tmp_path)))
     suite["tasks"]["broken"] = {"objective": "quadratic", "params": {"lr": -1.0}}
     cells = expand_cells(suite, seeds=[0])
-    result = run_grid(cells, tmp_path / "out")
+    console = Console(record=True, width=400)
+    result = run_grid(cells, tmp_path / "out", console=console)
     assert result["failed"] == 3 and result["ran"] == len(cells)
+    # the console names each failed cell and its error: the cause is not left in status.json alone
+    printed = [line for line in console.export_text().splitlines() if line.startswith("failed cell: broken/")]
+    assert len(printed) == 3 and all("lr=-1.0 must be a finite number > 0" in line for line in printed)
     status = json.loads((cell_dir(tmp_path / "out", [c for c in cells if c["task"] == "broken"][0])
                          / "status.json").read_text())
     assert status["status"] == "failed" and "lr=-1.0 must be a finite number > 0" in status["error"]

@@ -161,3 +161,38 @@ def test_overhead_cuda_without_cuda_is_one_line(capsys):
     assert main(["overhead", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sees no CUDA device" in err
+
+
+@pytest.mark.parametrize("argv,cause", [
+    (["warm-start", "--size", "huge"], "model.size='huge' is not one of tiny, small, medium"),
+    (["warm-start", "--task", "nosuch"], "unknown task 'nosuch'"),
+    (["warm-start", "--suite", "synthetic-smoke"], "no GRPO task of this suite starts from a built-in model"),
+    (["rollout-bench", "--engines", "nosuch"], "--engines 'nosuch': each must be a registered engine"),
+    (["rollout-bench", "--grpo-steps", "-1"], "--grpo-steps -1 must be >= 0"),
+    (["async-bench", "--steps", "3", "--max-staleness", "1", "--engine", "hf", "--prompts", "0"],
+     "rollout.prompts=0 must be an integer >= 1"),
+    (["async-bench", "--steps", "3", "--max-staleness", "1", "--engine", "hf", "--workers", "0"],
+     "rollout.workers, rollout.worker_threads and rollout.chunks must be >= 1"),
+    (["step-profile", "--engine", "hf", "--group", "1"], "rollout.group=1 must be an integer >= 2"),
+])
+def test_llm_commands_refuse_bad_input_in_one_line(argv, cause, capsys):
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"gacbench {argv[0]}: error: ") and cause in err[0], err
+
+
+def test_warm_start_and_rollout_bench_refuse_a_file_or_an_empty_folder_in_one_line(tmp_path, capsys):
+    afile, empty = tmp_path / "afile", tmp_path / "empty"
+    afile.write_text("")
+    empty.mkdir()
+    assert main(["warm-start", "--out", str(afile)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main(["rollout-bench", "--engines", "hf", "--model", str(empty)]) == 2
+    assert "not a local Hugging Face checkpoint directory (no config.json)" in capsys.readouterr().err
+
+
+def test_a_setting_an_objective_refuses_is_a_usage_error():
+    from gacbench.objectives.base import SettingError
+    from gacbench.usage import UsageError
+
+    assert issubclass(SettingError, UsageError) and issubclass(SettingError, ValueError)

@@ -137,7 +137,7 @@ def test_bad_settings_are_refused(model_dir, tmp_path):
         module(model_dir, advantage="ppo-gae")
     with pytest.raises(ValueError, match="staleness"):
         module(model_dir, staleness=-1)
-    with pytest.raises(FileNotFoundError, match="not a local Hugging Face checkpoint"):
+    with pytest.raises(ValueError, match="model.path=.* is not a local Hugging Face checkpoint directory"):
         module(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"engine.compile=true is for the vllm engine in float32 \(this run: "
                                          r"engine.name='hf', engine.dtype='float32'\)"):

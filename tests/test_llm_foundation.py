@@ -52,6 +52,14 @@ def test_bad_model_path_and_config_are_refused(tmp_path):
         load(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="head_dim"):
         tiny_config(hidden=64, heads=4)
+    # a directory with a config.json that transformers cannot load: one UsageError naming the path and the cause
+    from gacbench.usage import UsageError
+
+    for name, text in (("damaged", "{not json"), ("no-weights", '{"model_type": "qwen3"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        with pytest.raises(UsageError, match=f"model path {tmp_path / name} has a config.json but cannot be loaded"):
+            load(tmp_path / name)
 
 
 def _tiny(tmp_path):

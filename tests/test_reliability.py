@@ -45,7 +45,7 @@ def statuses(out: Path) -> dict[str, str]:
     ("--staleness", "2.5", "--staleness '2.5': '2.5' is not an integer"),
     ("--staleness", "0,4,4", "--staleness '0,4,4' lists 4 twice"),
     ("--methods", "sync,stale,sync", "--methods 'sync,stale,sync' lists sync twice"),
-    ("--methods", "gac(c_lo=0.1)", "unexpected keyword argument 'c_lo'"),
+    ("--methods", "gac(c_lo=0.1)", "gac has no setting 'c_lo'; did you mean 'c_low'?"),
     ("--methods", "stale,ablation", "'ablation' selects the suite's threshold-ablation cells, and suite 'tiny' has "
                                     "no ablation: section"),
     ("--tasks", "quadratic,quadratic", "--tasks 'quadratic,quadratic' lists quadratic twice"),

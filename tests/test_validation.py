@@ -230,3 +230,28 @@ def test_a_method_setting_that_is_not_a_finite_literal_is_named(tmp_path, capsys
         canonical_method(spec)
     assert expected in str(exc.value) and "ast." not in str(exc.value) and "Name" not in str(exc.value)
     assert expected in refused(capsys, tmp_path, "--suite", str(tiny_suite(tmp_path)), "--methods", spec)
+
+
+@pytest.mark.parametrize("over,expected", [
+    ({"warmpu": 5}, "unknown key 'warmpu'; did you mean 'warmup'?"),
+    ({"tasks": {"quadratic": {"objective": "quadratic", "parms": {"lr": 0.1}}}},
+     "task 'quadratic': unknown key 'parms'; did you mean 'params'?"),
+    ({"ablation": {"staleness": 4, "c_low": [-2], "c_high": [0.3]}}, "ablation: c_low: [-2] outside [0, 1]"),
+    ({"ablation": {"staleness": 4, "c_low": [0.5], "c_high": [0.1, 0.3]}},
+     "ablation: no pair of c_low [0.5] and c_high [0.1, 0.3] has c_low < c_high"),
+    ({"ablation": {"staleness": 4, "c_low": [0.0], "c_high": [0.3], "methods": "gac"}},
+     "ablation:: unknown key 'methods'; did you mean 'method'?"),
+])
+def test_a_misspelt_key_or_an_impossible_ablation_is_refused_before_anything_runs(tmp_path, capsys, over, expected):
+    # a misspelt key would otherwise be ignored: the run would go on with the default in its place
+    line = refused(capsys, tmp_path, "--suite", str(tiny_suite(tmp_path, **over)))
+    assert expected in line
+
+
+@pytest.mark.parametrize("method,expected", [
+    ("gac(c_lo=0.1)", "gac has no setting 'c_lo'; did you mean 'c_low'? its settings are c_low, c_high"),
+    ("gac+m2po(tua=0.1)", "m2po has no setting 'tua'; did you mean 'tau'? its settings are tau"),
+])
+def test_a_misspelt_method_setting_names_the_closest_one(tmp_path, capsys, method, expected):
+    line = refused(capsys, tmp_path, "--suite", str(tiny_suite(tmp_path)), "--methods", method)
+    assert expected in line

@@ -392,6 +392,8 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     ran = [r for r in results if r.get("status") != CLAIMED and not r.get("reused")]
     reused = [r for r in results if r.get("reused")]
     failed = [r for r in ran + reused if r.get("status") != "done"]
+    for line in failure_lines(failed):
+        console.print(f"[red]failed cell[/]: {line}", highlight=False)
     skipped = done_before + len([r for r in reused if r.get("status") == "done"])
     timing = {"cells": len(cells), "ran": len(ran), "skipped_done": skipped, "failed": len(failed),
               "executor": executor, **timing_record(ran, wall, used if ran else 0, grid_started_at)}
@@ -474,6 +476,20 @@ def main(args, started: dict[str, Any] | None = None) -> int:
     console.print(f"wrote {out / 'summary.json'}, {out / 'summary.md'} and {len(report['figures'])} figures "
                   f"({len(report['summary']['cells'])} stored cells)")
     return 1 if timing["failed"] else 0
+
+
+def failure_lines(failed: list[dict], most: int = 10) -> list[str]:
+    """One line per failed cell of a run (its place in the grid and the error's first line, as status.json
+    records it), at most ``most`` and then a count of the rest."""
+    lines = []
+    for status in failed[:most]:
+        c = status.get("cell") or {}
+        where = f"{c.get('task')}/{c.get('method')}/s{c.get('staleness')}/seed{c.get('seed')}"
+        error = (status.get("error") or status.get("status") or "no error recorded").strip().splitlines()
+        lines.append(f"{where}: {error[0][:400] if error else ''}")
+    if len(failed) > most:
+        lines.append(f"... and {len(failed) - most} more (each cell's status.json holds its error and traceback)")
+    return lines
 
 
 DISK_FULL_FIX = "free space (or raise the quota) and rerun the same command: the finished cells are kept"

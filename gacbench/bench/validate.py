@@ -164,6 +164,25 @@ def check_families(where: str, families: Any) -> dict[str, dict]:
     return out
 
 
+#: The keys a suite file and each of its tasks may set (docs/bench.md); any other is a typo that would be ignored
+SUITE_KEYS = ("name", "tasks", "methods", "staleness", "seeds", "steps", "warmup", "assumptions", "families",
+              "ablation")
+TASK_KEYS = ("objective", "params", "steps", "staleness", "methods", "extra_methods", "extra_staleness", "on_policy",
+             "theta0")
+
+
+def _known_keys(where: str, mapping: dict, known: tuple[str, ...]) -> None:
+    """Refuse a key outside ``known`` (a misspelt ``warmpu:`` would otherwise leave the default in place
+    silently), naming the closest known key."""
+    import difflib
+
+    for key in mapping:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UsageError(f"{where}: unknown key {key!r}; {hint}the keys are {', '.join(known)}")
+
+
 def load_suite(name: str) -> dict[str, Any]:
     """A suite YAML file, checked: a malformed or empty file, a missing key, or a value of the wrong kind
     raises a UsageError that names the file and the key."""
@@ -187,6 +206,7 @@ def load_suite(name: str) -> dict[str, Any]:
     for key in ("tasks", "methods", "staleness", "seeds", "steps"):
         if key not in suite:
             raise UsageError(f"{where} has no {key!r}; a suite sets tasks, methods, staleness, seeds and steps")
+    _known_keys(where, suite, SUITE_KEYS)
     if not _is_int(suite["steps"]) or suite["steps"] < 1:
         raise UsageError(f"{where}: steps: {suite['steps']!r} is not a positive integer (e.g. steps: 300)")
     if not _is_int(suite.get("warmup", 0)) or suite.get("warmup", 0) < 0:
@@ -204,6 +224,7 @@ def load_suite(name: str) -> dict[str, Any]:
         check_task_name(at, task)
         if not isinstance(spec, dict):
             raise UsageError(f"{at}: must be a mapping such as {{objective: quadratic, params: {{lr: 0.1}}}}")
+        _known_keys(at, spec, TASK_KEYS)
         if not is_registered(spec.get("objective")):
             raise UsageError(f"{at}: objective {spec.get('objective')!r} is not one of "
                              f"{', '.join(registered_objectives())}")
@@ -250,6 +271,7 @@ def load_suite(name: str) -> dict[str, Any]:
         if not isinstance(ablation, dict) or not all(k in ablation for k in ("staleness", "c_low", "c_high")):
             raise UsageError(f"{where}: ablation: must be a mapping with staleness, c_low and c_high "
                              "(and optionally method)")
+        _known_keys(f"{where}: ablation:", ablation, ("staleness", "c_low", "c_high", "method"))
         if not _is_int(ablation["staleness"]) or ablation["staleness"] < 1:
             raise UsageError(f"{where}: ablation: staleness: {ablation['staleness']!r} is not a positive integer")
         for key in ("c_low", "c_high"):
@@ -258,6 +280,13 @@ def load_suite(name: str) -> dict[str, Any]:
                                                        and math.isfinite(x) for x in values)
             if not values or not numbers:
                 raise UsageError(f"{where}: ablation: {key}: {values!r} must be a non-empty list of finite numbers")
+            outside = [x for x in values if not 0.0 <= x <= 1.0]
+            if outside:
+                raise UsageError(f"{where}: ablation: {key}: {outside} outside [0, 1]; GAC's thresholds are cosines "
+                                 "with 0 <= c_low < c_high <= 1")
+        if not any(lo < hi for lo in ablation["c_low"] for hi in ablation["c_high"]):
+            raise UsageError(f"{where}: ablation: no pair of c_low {ablation['c_low']} and c_high {ablation['c_high']} "
+                             "has c_low < c_high, so the ablation has no point; GAC needs c_low < c_high")
         _check_methods(f"{where}: ablation: method:", [ablation.get("method", "gac")])
     return suite
 

@@ -11,6 +11,7 @@ from gacbench.bench.validate import load_suite
 from gacbench.llm import pinned
 from gacbench.llm.warmstart import build_warm_start, start_point
 from gacbench.provenance import cpu_description, weights_sha256
+from gacbench.usage import UsageError, check_output_dir
 
 
 def main(args) -> int:
@@ -22,12 +23,18 @@ def main(args) -> int:
         for name, spec in suite["tasks"].items():
             if spec["objective"] == "grpo" and (sp := start_point(spec.get("params", {}))) is not None:
                 points.setdefault(sp[0], (sp, []))[1].append(name)
+        if not points:
+            raise UsageError(f"--suite {args.suite}: no GRPO task of this suite starts from a built-in model (its "
+                             "tasks are synthetic, or give their own model.path); name a GRPO suite, e.g. llm-smoke")
     else:
-        sp = start_point({"model": {"size": args.size, "warm_steps": args.warm_steps},
-                          "task": {"name": args.task, "max_ops": args.max_ops, "max_operand": args.max_operand}})
+        try:
+            sp = start_point({"model": {"size": args.size, "warm_steps": args.warm_steps},
+                              "task": {"name": args.task, "max_ops": args.max_ops, "max_operand": args.max_operand}})
+        except ValueError as exc:  # an unknown size or task
+            raise UsageError(f"--size {args.size} --task {args.task}: {exc}") from None
         points = {sp[0]: (sp, [args.task])}
     isa = cpu_description().get("isa")
-    out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gacbench-warm-"))
+    out_root = check_output_dir("--out", args.out) if args.out else Path(tempfile.mkdtemp(prefix="gacbench-warm-"))
     differ = 0
     for name, ((_, config, task, steps), tasks) in points.items():
         path = out_root / name

@@ -226,8 +226,16 @@ def main(args) -> int:
     if args.admission == "drop" and args.max_staleness == 0:
         raise UsageError("--admission drop needs --max-staleness >= 1; use --admission wait at 0")
     resolve_engine_and_model(args)
+    from gacbench.llm.grpo import GRPOModule
+    from gacbench.usage import check_output_dir
+
+    for mode in ("sync", "async"):  # every setting either run would refuse, refused before anything runs
+        try:
+            GRPOModule.check_settings(run_settings(mode, args))  # the constructor's checks, no model loaded
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     model_path = args.model
-    out_dir = Path(args.out) if args.out else None
+    out_dir = check_output_dir("--out", args.out) if args.out else None
     cores = os.cpu_count() or 1
     thread_options = [args.sync_threads] if args.sync_threads else sorted({cores, 1}, reverse=True)
     sides = [("sync", t) for t in thread_options] + [("async", None)]

@@ -36,6 +36,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
+import pathlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -351,8 +353,8 @@ class GRPOModule(Objective):
         """The sections' keys and values and the module's own, without loading a model or starting an engine:
         engine.name a registered engine, engine.compile a bool and true only for vllm in float32, task.name a
         registered task and its settings (:func:`gacbench.llm.tasks.check_task_settings`), task.reward None or a
-        registered reward,
-        model.size a known size (without model.path), staleness >= 0 and the rollout mode's settings
+        registered reward, model.size a known size (without model.path), model.path a directory with a config.json
+        (a stat, nothing read), staleness >= 0 and the rollout mode's settings
         (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts, max_tokens and
         logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
         loss.kl_coef >= 0, loss.clip_low in [0, 1), loss.clip_high >= 0, eval_size >= 1, and the checks of every
@@ -387,6 +389,10 @@ class GRPOModule(Objective):
             check_name(owner, "task.reward", t.reward, REWARDS, "a registered reward")
         if m.path is None:
             check_name(owner, "model.size", m.size, MODEL_SIZES, "a known model size")
+        elif not isinstance(m.path, (str, os.PathLike)) or not (pathlib.Path(m.path) / "config.json").is_file():
+            raise SettingError(f"{owner}: model.path={str(m.path)!r} is not a local Hugging Face checkpoint directory "
+                               "(no config.json); give a directory written by save_pretrained, or leave model.path "
+                               "unset for the built-in model", "model.path", m.path)
         if not isinstance(m.gradient_checkpointing, bool):
             raise SettingError(f"{owner}: model.gradient_checkpointing={m.gradient_checkpointing!r} must be true or "
                                "false", "model.gradient_checkpointing", m.gradient_checkpointing)

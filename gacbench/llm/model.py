@@ -109,12 +109,22 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     if not (p / "config.json").exists():
         raise FileNotFoundError(
             f"model path {p} is not a local Hugging Face checkpoint directory (no config.json). Give a directory "
-            "written by save_pretrained (e.g. a downloaded Qwen3-1.7B), or leave --model unset to build the tiny model."
+            "written by save_pretrained (e.g. a downloaded Qwen3-1.7B), or leave the model path unset to build the "
+            "tiny model."
         )
     from transformers.utils import logging as hf_logging
 
+    from gacbench.usage import UsageError
+
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per load would fill a grid's log
-    model, tok = AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
+    try:
+        model, tok = AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError, KeyError) as exc:  # a damaged config.json, no weights, no tokenizer files
+        reason = " ".join(str(exc).split())[:300]
+        raise UsageError(f"model path {p} has a config.json but cannot be loaded as a Hugging Face checkpoint "
+                         f"({type(exc).__name__}: {reason}). Give a directory written by save_pretrained (config.json, "
+                         "the weights and the tokenizer files), or leave the model path unset to build the tiny "
+                         "model.") from exc
     if tok.pad_token_id is None:  # many released checkpoints have none; padding positions are masked anyway
         tok.pad_token = tok.eos_token
     return model, tok

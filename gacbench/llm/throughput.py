@@ -52,15 +52,21 @@ def main(args) -> int:
     from gacbench.llm.model import load
     from gacbench.llm.task import ArithmeticTask
     from gacbench.rollout.engines import EngineSpec, acquire_engine, engine_names, release_engines
+    from gacbench.usage import UsageError
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in engine_names()]
     if bad or not engines:
-        raise SystemExit(f"--engines {args.engines!r}: each must be a registered engine ({', '.join(engine_names())})")
+        raise UsageError(f"--engines {args.engines!r}: each must be a registered engine ({', '.join(engine_names())})")
+    if args.grpo_steps < 0:
+        raise UsageError(f"--grpo-steps {args.grpo_steps} must be >= 0 (0 skips the GRPO runs)")
     if args.model is None:
         from gacbench.llm.warmstart import warm_started_dir
 
         model_path = str(warm_started_dir())
+    elif not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json); give "
+                         "a directory written by save_pretrained, or leave --model unset for the tiny model")
     else:
         model_path = args.model
     model, tok = load(model_path)

@@ -10,12 +10,16 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch
 
+from gacbench.usage import UsageError
+
 OPTIMIZERS = ("sgd", "adamw")
 
 
-class SettingError(ValueError):
+class SettingError(UsageError):
     """A setting an objective refuses: the message names ``key`` (``lr``, ``loss.clip_low``), ``value`` and what
-    is accepted; ``key`` lets the bench runner say where the value came from (``--param KEY`` or the suite)."""
+    is accepted; ``key`` lets the bench runner say where the value came from (``--param KEY`` or the suite). A
+    :class:`~gacbench.usage.UsageError` (and so a ValueError): a command that builds an objective from its options
+    prints it as one line and exits 2."""
 
     def __init__(self, message: str, key: str, value: Any) -> None:
         super().__init__(message)
