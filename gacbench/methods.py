@@ -350,12 +350,15 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     def build(calibration: dict | None = None) -> list[Callback]:
         out: list[Callback] = []
         for name, kwargs in parts:
-            _check_setting_names(spec, name, kwargs)
-            if name in METHODS:
-                extra = {"calibration": calibration} if METHODS[name].reference else {}
-                out += METHODS[name].build(**kwargs, **extra)
-            else:
-                out += [stabs[name]["cls"](**kwargs)]
+            try:
+                if name in METHODS:
+                    extra = {"calibration": calibration} if METHODS[name].reference else {}
+                    out += METHODS[name].build(**kwargs, **extra)
+                else:
+                    out += [stabs[name]["cls"](**kwargs)]
+            except TypeError:
+                _check_setting_names(spec, name, kwargs)
+                raise
         _check_combination(spec, out)
         return out
 
@@ -363,8 +366,8 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
 
 
 def _check_setting_names(spec: str, name: str, kwargs: dict[str, Any]) -> None:
-    """Refuse a setting the method or stabilizer ``name`` does not take, naming the closest one and listing its
-    settings (a method whose settings are not known by name is left to its constructor)."""
+    """After its builder refused ``kwargs`` with a TypeError: name the setting the method or stabilizer ``name``
+    does not take, the closest one it does, and its settings (nothing when its settings are not known by name)."""
     known = method_settings(name)
     unknown = [k for k in kwargs if k != "calibration" and known and k not in known]
     if unknown:
@@ -438,8 +441,8 @@ def method_callbacks(spec: str, cell: dict | None = None) -> list[Callback]:
     method, kwargs = parse_method(spec)
     if method.reference is not None:
         kwargs = {**kwargs, "calibration": (cell or {}).get("calibration")}
-    _check_setting_names(spec, method.name, kwargs)
     try:
         return method.build(**kwargs)
     except TypeError as exc:
+        _check_setting_names(spec, method.name, kwargs)
         raise ValueError(f"method {spec!r}: {exc}") from None
