@@ -86,7 +86,7 @@ def test_grpo_and_bench_refuse_unused_and_out_of_range_task_settings_before_load
     assert not out.exists()
 
 
-def test_a_grpo_module_checks_its_task_settings_once(monkeypatch):
+def test_a_grpo_module_checks_its_task_settings_once(monkeypatch, tmp_path):
     import gacbench.llm.grpo as grpo
     from gacbench.llm import tasks
     from gacbench.llm.warmstart import warm_task
@@ -106,8 +106,9 @@ def test_a_grpo_module_checks_its_task_settings_once(monkeypatch):
 
     monkeypatch.setattr(grpo, "load", load)
     monkeypatch.setattr(tasks, "check_task_settings", counted)
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint directory as check_settings sees it (a stat)
     with pytest.raises(Loading):  # the settings checked and the task built: the model comes next
-        grpo.GRPOModule(model={"path": "/nonexistent"}, engine={"name": "hf"})
+        grpo.GRPOModule(model={"path": str(tmp_path)}, engine={"name": "hf"})
     assert checked == ["arithmetic"]
     cfg = tasks.TaskConfig(name="scratchpad")
     assert warm_task(cfg, tasks.build_task(cfg, 4)).seed == 0  # its own task again, at seed 0, not checked again
