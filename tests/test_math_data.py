@@ -118,6 +118,12 @@ def test_malformed_rows(tmp_path, bad, match):
 def test_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         MathDataset(tmp_path / "missing.jsonl")
+    with pytest.raises(FileNotFoundError, match="is a folder; give the dataset's .jsonl or .parquet file"):
+        MathDataset(tmp_path)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe" + GOOD.encode())
+    with pytest.raises(ValueError, match=r"binary\.jsonl: not UTF-8 text \(byte 0: invalid start byte\)"):
+        MathDataset(binary)
     with pytest.raises(ValueError, match=r"unknown extension '\.csv'"):
         MathDataset(_write(tmp_path, ["problem,answer"], "d.csv"))
     with pytest.raises(ValueError, match="holds no rows"):

@@ -52,12 +52,19 @@ def extract_boxed(text: str) -> str | None:
 def _read_rows(path: Path) -> tuple[str, list[tuple[int, Any]]]:
     """(unit, [(number, row)]): the rows of a .jsonl (numbered by line, blank lines skipped) or
     .parquet file (numbered by row), with ``unit`` "line" or "row" for error messages."""
+    if path.is_dir():
+        raise FileNotFoundError(f"MathDataset: {path} is a folder; give the dataset's .jsonl or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"MathDataset: no such file: {path}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a .jsonl dataset is one JSON "
+                             "object per line in UTF-8 (or give a .parquet file)") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
