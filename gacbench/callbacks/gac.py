@@ -226,6 +226,7 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        self._clipping = clips_after_hook(trainer, pl_module)  # fixed for the fit as well
         self.transform.names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "GAC", self.transform.names)
         if self.step_transform is not None:
@@ -288,12 +289,11 @@ class GAC(Callback):
             return
         params = self._params
         sharded = is_sharded(trainer)
-        clipping = clips_after_hook(trainer, pl_module)
         reduce = partial(agree, trainer, sharded=sharded)
         # kernels="fused-adamw" takes a shrunk or projected AdamW step itself; not under a GradScaler, which may
         # still decide to skip the step after this hook
         fuse = self.transform.kernels == "fused-adamw" and getattr(trainer.precision_plugin, "scaler", None) is None
-        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=not clipping,
+        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=not self._clipping,
                                   optimizer=optimizer if fuse else None)
         if out is None:  # no gradient at all (training_step returned None)
             return

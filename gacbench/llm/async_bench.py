@@ -83,7 +83,7 @@ def resolve_engine_and_model(args) -> None:
     """Checks ``--engine``, ``--warm-steps``, ``--task``, ``--size`` and ``--model`` (a clear error each, exit 2),
     then sets ``args.engine`` (vllm where installed, else hf) and ``args.model`` (the built-in model, built and
     cached before anything is timed, when no ``--model`` is given)."""
-    from gacbench.llm.model import MODEL_SIZES
+    from gacbench.llm.model import MODEL_SIZES, check_checkpoint_option
     from gacbench.llm.tasks import TASKS
     from gacbench.usage import UsageError
 
@@ -98,8 +98,8 @@ def resolve_engine_and_model(args) -> None:
         if args.size not in MODEL_SIZES:
             raise UsageError(f"--size {args.size!r} is not a built-in model size; sizes: {', '.join(MODEL_SIZES)}")
         args.model = default_model(args)
-    elif not (Path(args.model) / "config.json").exists():
-        raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json)")
+    else:
+        check_checkpoint_option("--model", args.model)
 
 
 def add_model_arguments(p) -> None:

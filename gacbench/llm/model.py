@@ -101,6 +101,15 @@ def cached_model_dir(config=None, cache_dir: str | os.PathLike | None = None, se
     return path
 
 
+def check_checkpoint_option(option: str, path: str | os.PathLike) -> None:
+    """A UsageError naming ``option`` unless ``path`` is a local checkpoint directory (it holds a config.json)."""
+    from gacbench.usage import UsageError
+
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(f"{option} {path}: not a local Hugging Face checkpoint directory (no config.json); give a "
+                         f"directory written by save_pretrained, or leave {option} unset for the built-in model")
+
+
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local checkpoint directory; a clear error if it is not one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -49,7 +49,7 @@ def _grpo_stats(model_path: str, engine: str, steps: int, prompts: int, group: i
 def main(args) -> int:
     import torch
 
-    from gacbench.llm.model import load
+    from gacbench.llm.model import check_checkpoint_option, load
     from gacbench.llm.task import ArithmeticTask
     from gacbench.rollout.engines import EngineSpec, acquire_engine, engine_names, release_engines
     from gacbench.usage import UsageError
@@ -64,10 +64,8 @@ def main(args) -> int:
         from gacbench.llm.warmstart import warm_started_dir
 
         model_path = str(warm_started_dir())
-    elif not (Path(args.model) / "config.json").is_file():
-        raise UsageError(f"--model {args.model}: not a local Hugging Face checkpoint directory (no config.json); give "
-                         "a directory written by save_pretrained, or leave --model unset for the tiny model")
     else:
+        check_checkpoint_option("--model", args.model)
         model_path = args.model
     model, tok = load(model_path)
     if torch.cuda.is_available():  # the HF engine generates where training would run

@@ -50,13 +50,17 @@ def _check(rewards: torch.Tensor) -> None:
                          f"got {tuple(rewards.shape)}")
 
 
-def _centred(rewards: torch.Tensor) -> torch.Tensor:
-    """r - mean within each group, exactly 0 in a group whose rewards are all equal: there the float mean of a
-    value such as 0.7 can differ from it in the last bit, which a division by the group's std (also a rounding
-    residue) would turn into an advantage of the same sign for every sample."""
-    centred = rewards - rewards.mean(-1, keepdim=True)
+def _zero_where_tied(rewards: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """``adv`` with exactly 0 in every group whose rewards are all equal: there the float mean of a value such as
+    0.7 can differ from it in the last bit, which a division by the group's std (also a rounding residue) would
+    turn into an advantage of the same sign for every sample."""
     tied = (rewards == rewards[..., :1]).all(-1, keepdim=True)
-    return torch.where(tied, torch.zeros_like(centred), centred)
+    return torch.where(tied, torch.zeros_like(adv), adv)
+
+
+def _centred(rewards: torch.Tensor) -> torch.Tensor:
+    """r - mean within each group, exactly 0 in a tied group (:func:`_zero_where_tied`)."""
+    return _zero_where_tied(rewards, rewards - rewards.mean(-1, keepdim=True))
 
 
 @register_advantage("grpo")
@@ -85,6 +89,4 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO: each reward minus the mean of the other G - 1 rewards of its group. (P, G)."""
     _check(rewards)
     G = rewards.shape[-1]
-    loo = rewards - (rewards.sum(-1, keepdim=True) - rewards) / (G - 1)
-    tied = (rewards == rewards[..., :1]).all(-1, keepdim=True)
-    return torch.where(tied, torch.zeros_like(loo), loo)
+    return _zero_where_tied(rewards, rewards - (rewards.sum(-1, keepdim=True) - rewards) / (G - 1))
