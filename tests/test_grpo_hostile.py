@@ -160,7 +160,7 @@ def test_the_run_hash_leaves_out_steps_only_and_another_runs_checkpoint_is_refus
     import torch
     from jsonargparse import Namespace
 
-    from gacbench.llm.cli import check_checkpoint_run, resolve_ckpt, run_hash
+    from gacbench.llm.cli import check_checkpoint_run, differing_settings, resolve_ckpt, run_hash, run_identity
 
     def config(**changes):
         model = {"staleness": 2, "seed": 0, "steps": 4, "lr": 1e-4, "task": {"name": "arithmetic", "max_ops": 2}}
@@ -193,6 +193,19 @@ def test_the_run_hash_leaves_out_steps_only_and_another_runs_checkpoint_is_refus
         resolve_ckpt(trainer, str(d / "last.ckpt"), h)
     torch.save({"global_step": 2}, d / "old.ckpt")  # written without a record: accepted
     assert resolve_ckpt(trainer, str(d / "old.ckpt"), h) == (str(d / "old.ckpt"), 2)
+    # a checkpoint that records its run's identity: the refusal names each setting that differs, as an option
+    other = config(seed=1, lr=2e-4, top={"method": "gac"})
+    assert run_hash(other) != h and run_identity(config()) == run_identity(config(steps=400))
+    torch.save({"global_step": 4, "gacbench_run": {"config_hash": run_hash(other), "identity": run_identity(other)}},
+               d / "last.ckpt")
+    with pytest.raises(UsageError) as refused:
+        resolve_ckpt(trainer, "last", h, run_identity(config()))
+    assert (f"(its config hash {run_hash(other)}, this run's {h}: --method \"gac\" in the checkpoint, \"stale\" in "
+            "this run; --model.lr 0.0002 in the checkpoint, 0.0001 in this run; --model.seed 1 in the checkpoint, 0 "
+            "in this run); resume from") in str(refused.value)
+    many = config(seed=1, lr=2e-4, staleness=5, task={"name": "arithmetic", "max_ops": 3}, top={"method": "gac"})
+    assert differing_settings(run_identity(many), run_identity(config())).endswith(
+        "--model.staleness 5 in the checkpoint, 2 in this run; and 1 more")  # at most four, the rest counted
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
@@ -221,6 +234,7 @@ def test_a_shared_checkpoint_dir_and_a_redundant_resume_of_a_finished_run(tiny_l
     # another seed sharing the checkpoint directory does not adopt the first run's checkpoint
     line = _refused(capsys, ["grpo", *args, "--model.seed", "1", "--ckpt_path", "last"])
     assert f"{shared}" in line and "belongs to another run (its config hash" in line
+    assert "--model.seed 0 in the checkpoint, 1 in this run); resume from" in line
     assert main(["grpo", *args, "--ckpt_path", "last", "--refresh_summary"]) == 0  # asked for: rewritten
     assert (run_dir / "summary.json").read_bytes() != files["summary.json"]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"

@@ -233,3 +233,23 @@ def test_a_section_field_of_the_wrong_type_is_refused(monkeypatch):
                                          "got the text 'lots'"):
         check_params([{"task": "t", "objective": "sectioned-types", "params": overrides}], overrides)
     check_params([{"task": "t", "objective": "sectioned-types", "params": parse_params(["engine.kv_cache_gib=2"])}])
+
+
+def test_the_reliability_table_counts_its_rows_and_names_tests_that_exist():
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs/reliability.md").read_text()
+    rows = [line for line in text.split("\n| bad input or fault |", 1)[1].splitlines()[2:] if line.startswith("| ")]
+    stated = re.search(r"The table lists (\d+) cases\.", text)
+    assert stated and int(stated.group(1)) == len(rows)
+    missing = []
+    for row in rows:
+        cited = row.rstrip(" |").rsplit(" | ", 1)[1]
+        files = re.findall(r"`(tests/[\w/]+\.py)`", cited)
+        names = re.findall(r"`(test_\w+)`", cited)
+        assert files, f"a row cites no test file: {row[:80]!r}"
+        sources = [(root / f).read_text() for f in files]
+        missing += [f"{t} (in {', '.join(files)})" for t in names
+                    if not any(re.search(rf"^(async )?def {t}\(", src, re.M) for src in sources)]
+    assert not missing

@@ -64,6 +64,30 @@ def test_aggregation_modes_equal_loops():
     assert float(agg_loss(x, mask, "seq-mean-token-sum")) == pytest.approx(sum(seq) / 4, rel=1e-6)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_an_empty_batch_gives_a_zero_loss_and_finite_metrics_for_every_loss_side_stabilizer(agg):
+    # no sequences, or sequences whose mask has no response token: every loss 0 with a zero gradient, no metric nan
+    for rows, tokens in [(0, 3), (2, 3)]:
+        logp = torch.full((rows, tokens), -0.5, requires_grad=True)
+        empty = PolicyBatch(logp, torch.full((rows, tokens), -1.0), torch.ones(rows, tokens),
+                            torch.full((rows, tokens), rows == 0), logp_engine=torch.full((rows, tokens), -0.7),
+                            group=torch.zeros(rows, dtype=torch.long), lag=torch.zeros(rows), agg=agg)
+        losses = {"surrogate": clipped_surrogate(empty)}
+        for name, entry in available().items():
+            if entry["kind"] != "loss":
+                continue
+            stabilizer = entry["cls"]()
+            stabilizer._params = [logp]  # what VCPO's setup records: the module's trainable parameters
+            losses[name] = stabilizer.policy_loss(empty)
+        assert len(losses) >= 15
+        for name, (loss, metrics) in losses.items():
+            assert float(loss.detach()) == 0.0, (name, rows, tokens)
+            (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
+            assert grad is None or not grad.any(), name
+            bad = {k: v for k, v in metrics.items() if not torch.isfinite(torch.as_tensor(v, dtype=torch.float64))}
+            assert not bad, (name, rows, tokens, bad)
+
+
 @pytest.mark.parametrize("kwargs,cls,match", [({"tau": 0}, M2PO, "tau"), ({"variant": "x"}, M2PO, "variant"),
                                               ({"weight_cap": 2.0}, M2PO, "weight_cap"), ({"rho0": 1.5}, BAPO, "rho0"),
                                               ({"a_low": 0.95}, BAPO, "a_low"), ({"variant": "code"}, BAPO, "variant"),

@@ -2,6 +2,7 @@
 constructor runs), the methods built once and read in canonical form. A setting or method a cell would refuse is
 refused before anything runs, in one line, exit status 2."""
 
+import json
 import math
 import re
 from pathlib import Path
@@ -125,6 +126,35 @@ def test_a_bad_setting_in_a_suite_file_is_named_as_the_suites(tmp_path, capsys):
     ablation = {"staleness": 4, "c_low": [float("nan")], "c_high": [0.3]}
     line = refused(capsys, tmp_path, "--suite", str(tiny_suite(tmp_path, ablation=ablation)))
     assert "ablation: c_low: [nan] must be a non-empty list of finite numbers" in line
+
+
+def test_a_dataset_that_a_cell_could_not_read_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    from gacbench.llm import tasks
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # the settings check stats it; no cell gets to load it
+    rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(12)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join([*map(json.dumps, rows[:5]), '{"problem": "2+2"', *map(json.dumps, rows[5:])]) + "\n")
+    task = {"objective": "grpo", "params": {"model": {"path": str(model)}, "engine": {"name": "hf"},
+                                            "task": {"name": "math", "path": str(data)}}}
+    suite = tiny_suite(tmp_path, tasks={"m": task}, staleness=[0, 4, 8], methods=["sync", "stale", "gac"])
+    built = []
+    factory = tasks.TASKS["math"]
+    monkeypatch.setitem(tasks.TASKS, "math", lambda cfg, seed: built.append(cfg.path) or factory(cfg, seed))
+    line = refused(capsys, tmp_path, "--suite", str(suite))
+    assert line.endswith(f"task 'm', objective grpo: parameter task.path (suite): GRPOModule: task 'math', "
+                         f"task.path={str(data)!r}: {data}: line 6: invalid JSON (Expecting ',' delimiter at column "
+                         "18); write one JSON object per line"), line
+    assert built == [str(data)]  # read once for the grid's 7 cells
+    line = refused(capsys, tmp_path, "--suite", str(suite), "--param", f"task.path={tmp_path / 'none.jsonl'}")
+    assert line.startswith("gacbench bench: error: --param task.path: ") and "MathDataset: no such file" in line
+    data.write_text("\n".join(map(json.dumps, rows)) + "\n")  # the same grid on good rows passes the check
+    from gacbench.bench.runner import expand_cells
+    from gacbench.bench.validate import check_params
+
+    check_params(expand_cells(load_suite(str(suite))))
 
 
 # -- 2. method combinations that cannot run ------------------------------------------------------------------------

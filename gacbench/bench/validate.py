@@ -5,9 +5,11 @@ or file, the value and the fix.
 The parameters of every task are checked by the objective's own ``check_settings`` (the check its constructor
 runs, :meth:`gacbench.objectives.base.Objective.check_settings`), once per distinct (objective, parameters,
 steps, staleness), so the runner refuses exactly what a cell would, without building a model or starting an
-engine. Method specs are read in their canonical form (:func:`gacbench.methods.canonical_method`) and built
-once (:func:`gacbench.methods.method_callbacks`), so a method spelled two ways is one method, and a combination
-that cannot run is refused up front.
+engine; then the inputs the parameters name (a task's dataset file) are read once each, by the objective's
+``check_inputs``, so a malformed row stops the grid before its first cell. Method specs are read in their
+canonical form (:func:`gacbench.methods.canonical_method`) and built once
+(:func:`gacbench.methods.method_callbacks`), so a method spelled two ways is one method, and a combination that
+cannot run is refused up front.
 """
 
 from __future__ import annotations
@@ -538,13 +540,15 @@ def objective_args(cell: dict, stale: bool = True) -> dict[str, Any]:
 
 def check_settings(cells: list[dict], overrides: dict[str, Any] | None = None) -> None:
     """Each cell's objective arguments (:func:`objective_args`) checked by the objective's own ``check_settings``,
-    the check its constructor runs, once per distinct (objective, arguments other than the seed); and each method
+    the check its constructor runs, once per distinct (objective, arguments other than the seed), then its
+    ``check_inputs`` (the files they name read) once per distinct (objective, parameters); and each method
     against its objective: a loss-side stabilizer needs an objective that builds its loss through one
     (``uses_loss_stabilizer``). A refusal becomes a UsageError naming ``--param KEY`` for a value from ``overrides``,
     else the task's parameter in the suite."""
     from_cli = set(flat_params(overrides or {}))
     stale = {m: parse_method(m)[0].stale for m in {c["method"] for c in cells if "method" in c}}
     seen: set[tuple[str, str]] = set()
+    read: set[tuple[str, str]] = set()
     pairs: set[tuple[str, str]] = set()
     for c in cells:
         cls = objective_class(c["objective"])
@@ -555,6 +559,13 @@ def check_settings(cells: list[dict], overrides: dict[str, Any] | None = None) -
             try:
                 cls.check_settings(args)
             except (ValueError, TypeError) as exc:  # TypeError: a section of the wrong kind
+                raise UsageError(_blame(exc, c, from_cli)) from None
+        inputs = (c["objective"], json.dumps(c.get("params", {}), sort_keys=True, default=str))
+        if inputs not in read:  # the inputs a task's params name, read once however many cells share them
+            read.add(inputs)
+            try:
+                cls.check_inputs(args)
+            except ValueError as exc:
                 raise UsageError(_blame(exc, c, from_cli)) from None
         if "method" in c and (c["objective"], c["method"]) not in pairs:
             pairs.add((c["objective"], c["method"]))

@@ -69,6 +69,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -240,21 +241,18 @@ class RunConfigSaver(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
-RUN_KEY = "gacbench_run"  # a checkpoint's record of the run it belongs to: {"config_hash": ...}
+RUN_KEY = "gacbench_run"  # a checkpoint's record of the run it belongs to: {"config_hash": ..., "identity": {...}}
 HASH_EXCLUDED = ("steps",)  # model settings a resume may change: more steps continue the same run
 # (section, key): value at which a model setting is left out of the hash, so that a config without the key (which
 # runs with that value) and one that spells it out have the same hash
 HASH_AT_DEFAULT = {("engine", "compile"): False}
 
 
-def run_hash(config) -> str:
-    """The identity of a run, recorded in its checkpoints: a hash of its method, ``seed_everything`` and ``model``
-    section (every GRPOModule argument), less ``model.steps`` (``trainer.max_steps``: resuming with more steps
-    continues the same run) and the settings of :data:`HASH_AT_DEFAULT` at their listed values. The trainer's other
-    settings (devices, logging, checkpointing) are left out too: a run may resume on another machine or with
-    another logger."""
-    import hashlib
-
+def run_identity(config) -> dict[str, Any]:
+    """What identifies a run, as plain JSON values: its method, ``seed_everything`` and ``model`` section (every
+    GRPOModule argument), less ``model.steps`` (``trainer.max_steps``: resuming with more steps continues the same
+    run) and the settings of :data:`HASH_AT_DEFAULT` at their listed values. The trainer's other settings (devices,
+    logging, checkpointing) are left out too: a run may resume on another machine or with another logger."""
     model = config.model.as_dict() if hasattr(config.model, "as_dict") else dict(config.model)
     model = {k: v for k, v in model.items() if k not in HASH_EXCLUDED}
     for (section, key), value in HASH_AT_DEFAULT.items():
@@ -262,24 +260,35 @@ def run_hash(config) -> str:
         if isinstance(part, dict) and key in part and part[key] == value:
             model[section] = {k: v for k, v in part.items() if k != key}
     ident = {"method": config.method, "seed_everything": config.get("seed_everything"), "model": model}
-    text = json.dumps(ident, sort_keys=True, default=str)
+    return json.loads(json.dumps(ident, default=str))
+
+
+def run_hash(config) -> str:
+    """The identity of a run (:func:`run_identity`) as a 16-digit hash, recorded in its checkpoints."""
+    import hashlib
+
+    text = json.dumps(run_identity(config), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class RunRecorder(Callback):
-    """Writes the run's :func:`run_hash` into every checkpoint it saves (``checkpoint["gacbench_run"]``)."""
+    """Writes the run's :func:`run_hash` and :func:`run_identity` into every checkpoint it saves
+    (``checkpoint["gacbench_run"]``), so that a resume of another run is refused naming the settings that differ."""
 
-    def __init__(self, config_hash: str) -> None:
-        self.config_hash = config_hash
+    def __init__(self, config_hash: str, identity: dict[str, Any] | None = None) -> None:
+        self.config_hash, self.identity = config_hash, identity
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        checkpoint[RUN_KEY] = {"config_hash": self.config_hash}
+        record: dict[str, Any] = {"config_hash": self.config_hash}
+        if self.identity is not None:
+            record["identity"] = self.identity
+        checkpoint[RUN_KEY] = record
 
 
-def read_checkpoint(path: Path) -> tuple[int, str | None]:
-    """``(global_step, config_hash)`` recorded inside a Lightning checkpoint (its tensors memory-mapped, not read;
-    the hash None for a checkpoint written without :class:`RunRecorder`); raises for a file that cannot be read
-    as one."""
+def read_checkpoint(path: Path) -> tuple[int, dict[str, Any] | None]:
+    """``(global_step, run record)`` of a Lightning checkpoint (its tensors memory-mapped, not read): the record
+    :class:`RunRecorder` wrote (``config_hash``, and ``identity`` where recorded), None for a checkpoint written
+    without one; raises for a file that cannot be read as one."""
     import torch
 
     ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
@@ -287,22 +296,46 @@ def read_checkpoint(path: Path) -> tuple[int, str | None]:
     if not isinstance(step, int):
         raise ValueError("it records no global_step (not a Lightning checkpoint)")
     record = ckpt.get(RUN_KEY)
-    return step, record.get("config_hash") if isinstance(record, dict) else None
+    return step, record if isinstance(record, dict) else None
 
 
-def check_checkpoint_run(path: str | Path, config_hash: str | None) -> None:
+def check_checkpoint_run(path: str | Path, config_hash: str | None, identity: dict[str, Any] | None = None) -> None:
     """Refuse a checkpoint that records another run's hash than ``config_hash`` (a ModelCheckpoint directory
-    shared by two runs), naming the checkpoint and both hashes."""
+    shared by two runs), naming the checkpoint, both hashes and, where the checkpoint records its run's identity,
+    the settings that differ from ``identity``."""
     if config_hash is not None:
-        refuse_other_run(path, read_checkpoint(Path(path))[1], config_hash)
+        refuse_other_run(path, read_checkpoint(Path(path))[1], config_hash, identity)
 
 
-def refuse_other_run(path: str | Path, recorded: str | None, config_hash: str | None) -> None:
-    """:func:`check_checkpoint_run` given the hash ``recorded`` already read from the checkpoint at ``path``."""
-    if config_hash is not None and recorded is not None and recorded != config_hash:
-        raise UsageError(f"--ckpt_path: {path} belongs to another run (its config hash {recorded}, this run's "
-                         f"{config_hash}: another method, seed or model setting); resume from a checkpoint of this "
-                         "run, or give each run its own ModelCheckpoint dirpath")
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        return {k: v for key, part in value.items() for k, v in _flat(part, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: value}
+
+
+def differing_settings(recorded: dict[str, Any], identity: dict[str, Any], most: int = 4) -> str:
+    """The settings in which two run identities (:func:`run_identity`) differ, named as ``gacbench grpo``'s
+    options: ``--KEY A in the checkpoint, B in this run`` (at most ``most`` of them, then how many more)."""
+    a, b = _flat(recorded), _flat(identity)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k, "unset") != b.get(k, "unset"))
+    text = "; ".join(f"--{k} {json.dumps(a.get(k, 'unset'))} in the checkpoint, {json.dumps(b.get(k, 'unset'))} "
+                     "in this run" for k in keys[:most])
+    return text + (f"; and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def refuse_other_run(path: str | Path, recorded: dict[str, Any] | None, config_hash: str | None,
+                     identity: dict[str, Any] | None = None) -> None:
+    """:func:`check_checkpoint_run` given the run record ``recorded`` already read from the checkpoint at
+    ``path``."""
+    other = recorded.get("config_hash") if recorded else None
+    if config_hash is None or other is None or other == config_hash:
+        return
+    kept = recorded.get("identity")
+    differ = (differing_settings(kept, identity) if isinstance(kept, dict) and identity is not None else "")
+    differ = differ or "another method, seed or model setting"
+    raise UsageError(f"--ckpt_path: {path} belongs to another run (its config hash {other}, this run's "
+                     f"{config_hash}: {differ}); resume from a checkpoint of this run, or give each run its own "
+                     "ModelCheckpoint dirpath")
 
 
 def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
@@ -348,7 +381,8 @@ def _name_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None) -> tuple[str | None, int | None]:
+def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None,
+                 identity: dict[str, Any] | None = None) -> tuple[str | None, int | None]:
     """``(path, step)`` of the checkpoint to resume from, or ``(None, None)`` for a fresh run.
 
     ``last``: of the run's checkpoint directory, the checkpoint with the highest ``global_step`` recorded
@@ -357,7 +391,7 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None)
     one (a higher ``step=N`` in its name, or, without one, a later modification time) is refused, naming it
     and the previous good one; older unreadable ones are skipped with a warning. With ``config_hash`` (the run's
     :func:`run_hash`), a checkpoint chosen that records another run's hash is refused
-    (:func:`check_checkpoint_run`)."""
+    (:func:`check_checkpoint_run`), naming the settings that differ from ``identity`` (:func:`run_identity`)."""
     if ckpt_path is None:
         return None, None
     if ckpt_path != "last":
@@ -370,13 +404,13 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None)
         except Exception as exc:  # any failure to read the file: the file is the problem
             raise UsageError(f"--ckpt_path {path} cannot be read as a checkpoint ({_reason(exc)}); give another "
                              "checkpoint of the run, or --ckpt_path last") from None
-        refuse_other_run(path, recorded, config_hash)
+        refuse_other_run(path, recorded, config_hash, identity)
         return str(path), step
     ckpt_dir = _ckpt_dir(trainer)
     found = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir and ckpt_dir.is_dir() else []
     if not found:
         raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path")
-    good: list[tuple[int, Path, str | None]] = []  # (step, path, the config hash it records)
+    good: list[tuple[int, Path, dict[str, Any] | None]] = []  # (step, path, the run record it holds)
     bad: list[tuple[Path, str]] = []
     for path in found:
         try:
@@ -396,7 +430,7 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None)
                              f"previous good one is {best[1]} (step {best[0]}): resume from it with --ckpt_path "
                              f"{best[1]}, after moving {path} out of {ckpt_dir}")
         warnings.warn(f"--ckpt_path last: skipping the unreadable older checkpoint {path} ({reason})", stacklevel=2)
-    refuse_other_run(best[1], best[2], config_hash)
+    refuse_other_run(best[1], best[2], config_hash, identity)
     return str(best[1]), best[0]
 
 
@@ -489,9 +523,9 @@ def run(argv: list[str]) -> int:
                       trainer_defaults=cli_trainer_defaults(),
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
-    config_hash = run_hash(cli.config)
-    trainer.callbacks.append(RunRecorder(config_hash))
-    ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path, config_hash)
+    config_hash, identity = run_hash(cli.config), run_identity(cli.config)
+    trainer.callbacks.append(RunRecorder(config_hash, identity))
+    ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path, config_hash, identity)
     log_dir = trainer.logger.log_dir if trainer.logger is not None else None
     if finished_run(trainer.log_dir, ckpt_step, trainer.max_steps) and not cli.config.refresh_summary:
         print(f"gacbench grpo: {trainer.log_dir} is a finished run ({ckpt_step} of {trainer.max_steps} steps): left "

@@ -349,6 +349,14 @@ class GRPOModule(Objective):
         self._tokens = 0
 
     @classmethod
+    def check_inputs(cls, params: Mapping[str, Any]) -> None:
+        """A task that reads a file (``task.path``) built once, so that a missing file or a malformed row is named
+        before any cell of a grid runs (:func:`gacbench.llm.tasks.check_task_data`); the model is not loaded."""
+        from gacbench.llm.tasks import check_task_data
+
+        check_task_data(_section(TaskConfig, params.get("task"), "task"), cls.__name__)
+
+    @classmethod
     def check_settings(cls, params: Mapping[str, Any]) -> None:
         """The sections' keys and values and the module's own, without loading a model or starting an engine:
         engine.name a registered engine, engine.compile a bool and true only for vllm in float32, task.name a

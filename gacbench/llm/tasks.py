@@ -123,6 +123,23 @@ def check_task_settings(cfg: TaskConfig, owner: str = "GRPOModule") -> None:
                            "problems with answers (e.g. tasks/math/example.jsonl)", "task.path", None)
 
 
+def check_task_data(cfg: TaskConfig, owner: str = "GRPOModule") -> None:
+    """Build the task ``cfg`` once (seed 0) if it reads a file (``task.path`` among its settings), so that a missing
+    file or a malformed row raises :class:`~gacbench.objectives.base.SettingError` on ``task.path``, with the
+    reader's own message (the file, the row and the fix), before a run or a grid starts. A procedural task is not
+    built: it reads nothing."""
+    from gacbench.objectives.base import SettingError
+
+    declared = TASK_SETTINGS.get(cfg.name)
+    if declared is None or "path" not in declared[0] or cfg.path is None:
+        return
+    try:
+        task_factory(cfg.name)(cfg, 0)
+    except (ValueError, OSError) as exc:
+        raise SettingError(f"{owner}: task {cfg.name!r}, task.path={str(cfg.path)!r}: {exc}", "task.path",
+                           cfg.path) from None
+
+
 def register_reward(name: str, fn: Callable[[str, str], float]) -> None:
     if name in REWARDS:
         raise ValueError(f"reward {name!r} is already registered")

@@ -141,6 +141,13 @@ class Objective(pl.LightningModule):
         if "optimizer" in params:
             check_name(owner, "optimizer", params["optimizer"], OPTIMIZERS, "an optimizer of the objectives")
 
+    @classmethod
+    def check_inputs(cls, params: Mapping[str, Any]) -> None:
+        """Read the inputs that the settings ``params`` name (a dataset file) and raise ValueError naming the
+        first one that the constructor could not use. Called by the bench runner once per distinct input, after
+        :meth:`check_settings` and before any cell runs, so that a malformed file stops the grid, not each of its
+        cells. Nothing to read here; an objective that reads files overrides it."""
+
     @torch.no_grad()
     def metric(self) -> float:
         raise NotImplementedError

@@ -138,13 +138,16 @@ def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tenso
     """Aggregate a (B, T) per-token loss over the mask (masked-out positions are dropped with ``torch.where``).
 
     ``token-mean``: mean over all response tokens of the batch; ``seq-mean-token-mean``: mean over
-    sequences of each sequence's token mean; ``seq-mean-token-sum``: mean over sequences of the token sum.
+    sequences of each sequence's token mean; ``seq-mean-token-sum``: mean over sequences of the token sum. An
+    empty batch (no sequences or no response tokens) aggregates to 0 in every mode.
     """
     mask = mask.bool()
     x = sanitize(per_token, mask)
     m = mask.to(x.dtype)
     if mode == "token-mean":
         return x.sum() / m.sum().clamp_min(1.0)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum") and x.shape[0] == 0:
+        return x.sum()  # no sequences: 0, with a (zero) gradient, where a mean over none would be nan
     if mode == "seq-mean-token-mean":
         return (x.sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
     if mode == "seq-mean-token-sum":
@@ -157,11 +160,17 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return sanitize(x, mask).sum() / mask.to(x.dtype).sum().clamp_min(1.0)
 
 
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """The largest of ``x`` (detached) over the mask, for a non-negative ``x``: 0 where the mask or the batch is
+    empty."""
+    return torch.cat([sanitize(x.detach(), mask.bool()).flatten(), x.new_zeros(1)]).max()
+
+
 def ratio_metrics(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     r = ratio.detach()
     mask = mask.bool()
-    # ratios are positive: filling masked-out positions with 0 leaves the max (0 for an empty mask)
-    return {"is/ratio_mean": masked_mean(r, mask), "is/ratio_max": sanitize(r, mask).max()}
+    # ratios are positive: filling masked-out positions with 0 leaves the max (0 for an empty mask or batch)
+    return {"is/ratio_mean": masked_mean(r, mask), "is/ratio_max": masked_max(r, mask)}
 
 
 def surrogate_terms(ratio: Tensor, adv: Tensor, lo: float, hi: float,

@@ -142,7 +142,8 @@ class VCPO(StepLRScale, LossStabilizer):
         rho = ess_ratio(w)
         self._lr_scale = ess_lr_scale(rho, self.rho_base)
         adv_seq = sanitize(batch.adv, m).sum(-1) / m.sum(-1).clamp_min(1)
-        metrics: dict = {"vcpo/ess_ratio": rho, "vcpo/lr_scale": self._lr_scale, "is/weight_mean": w.mean()}
+        metrics: dict = {"vcpo/ess_ratio": rho, "vcpo/lr_scale": self._lr_scale,
+                         "is/weight_mean": w.mean() if w.numel() else 1.0}
         if self.baseline:
             if batch.group is None:
                 raise ValueError("VCPO: the off-policy optimal baseline needs the prompt group of each sequence; pass "
@@ -160,7 +161,7 @@ class VCPO(StepLRScale, LossStabilizer):
         r = torch.exp(safe_log_ratio(batch.logp, batch.logp_prox, m))
         weight = w.clamp(max=self.is_cap).unsqueeze(-1)
         loss = agg_loss(-weight * r * adv_seq.unsqueeze(-1), m, batch.agg)
-        metrics["is/truncated_frac"] = (w > self.is_cap).double().mean()
+        metrics["is/truncated_frac"] = (w > self.is_cap).double().mean() if w.numel() else 0.0
         metrics["vcpo/adv_abs_mean"] = masked_mean(adv_seq.detach().abs().unsqueeze(-1).expand_as(r), m)
         return loss, metrics
 
