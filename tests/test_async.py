@@ -229,6 +229,37 @@ def test_a_dead_rollout_worker_is_restarted_and_that_is_logged(tiny_llm_dir, cap
     assert [c["step"] for c in m.rollout_source.producer.consumed] == list(range(6))
 
 
+def test_a_worker_that_dies_holding_two_jobs_is_restarted_and_both_are_generated_again(tiny_llm_dir):
+    import functools
+
+    from gacbench.llm.async_source import _load_policy
+    from gacbench.llm.model import load
+    from gacbench.rollout.async_producer import AsyncRolloutProducer
+    from gacbench.rollout.engines import EngineSpec
+
+    policy, tok = load(tiny_llm_dir)
+    prompt = tok.encode("1+2=", add_special_tokens=False)
+    producer = AsyncRolloutProducer(
+        EngineSpec("hf"), model_path=tiny_llm_dir, policy_factory=functools.partial(_load_policy, tiny_llm_dir),
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_model_len=None, seed=0,
+        prompts_for=lambda step, chunk: [prompt] * 2, n=2, max_tokens=4, chunks=1, last_step=4, max_staleness=3,
+        admission="wait", workers=1, worker_restarts=1, timeout_s=120)
+    try:
+        producer.start(policy.state_dict(), version=0)
+        with producer._cv:  # the worker is still starting: both of its slots hold a job
+            held = sorted(job.step for job, _ in producer._inflight.values())
+            producer.kill_worker(0)
+        assert held == [0, 1]
+        attempts = []
+        for step in range(4):
+            attempts.append([r.attempt for r in producer.next(step)])
+            producer.publish(policy.state_dict(), step + 1)
+        assert (producer.counters.restarts, producer.counters.restart_regenerated) == (1, 2)
+        assert attempts[0] == attempts[1] == [1]  # the two lost jobs, generated again by the restarted worker
+    finally:
+        producer.close()
+
+
 def test_bad_async_settings_are_refused(tiny_llm_dir):
     with pytest.raises(ValueError, match="rollout.mode='fast' is not one of sync, async"):
         module(tiny_llm_dir, mode="fast")

@@ -214,3 +214,52 @@ def test_clipping_applies_to_the_stale_gradient():
         for n, theta in step["theta"].items():
             lr = 0.05 if n.startswith("net.0") else 0.025
             torch.testing.assert_close(rec.steps[t + 1]["theta"][n], theta - lr * scale * expected_grad[n])
+
+
+class _StopAtBatch(pl.Callback):
+    """Sets trainer.should_stop after micro-batch ``batch`` (what Lightning's Timer does when time is up)."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.fit_loop.total_batch_idx == self.batch:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_fit_stopped_inside_an_accumulation_window_ends_at_theta_t(tmp_path, checkpointing):
+    # micro-batch 21 is the second of step 5's window of 4: the model holds theta_{5-3} when the stop comes
+    model, sim = UserRegressor(n=256, batch_size=4), StalenessSimulator(3)
+    thetas = []
+    trainer = make_trainer([sim, _StopAtBatch(21)], max_steps=50, accumulate_grad_batches=4,
+                           enable_checkpointing=checkpointing, default_root_dir=tmp_path)
+    model.on_train_start = lambda: trainer.optimizers[0].register_step_post_hook(
+        lambda *a: thetas.append(flat_params(model).clone()))
+    trainer.fit(model)  # with a ModelCheckpoint: its save at the epoch's end sees theta_t, not a window
+    assert trainer.global_step == 5 and sim.step == 5
+    assert torch.equal(flat_params(model), thetas[-1])
+
+
+def test_a_simulator_reused_for_a_new_fit_starts_that_fit_at_t_0():
+    sim = StalenessSimulator(3)
+    make_trainer([sim], max_steps=6).fit(UserRegressor(seed=0))
+    second, fresh = UserRegressor(seed=1), UserRegressor(seed=1)
+    trainer = make_trainer([sim], max_steps=5)
+    trainer.fit(second)
+    assert trainer.logger.values("stale/lag") == [0, 1, 2, 3, 3]
+    make_trainer([StalenessSimulator(3)], max_steps=5).fit(fresh)  # no iterate of the first model is used
+    assert torch.equal(flat_params(second), flat_params(fresh))
+
+
+@pytest.mark.parametrize("objective", ["bandit", "sequence"])
+def test_a_rollout_objective_refuses_gradient_accumulation(objective):
+    # its queue would advance k times a step: about s / k staleness, every batch of a step on the same rollouts
+    from gacbench.objectives import objective_class
+
+    model = objective_class(objective)(steps=8, staleness=4)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2 must be 1 .*make each step's batch larger"):
+        make_trainer([], max_steps=8, accumulate_grad_batches=2).fit(model)
+    trainer = make_trainer([], max_steps=8)
+    trainer.fit(objective_class(objective)(steps=8, staleness=4))
+    assert trainer.logger.values("stale/lag") == [0, 1, 2, 3, 4, 4, 4, 4]

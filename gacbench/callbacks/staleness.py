@@ -65,6 +65,9 @@ class StalenessSimulator(Callback):
     dtype (a model of bfloat16 and float32 parameters is restored bit for bit). List this callback
     first, before callbacks that read the parameters in ``on_before_optimizer_step``.
 
+    Each fit starts at t = 0 (its ``setup``; a resume then loads the checkpoint's state), and a fit that ends
+    inside an accumulation window leaves the model at theta_t.
+
     Logs ``stale/lag`` (s_t) every step into ``trainer.callback_metrics`` (and to the loggers every
     ``log_every_n_steps``). Declares ``swaps_parameters`` (True when s > 0): between
     ``on_train_batch_start`` and ``on_before_optimizer_step`` the parameters hold a stale iterate.
@@ -113,10 +116,40 @@ class StalenessSimulator(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit" or self.staleness == 0:
+        if stage != "fit":
+            return
+        self._reset()  # a new fit starts at t = 0; a resume's state is loaded after setup
+        if self.staleness == 0:
             return
         check_automatic_optimization(pl_module, "StalenessSimulator")
         check_strategy(trainer, "StalenessSimulator", allow_sharded=False)
+
+    def _reset(self) -> None:
+        """The state of a fit that has not started: t = 0, no iterates kept, the schedule's generator reseeded."""
+        self.step, self.lag = 0, 0
+        self._rng = np.random.default_rng(self.seed)
+        self._history.clear()
+        self._swapped = self._was_swapped = self._in_window = False
+        self._newest = -1
+        self._pending = None
+
+    # A fit can end inside an accumulation window (trainer.should_stop set by a callback such as Lightning's
+    # Timer, or an exception): the model is left at theta_t, not at the stale iterate.
+    @override
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._end_window()
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._end_window()
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._end_window()
+
+    def _end_window(self) -> None:
+        self._restore()
+        self._in_window = False
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:

@@ -229,6 +229,11 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, pos: torch.Tenso
     return _target_logprobs(head(hidden.gather(1, pos.unsqueeze(-1).expand(B, T, hidden.shape[-1]))), targets)
 
 
+def _loader_item(batch: Any) -> int:
+    """The number a batch of GRPO's training loader holds (one item per step, ``[tensor(i)]``)."""
+    return int(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+
 def _section(cls: type, value: Any, name: str) -> Any:
     """A config section from a dataclass instance or a dict; unknown keys are named in the error."""
     if isinstance(value, cls):
@@ -342,7 +347,8 @@ class GRPOModule(Objective):
         self.queue = StaleRolloutQueue(staleness)
         self.loss_stabilizer = None
         self.rollouts_made = 0  # the prompt stream's position
-        self._consumed: dict[int, dict[str, Any]] = {}  # step -> the rollout batch it consumed (last two; loss_on)
+        # step -> (its loader item, the rollout batch it consumed), the last two steps: loss_on
+        self._consumed: dict[int, tuple[int, dict[str, Any]]] = {}
         self._times = {"time/generate_s": 0.0, "time/behav_s": 0.0}
         self._history: list[tuple[float, float, int]] = []  # per step: (step s, generation s, tokens generated)
         self._theta0_measured = False  # the policy reward of θ_0, once per run
@@ -440,9 +446,7 @@ class GRPOModule(Objective):
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones
         from gacbench.rollout.engines import acquire_engine
 
-        if self.trainer.accumulate_grad_batches != 1:
-            raise ValueError("GRPO: accumulate_grad_batches must be 1 (the stale queue advances once per batch and the "
-                             "policy version once per optimizer step); raise rollout.prompts instead")
+        self.check_one_batch_per_step()
         t0 = time.perf_counter()
         if self.rollout_cfg.mode != "sync":  # async: Ray rollout workers; uniform: the random-lag simulator
             from gacbench.llm.async_source import build_source
@@ -567,7 +571,7 @@ class GRPOModule(Objective):
             data, lag = self.queue.step(self.global_step, lambda k: self.rollout(), last_step=self._last_step())
         loss, metrics = self.policy_loss(data, lag)
         self._consumed = {k: v for k, v in self._consumed.items() if k == self.global_step - 1}
-        self._consumed[self.global_step] = data
+        self._consumed[self.global_step] = (_loader_item(batch), data)
         loss = data_parallel_loss(self, loss, data["packed"]["mask"])  # DDP with token-mean: the global token count
         metrics.update({"stale/lag": float(lag), "reward/mean": data["rewards"].mean(), **self._times,
                         # generated tokens per response of the batch trained on, its eos included where generated
@@ -633,23 +637,27 @@ class GRPOModule(Objective):
         surrogate with loss.clip_low / loss.clip_high and loss.agg, plus loss.kl_coef x KL to the reference; a
         run's loss-side stabilizer is not used (some keep state that a call would move).
 
-        ``batch`` is a rollout batch (what :meth:`rollout` returns), or the training loader's batch of step i
-        (its step index): then the rollout batch this module consumed at step i - 1 (the last two are kept).
-        AssumptionMonitor, called before step i's training step with step i's loader batch, so compares two
-        different consumed batches at theta_i (sigma^2) and one batch at theta_i and theta_{i-1} (L). Before the
-        first training step nothing has been consumed and the loss is a constant 0 (zero gradient: at step 0
-        AssumptionMonitor uses neither); a step index whose batch is no longer kept (AssumptionMonitor(every=1)
-        at step 1, which pairs step 1 with step 0) raises: use every >= 2."""
+        ``batch`` is a rollout batch (what :meth:`rollout` returns), or a loader batch of the training loop: that
+        of the step i about to run (one no kept step received), or that of the step i that received it (one of the
+        last two): then the rollout batch this module consumed at step i - 1. The loader's items are matched, not
+        read as step numbers, so this holds after a resume (the loader starts again at its first item) and when
+        ``trainer.max_steps`` outruns ``steps`` (the loader starts over). AssumptionMonitor, called before step
+        i's training step with step i's loader batch and step i - 1's, so compares two different consumed batches
+        at theta_i (sigma^2) and one batch at theta_i and theta_{i-1} (L). Before the first training step of a fit
+        (or of a resume) nothing has been consumed and the loss is a constant 0 (zero gradient: AssumptionMonitor
+        has no earlier batch or iterate then); a batch whose predecessor is no longer kept
+        (AssumptionMonitor(every=1) at step 1, which pairs step 1 with step 0) raises: use every >= 2."""
         if not isinstance(batch, dict):
-            index = batch[0] if isinstance(batch, (list, tuple)) else batch
-            step = int(index) - 1
-            if not self._consumed and step < 0:
+            item = _loader_item(batch)
+            received = [k for k, (kept_item, _) in self._consumed.items() if kept_item == item]
+            step = (max(received) if received else self.trainer.global_step) - 1
+            if not self._consumed and not received:
                 return sum(p.sum() for p in self.policy.parameters()) * 0.0
             if step not in self._consumed:
                 raise ValueError(f"GRPO.loss_on: the loader batch of step {step + 1} stands for the rollout batch "
                                  f"consumed at step {step}, which is not kept (kept: steps {sorted(self._consumed)}); "
                                  "with AssumptionMonitor use every >= 2, or pass a rollout batch")
-            batch = self._consumed[step]
+            batch = self._consumed[step][1]
         logp = self.token_logprobs(batch["packed"])
         logp_behav = batch["logp_behav"] if batch["logp_behav"] is not None else logp.detach()
         lc = self.loss_cfg

@@ -141,6 +141,19 @@ class Objective(pl.LightningModule):
         if "optimizer" in params:
             check_name(owner, "optimizer", params["optimizer"], OPTIMIZERS, "an optimizer of the objectives")
 
+    def on_train_start(self) -> None:
+        self.check_one_batch_per_step()
+
+    def check_one_batch_per_step(self) -> None:
+        """A rollout objective (``rollout_staleness``) refuses gradient accumulation: its stale-rollout queue
+        advances once per batch while the policy version advances once per optimizer step, so k batches a step
+        would train at about s / k staleness, each batch of a step on the same rollouts."""
+        k = self.trainer.accumulate_grad_batches
+        if self.rollout_staleness and k != 1:
+            raise ValueError(f"{type(self).__name__}: accumulate_grad_batches={k} must be 1 (the stale-rollout queue "
+                             "advances once per batch and the policy version once per optimizer step); make each "
+                             "step's batch larger instead")
+
     @classmethod
     def check_inputs(cls, params: Mapping[str, Any]) -> None:
         """Read the inputs that the settings ``params`` name (a dataset file) and raise ValueError naming the

@@ -463,6 +463,8 @@ class AsyncRolloutProducer:
     def _finish(self, ref) -> None:
         import ray
 
+        if ref not in self._inflight:  # a dead worker's other job, already queued again by _worker_died
+            return
         job, index = self._inflight.pop(ref)
         w = self._workers[index]
         if ref in w.outstanding:
