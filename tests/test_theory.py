@@ -69,6 +69,15 @@ def test_a_broken_bound_fails_its_check():
     assert not bounds.check_claim(no_staleness, sp.Integer(0))
 
 
+def test_the_numeric_half_rejects_a_bound_too_small_and_a_run_that_is_not_finite():
+    # the runs sit at 0.38 of the bound or less, so a quarter of it is exceeded; a bound dropping the staleness
+    # term is not (theory/README.md: the numeric runs test that the bound holds, the sympy check its constants)
+    quarter = check_sgd_bound(claim=lambda: bounds.sgd_bound_claim() / 4, seeds=(0,), steps=300)
+    assert not quarter.numeric_ok and quarter.max_ratio > 1 and quarter.violations >= 1
+    not_finite = check_sgd_bound(claim=lambda: bounds.sgd_bound_claim() * sp.nan, seeds=(0,), steps=50)
+    assert not not_finite.numeric_ok and not_finite.violations == 4 and not_finite.max_ratio == float("inf")
+
+
 def test_bound_holds_on_measured_runs():
     result = check_sgd_bound(seeds=(0,), steps=150)
     assert result.ok and 0 < result.max_ratio <= 1
