@@ -255,6 +255,32 @@ def test_a_cell_another_runner_marked_failed_is_reported_not_rerun(tmp_path):
     assert deps.ready == [killed]  # only the cell nobody stored goes back to be run
 
 
+def test_a_cell_another_runner_stored_with_other_settings_is_refused_or_rerun(tmp_path):
+    from rich.console import Console
+
+    from gacbench.bench.cell import CellMismatchError, run_cell
+    from gacbench.bench.executors import Dependencies, Display, wait_for_claims
+    from gacbench.jsonio import write_json
+
+    out = tmp_path / "out"
+    done = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 5, "method": "stale",
+            "staleness": 2, "seed": 0}
+    failed = {**done, "seed": 1}
+    # the other runner ran them with --param lr=0.05: one finished, one failed
+    assert run_cell({**done, "params": {"lr": 0.05}}, str(out))["status"] == "done"
+    cell_dir(out, failed).mkdir(parents=True)
+    theirs = {**failed, "params": {"lr": 0.05}}
+    write_json(cell_dir(out, failed) / "config.json", theirs)
+    write_json(cell_dir(out, failed) / "status.json", {"status": "failed", "error": "RuntimeError: boom",
+                                                       "cell": theirs})
+    deps = Dependencies([], out)
+    display = Display(2, 0, Console(quiet=True))
+    assert wait_for_claims(out, [failed], deps, display, poll_s=0.01) == [] and deps.ready == [failed]  # rerun
+    with pytest.raises(CellMismatchError, match=r"holds a finished run with other settings \(params.lr: 0.05 "
+                                                r"\(stored\) -> 0.1 \(now\)\), stored by the runner that held it"):
+        wait_for_claims(out, [done], deps, display, poll_s=0.01)
+
+
 # -- VCPO's importance cap -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cap", [8.0, 2.0])
 def test_vcpo_truncates_a_sequence_weight_above_its_cap(cap):

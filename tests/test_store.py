@@ -348,6 +348,38 @@ def test_a_signal_stops_the_grid_promptly_writes_the_summary_and_the_rerun_resum
     assert kept == {p: p.stat().st_mtime_ns for p in kept}
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_pool_worker_stops_the_grid_naming_its_cell_and_writes_the_summary(tmp_path):
+    # the worker's fit turns SIGTERM into Lightning's SIGTERMException (a SystemExit): not the cell's failure, and
+    # not a silent exit 0 of the runner
+    suite = tiny_suite(tmp_path, steps=4000, seeds=[0, 1, 2, 3])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out), "--workers", "2",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    deadline, worker = time.time() + 180, None
+    while time.time() < deadline and worker is None:
+        for record in out.glob("cells/*/*/*/*/.claim"):
+            if not (record.parent / "status.json").exists() and record.read_text().strip():
+                worker = json.loads(record.read_text())["pid"]
+                break
+        time.sleep(0.05)
+    assert worker is not None, "no cell in flight"
+    time.sleep(1.0)  # most likely inside the cell's fit by now (a cell of 4000 steps runs for several seconds)
+    os.kill(worker, signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stdout[-3000:]
+    said = squash(stdout)
+    # inside the fit the cell is named; a signal before the fit (the default action ends the process and breaks
+    # the pool) names the worker only
+    assert ("stopped by SIGTERM sent to the worker process running quadratic/" in said
+            or "stopped by SIGTERM sent to a worker process:" in said) and "Traceback" not in stdout
+    done = len(list(out.glob("cells/**/status.json")))
+    assert f"{done} of 8 cells done and stored" in said
+    assert len(json.loads((out / "summary.json").read_text())["cells"]) == done
+    assert all(json.loads(p.read_text())["status"] == "done" for p in out.glob("cells/**/status.json"))
+
+
 def test_a_stop_whose_raise_python_drops_in_a_finalizer_is_raised_again_and_the_grid_checks_it(tmp_path):
     """The signal handler's GridInterrupted, raised while the main thread runs a ``__del__`` (a profiler's, a
     tensor's), is dropped by Python; the grid must stop all the same: at once, and before its next cell."""

@@ -33,10 +33,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gacbench.bench.cell import (
     CLAIMED,
+    CellMismatchError,
     cell_dir,
     claim_released,
     engine_key,
     run_cell,
+    show_change,
+    stored_diff,
     stored_state,
     write_json,
 )
@@ -48,11 +51,12 @@ from gacbench.usage import UsageError
 
 
 class GridInterrupted(BaseException):
-    """SIGINT or SIGTERM reached the runner (a BaseException, so that no cell records it as its own failure)."""
+    """SIGINT or SIGTERM reached the runner, or one of its worker processes (``where`` names which; a
+    BaseException, so that no cell records it as its own failure)."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    def __init__(self, signum: int, where: str = "") -> None:
+        super().__init__(signal.Signals(signum).name + (f" ({where})" if where else ""))
+        self.signum, self.where = signum, where
 
 
 _stop_requested: int | None = None  # the signal that stopped the grid, set by the runner's handler
@@ -170,8 +174,10 @@ class Dependencies:
 def wait_for_claims(root: Path, claimed: list[dict], deps: Dependencies, display: Display,
                     poll_s: float = 0.2) -> list[dict]:
     """Wait until the other runners holding ``claimed`` cells release them; then a cell whose holder stored a
-    status (done or failed) is taken as it is (returned with ``"reused": True``, its dependents released into
-    ``deps.ready``), and a cell without one (its holder was killed) goes back into ``deps.ready`` to be run."""
+    status (done or failed) with this grid's settings is taken as it is (returned with ``"reused": True``, its
+    dependents released into ``deps.ready``), a done cell stored with other settings is refused as
+    :func:`gacbench.bench.cell.run_cell` refuses it (:class:`CellMismatchError`), and a cell without a status (its
+    holder was killed) or failed with other settings goes back into ``deps.ready`` to be run."""
     left = list(claimed)
     results: list[dict] = []
     while left:
@@ -183,7 +189,14 @@ def wait_for_claims(root: Path, claimed: list[dict], deps: Dependencies, display
         for c in released:
             left.remove(c)
             status, problem = stored_state(root, c)
-            if status is not None and problem is None and status.get("status") in ("done", "failed"):
+            stored = status is not None and problem is None and status.get("status") in ("done", "failed")
+            diff = stored_diff(root, c, status) if stored else {}
+            if diff and status.get("status") == "done":
+                changes = "; ".join(show_change(k, a, b) for k, (a, b) in diff.items())
+                raise CellMismatchError(f"{cell_dir(root, c)} holds a finished run with other settings ({changes}), "
+                                        "stored by the runner that held it; use another output directory, or delete "
+                                        "that cell directory to recompute it")
+            if stored and not diff:
                 results.append({**status, "reused": True})
                 display.update(running=0, finished=results[-1])
                 deps.ready += deps.finished(c, status)
@@ -299,18 +312,32 @@ def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display
         args = (str(root), threads, rerun_other_versions)
         futures = {pool.submit(run_cell, c, *args): c for c in deps.take_ready()}
         display.update(running=min(workers, len(futures)))
+        processes: dict = {}  # every worker process the pool started: their exit codes say why a pool broke
         while futures:
             check_stop()
+            processes.update(getattr(pool, "_processes", None) or {})
             finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
             for f in finished:
                 cell = futures.pop(f)
                 try:
                     results.append(f.result())
                 except BrokenProcessPool as exc:
+                    codes = {p.exitcode for p in processes.values()}
+                    if -signal.SIGTERM in codes and -signal.SIGKILL not in codes:  # the pool ends the rest with it
+                        raise GridInterrupted(signal.SIGTERM, "a worker process") from None
                     raise RuntimeError(
                         f"a worker process died while running cells ({exc}); most often the system ran out of memory "
                         "and killed it. The cells finished so far are stored: rerun the same command to resume, with "
                         "fewer --workers if memory is short") from exc
+                except Exception:
+                    raise
+                except BaseException as exc:  # a SystemExit in the worker's cell, e.g. Lightning's on SIGTERM
+                    where = f"the worker process running {cell['task']}/{cell['method']}/s{cell['staleness']}/" \
+                            f"seed{cell['seed']}"
+                    if type(exc).__name__ == "SIGTERMException":  # Lightning's handler, inside the cell's fit
+                        raise GridInterrupted(signal.SIGTERM, where) from None
+                    raise RuntimeError(f"{where} ended with {type(exc).__name__}({exc}); the cells finished so far "
+                                       "are stored: rerun the same command to resume") from None
                 display.update(running=min(workers, len(futures)), finished=results[-1])
                 for c in deps.finished(cell, results[-1]):
                     futures[pool.submit(run_cell, c, *args)] = c

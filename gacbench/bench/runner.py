@@ -447,7 +447,8 @@ def main(args, started: dict[str, Any] | None = None) -> int:
         check_stop()  # a stop whose raise was lost in the grid's last cell
     except GridInterrupted as stop:
         done = sum(is_done(out, c) for c in cells)
-        print(f"gacbench bench: stopped by {signal.Signals(stop.signum).name}: {done} of {len(cells)} cells done and "
+        by = signal.Signals(stop.signum).name + (f" sent to {stop.where}" if stop.where else "")
+        print(f"gacbench bench: stopped by {by}: {done} of {len(cells)} cells done and "
               f"stored, the cells in flight will be recomputed; resume with: {resume_command(args)}", flush=True)
         _write_summary(out, cells, suite.get("families"))
         return 128 + stop.signum
