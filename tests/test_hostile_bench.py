@@ -46,6 +46,25 @@ def test_a_cell_copied_to_another_seed_or_staleness_is_refused_naming_the_key(tm
     assert bench(suite, out) == 0  # the originals are still reused
 
 
+def test_a_copied_cell_outside_the_grid_is_reported_incomplete_and_never_counted(tmp_path, capsys):
+    suite, out = quadratic_suite(tmp_path, methods=["sync", "stale"]), tmp_path / "out"
+    assert bench(suite, out) == 0
+    before = json.loads((out / "summary.json").read_text())
+    base = {"task": "quadratic", "method": "stale", "staleness": 4, "seed": 0}
+    copy = {**base, "seed": 7}  # a seed the grid does not run: only the summary reads it
+    _copy_cell(out, base, copy)
+    for command in (["report", str(out)], ["bench", "--suite", str(suite), "--out", str(out), "--workers", "1"]):
+        capsys.readouterr()
+        assert main(command) == 0
+        printed = capsys.readouterr()
+        said = "".join((printed.out + printed.err).split())  # rich folds a long path anywhere
+        assert "".join(f"incomplete cell: {cell_dir(out, copy)}: its config.json records the cell "
+                       f"cells/quadratic/stale/s4/seed0 (a copied directory?): the cell is not counted".split()) in said
+        summary = json.loads((out / "summary.json").read_text())
+        assert [c["status"] for c in summary["cells"] if c["seed"] == 7] == ["incomplete"]
+        assert [g["n"] for g in summary["groups"]] == [g["n"] for g in before["groups"]]
+
+
 def test_a_copied_cell_whose_config_json_alone_differs_is_refused(tmp_path, capsys):
     suite, out = quadratic_suite(tmp_path, methods=["sync", "stale"]), tmp_path / "out"
     assert bench(suite, out) == 0

@@ -157,6 +157,31 @@ def test_a_dataset_that_a_cell_could_not_read_is_refused_before_anything_runs(tm
     check_params(expand_cells(load_suite(str(suite))))
 
 
+def test_a_selected_extra_method_keeps_its_tasks_extra_staleness():
+    suite = load_suite("llm-headline")
+    full = {c["staleness"] for c in expand_cells(suite) if c["method"] == "gac-skip"}
+    chosen = expand_cells(suite, methods=["gac-skip", "gac"])
+    assert full == {16, 32} and {c["staleness"] for c in chosen if c["method"] == "gac-skip"} == full
+    assert {c["staleness"] for c in chosen if c["method"] == "gac"} == {8, 16, 32}
+
+
+def test_a_method_that_is_also_an_ablation_cell_is_refused_and_a_reused_cell_keeps_its_own_label(tmp_path, capsys):
+    ablation = {"method": "gac", "staleness": 4, "c_low": [0.1], "c_high": [0.2]}
+    suite = tiny_suite(tmp_path, ablation=ablation, methods=["sync", "stale"], staleness=[0, 4])
+    line = refused(capsys, tmp_path, "--suite", str(suite), "--methods", "sync,stale,gac(c_low=0.1,c_high=0.2),"
+                   "ablation")
+    assert "method 'gac(c_low=0.1,c_high=0.2)' at staleness 4 is also a cell of the suite's threshold ablation" in line
+    # run as a plain method first, then reused by the ablation grid: bench and report label it alike
+    out = tmp_path / "grid"
+    assert main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", "--methods",
+                 "sync,stale,gac(c_low=0.1,c_high=0.2)"]) == 0
+    assert main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1"]) == 0
+    labels = lambda: {g["method"]: g["ablation"] for g in json.loads((out / "summary.json").read_text())["groups"]}  # noqa: E731
+    after_bench = labels()
+    assert main(["report", str(out)]) == 0
+    assert labels() == after_bench == {"sync": False, "stale": False, "gac(c_low=0.1,c_high=0.2)": False}
+
+
 # -- 2. method combinations that cannot run ------------------------------------------------------------------------
 @pytest.mark.parametrize("methods,expected", [
     ("gac+gac", "method 'gac+gac': GAC twice; a run takes one callback of each type"),

@@ -57,7 +57,14 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     if status is None and problem is None:
         return None
     rec: dict[str, Any] = {k: cell[k] for k in ("task", "method", "staleness", "seed")}
-    rec.update({"status": "incomplete" if problem else status.get("status"), "ablation": bool(cell.get("ablation"))})
+    if cell.get("misplaced"):  # its files belong to another cell (discover_cells)
+        return {**rec, "status": "incomplete", "ablation": bool(cell.get("ablation")), "error": cell["misplaced"],
+                "metric": None, "higher_is_better": None, "final": None, "diverged": None, "cos_median": None,
+                "cos_abs_q90": None, "cos_abs_le_005": None}
+    # the run's own record says whether it is a threshold-ablation cell (a grid that reuses a cell another grid ran
+    # as a plain method must not relabel it), so that gacbench bench and gacbench report group it alike
+    ran_as = status.get("cell") if isinstance(status, dict) and isinstance(status.get("cell"), dict) else cell
+    rec.update({"status": "incomplete" if problem else status.get("status"), "ablation": bool(ran_as.get("ablation"))})
     if cell.get("objective") == "grpo":  # the engine section's name, or a flat engine name
         engine = (cell.get("params") or {}).get("engine") or "hf"
         rec["engine"] = engine.get("name", "hf") if isinstance(engine, dict) else engine
@@ -188,22 +195,31 @@ def _spec_from_path(root: Path, d: Path) -> dict | None:
 
 def discover_cells(root: Path) -> list[dict]:
     """Every cell stored under ``root/cells`` (a directory with a config.json or a status.json): its config.json,
-    else the status's copy of it, else its identity read from the directory's path."""
+    else the status's copy of it, else its identity read from the directory's path. A directory whose files
+    record another cell only (a cell directory copied to another seed or staleness) is listed from its path with
+    ``misplaced`` naming the cell they record, so that it is reported as incomplete and never counted."""
     specs = []
     for d in sorted(p for p in (root / "cells").glob("*/*/s*/seed*") if p.is_dir()):
         if not (d / "config.json").exists() and not (d / "status.json").exists():
             continue
-        spec = None
+        spec, elsewhere = None, None
         for name, pick in (("config.json", lambda x: x), ("status.json", lambda x: x.get("cell"))):
             try:
                 candidate = pick(read_json(d / name))
             except (OSError, ValueError, AttributeError):
                 continue
-            if isinstance(candidate, dict) and all(k in candidate for k in ("task", "method", "staleness", "seed")) \
-                    and cell_dir(root, candidate) == d:
-                spec = candidate
-                break
-        spec = spec or _spec_from_path(root, d)
+            if isinstance(candidate, dict) and all(k in candidate for k in ("task", "method", "staleness", "seed")):
+                if cell_dir(root, candidate) == d:
+                    spec = candidate
+                    break
+                elsewhere = elsewhere or (name, candidate)
+        if spec is None:
+            spec = _spec_from_path(root, d)
+            if spec is not None and elsewhere is not None:
+                name, other = elsewhere
+                spec["misplaced"] = (f"{d}: its {name} records the cell {cell_dir(root, other).relative_to(root)} "
+                                     f"(a copied directory?): the cell is not counted; delete {d}, then rerun the "
+                                     "grid to compute it")
         if spec is not None:
             specs.append(spec)
     return specs

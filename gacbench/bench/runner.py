@@ -153,10 +153,15 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
     cells = []
     for task in tasks:
         spec = suite["tasks"][task]
-        own = methods if "methods" not in spec else ([m for m in methods if m in spec["methods"]] if explicit
-                                                     else list(spec["methods"]))
+        task_methods = list(spec.get("methods", suite["methods"]))
+        extra_all = [x for x in spec.get("extra_methods", []) if x not in task_methods]
+        if explicit:  # a selection within the task's grid: an extra method keeps its own staleness values
+            own = [m for m in methods if (m in task_methods if "methods" in spec else m not in extra_all)]
+            extra = [m for m in methods if m in extra_all]
+        else:
+            own = task_methods if "methods" in spec else list(methods)
+            extra = extra_all
         task_s = restrict(staleness, spec.get("staleness"))
-        extra = [] if explicit else [x for x in spec.get("extra_methods", []) if x not in own]
         extra_s = restrict(task_s, spec.get("extra_staleness"))
         for m in list(own) + extra:
             method, _ = parse_method(m)
@@ -177,10 +182,16 @@ def expand_cells(suite: dict, methods: list[str] | None = None, staleness: list[
                 for hi in ablation["c_high"]:
                     if lo >= hi:
                         continue
+                    method = f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})"
+                    clash = [c for c in cells if c["task"] == task and c["method"] == method
+                             and c["staleness"] == ablation["staleness"]]
+                    if clash:
+                        raise UsageError(f"method {method!r} at staleness {ablation['staleness']} is also a cell of "
+                                         "the suite's threshold ablation (its c_low x c_high grid); leave it out of "
+                                         "the methods: the ablation runs it")
                     for seed in seeds:
-                        cells.append({**base(task),
-                                      "method": f"{ablation.get('method', 'gac')}(c_low={lo},c_high={hi})",
-                                      "staleness": ablation["staleness"], "seed": seed, "ablation": True})
+                        cells.append({**base(task), "method": method, "staleness": ablation["staleness"],
+                                      "seed": seed, "ablation": True})
     check_lag(cells)
     return cells
 
