@@ -1,6 +1,8 @@
 """The LLM foundation: the procedural task, the tokenizer, the tiny model's cache and loading path (the rollout
 engines are tested in test_engines.py)."""
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -45,6 +47,36 @@ def test_model_is_built_once_per_config_and_loaded_like_any_checkpoint(tmp_path)
     model, tok = load(d1)
     ids = torch.tensor([tok.encode("3+4=", add_special_tokens=False)])
     assert model(ids).logits.shape == (1, 4, cfg.vocab_size)
+
+
+def test_a_cache_entry_installed_meanwhile_is_kept_and_an_incomplete_one_replaced(tmp_path, monkeypatch):
+    import os
+
+    from gacbench.llm import model as M
+
+    def built(name: str, mark: str):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(mark)
+        return d
+
+    # another process installs the entry between this one's check and its rename: its copy is kept, no error
+    path, rename = tmp_path / "entry", os.replace
+    def racing(src, dst):
+        if Path(src).name == "mine.tmp" and not Path(dst).exists():
+            rename(built("theirs.tmp", "theirs"), dst)
+        return rename(src, dst)
+    monkeypatch.setattr(M.os, "replace", racing)
+    M.install_dir(built("mine.tmp", "mine"), path)
+    assert (path / "config.json").read_text() == "theirs" and not (tmp_path / "mine.tmp").exists()
+    monkeypatch.setattr(M.os, "replace", rename)
+    # an entry without config.json (a copy cut short) is replaced by the new build, not returned as it is
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_text("partial")
+    M.install_dir(built("new.tmp", "new"), broken)
+    assert (broken / "config.json").read_text() == "new" and not (broken / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "entry"]
 
 
 def test_bad_model_path_and_config_are_refused(tmp_path):

@@ -27,6 +27,40 @@ def test_every_pinned_start_point_ships_with_its_hash(name):
     path = pinned.models_root() / name
     assert (path / "config.json").exists(), f"{path} is not shipped"
     assert weights_sha256(path) == pinned.PINNED[name]
+    assert pinned.spec_sha256(path) == pinned.PINNED_SPEC[name]  # its configuration and tokenizer too
+
+
+def test_a_copy_with_the_pinned_weights_but_another_config_or_vocabulary_is_refused(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    name = "warm-dd5cd00b44e5fa65-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0"
+    shipped = pinned.models_root() / name
+    models = tmp_path / "models"
+    monkeypatch.setenv("GACBENCH_MODELS", str(models))
+    monkeypatch.setattr(pinned, "_checked", {})
+    monkeypatch.setattr(pinned, "_checked_spec", {})
+    copy = models / name
+    shutil.copytree(shipped, copy)
+
+    def build():
+        raise AssertionError("a shipped start point is never rebuilt")
+
+    assert pinned.resolve(name, build) == copy  # an exact copy is the pinned θ₀
+    config = json.loads((copy / "config.json").read_text())
+    config.get("rope_parameters", config)["rope_theta"] = 10.0  # the weights stay as they are
+    (copy / "config.json").write_text(json.dumps(config))
+    pinned._checked_spec.clear()
+    with pytest.raises(UsageError, match="has the pinned weights, but its config.json or tokenizer computes otherwise"):
+        pinned.resolve(name, build)
+    shutil.copy(shipped / "config.json", copy / "config.json")
+    tokenizer = json.loads((copy / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["1"], vocab["2"] = vocab["2"], vocab["1"]  # two digits' ids swapped
+    (copy / "tokenizer.json").write_text(json.dumps(tokenizer))
+    pinned._checked_spec.clear()
+    with pytest.raises(UsageError, match="config.json or tokenizer computes otherwise"):
+        pinned.resolve(name, build)
 
 
 @pytest.mark.parametrize("suite", [s for s in SUITES if "grpo" in s.read_text()], ids=lambda p: p.stem)
@@ -116,3 +150,29 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
     check_theta0(suite, cells, tmp_path, {})  # none done when they were read: nothing is read again
     write_json(d / "config.json", {**cells[0]})  # no recorded weights: accepted (identified by its rewards)
     check_theta0(suite, cells, tmp_path)
+
+
+@pytest.mark.parametrize("param,checked", [("model.gradient_checkpointing=true", True), ("task.reward=exact", True),
+                                           ("model.size=tiny", True), ("model.warm_steps=300", False),
+                                           ("task.max_operand=8", False)])
+def test_a_param_that_leaves_the_start_point_where_it_is_keeps_the_theta0_check(tmp_path, monkeypatch, param,
+                                                                                   checked):
+    from gacbench.bench import cell
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.runner import expand_cells
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.bench.validate import load_suite, merge_params, parse_params
+    from gacbench.jsonio import write_json
+
+    suite = load_suite("llm-smoke")
+    over = parse_params([param])
+    cells = [{**c, "params": merge_params(c["params"], over)} for c in expand_cells(suite, methods=["sync"], seeds=[0])]
+    d = cell_dir(tmp_path, cells[0])
+    d.mkdir(parents=True)
+    monkeypatch.setattr(cell, "stored_done", lambda root, c: {"status": "done"} if c == cells[0] else None)
+    write_json(d / "config.json", {**cells[0], "provenance": {"initial_weights": "0" * 64}})
+    if checked:  # the same start point: the suite's pin applies and the stored cell from another θ₀ is refused
+        with pytest.raises(UsageError, match="another θ₀"):
+            check_theta0(suite, cells, tmp_path)
+    else:  # another start point: the suite's theta0 does not describe it
+        assert check_theta0(suite, cells, tmp_path) == {}

@@ -10,8 +10,10 @@ line (a UsageError):
   from another θ₀ and cannot be reused, or summarised with the grid's other cells.
 
 Cells stored before their weights were recorded are accepted (their θ₀ is identified only by their first rewards).
-A ``--param`` that changes the model or task section makes the cells start elsewhere: the suite's ``theta0`` then
-does not describe them, and only the library's own pins apply (:func:`gacbench.llm.pinned.resolve`).
+A ``--param`` that moves the start point (another model size, warm start, task, or ``model.path``) makes the cells
+start elsewhere: the suite's ``theta0`` then does not describe them, and only the library's own pins apply
+(:func:`gacbench.llm.pinned.resolve`). One that leaves it where it is (``model.gradient_checkpointing``,
+``task.reward``, a setting the warm task does not read) is checked like the suite's own cells.
 """
 
 from __future__ import annotations
@@ -54,10 +56,9 @@ def check_theta0(suite: dict, cells: list[dict], root: Path,
         if not want or not own:
             continue
         params = own[0]["params"]
-        same_start = all(params.get(k) == spec.get("params", {}).get(k) for k in ("model", "task"))
-        if not same_start:
-            continue
         point = start_point(params)
+        if point is None or point[0] != (start_point(spec.get("params", {})) or ("",))[0]:
+            continue  # a --param moved the start point (another size, warm start or task): the pin is not its
         pin = pinned.pin_of(point[0]) if point else None
         if pin is None or not pin.startswith(want):
             have = f"is pinned to {pin[:16]}..." if pin else "has no pin"

@@ -92,13 +92,37 @@ def cached_model_dir(config=None, cache_dir: str | os.PathLike | None = None, se
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(tmp)
     build_tokenizer().save_pretrained(tmp)
-    if path.exists():  # another process built it meanwhile: keep theirs
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+    install_dir(tmp, path)
     return path
+
+
+def install_dir(tmp: Path, path: Path, tries: int = 5) -> None:
+    """Move the finished checkpoint directory ``tmp`` to ``path`` (a cache entry) by a rename. A complete entry
+    (it holds a config.json) that another process installed meanwhile, before the check or between the check and
+    the rename, is kept and ``tmp`` deleted; an incomplete one (no config.json: a copy cut short) is moved aside,
+    deleted and replaced, so that it is not returned for ever."""
+    import errno
+    import shutil
+
+    for _ in range(tries):
+        if (path / "config.json").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if path.exists():
+            aside = path.with_name(f"{path.name}.incomplete{os.getpid()}")
+            try:
+                os.replace(path, aside)
+            except OSError:
+                continue  # another process moved or completed it meanwhile: look again
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(tmp, path)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    raise RuntimeError(f"{path}: could not install the checkpoint built in {tmp} after {tries} tries (other "
+                       "processes kept replacing it); delete both and run again")
 
 
 def check_checkpoint_option(option: str, path: str | os.PathLike) -> None:

@@ -9,7 +9,9 @@ suite uses is therefore built once, shipped under ``tasks/models/<name>/`` (fp32
 - :func:`resolve` returns the shipped directory when it is present (its hash checked once per process);
 - where it is absent (an installed wheel without the repository, or another ``GACBENCH_MODELS``), the warm start
   is built as before and must hash to the pin, else the run is refused in one line that names both hashes;
-- a warm start with no pin (other sizes, steps or task settings) is built and cached as before.
+- a warm start with no pin (other sizes, steps or task settings) is built and cached as before;
+- the configuration and tokenizer are pinned beside the weights (:data:`PINNED_SPEC`, :func:`spec_sha256`): the
+  pinned weights with another config.json or vocabulary are refused too.
 
 ``gacbench warm-start`` rebuilds a warm start from scratch and prints its hash beside the pin.
 """
@@ -37,7 +39,47 @@ PINNED: dict[str, str] = {
         "2baca9ffd0b07cff32debef4f588a43ae769ea040b19ced1654a3dd6f09dc714",
 }
 
+#: the configuration attributes that decide what a checkpoint computes, read by :func:`spec_sha256`
+SPEC_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+             "rms_norm_eps", "tie_word_embeddings", "attention_bias", "use_sliding_window", "sliding_window",
+             "bos_token_id", "eos_token_id", "pad_token_id")
+
+#: warm-start directory name -> :func:`spec_sha256` of its configuration and tokenizer: the weights hash alone
+#: would accept a copy whose config.json (rope_theta, say) or vocabulary was changed, or a build from a code
+#: version whose configuration computes differently with the same weights.
+PINNED_SPEC: dict[str, str] = {
+    "warm-ScratchpadTask-e5c7a350526619cd-min_ops3-max_ops3-max_operand9-eval_fraction0.1-seed0-sft500-seed0":
+        "ab274b233544e1bd7b332c17401a3464f60cfde547d003c328ceb85bb0cad73c",
+    "warm-b41bac11619e2889-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
+        "9d0f541db1430eccc16d43b4395da9ac092308d95868e99090e6ca8ea128f4e1",
+    "warm-dd5cd00b44e5fa65-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
+        "3a21199abf24bf96931c9589046deb9bcadb0c01d6891607bad3e8c1edb8bdbd",
+    "warm-e5c7a350526619cd-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
+        "ab274b233544e1bd7b332c17401a3464f60cfde547d003c328ceb85bb0cad73c",
+}
+
 _checked: dict[Path, str] = {}
+_checked_spec: dict[Path, str] = {}
+
+
+def spec_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of what a checkpoint directory computes besides its weights, read as transformers reads it (so that
+    the serialisation of one transformers version or another does not matter): the :data:`SPEC_KEYS` of its
+    configuration, its rotary base, its tokenizer's vocabulary and special tokens."""
+    import hashlib
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(path))
+    spec = {k: getattr(config, k, None) for k in SPEC_KEYS}
+    rope = getattr(config, "rope_parameters", None) or {}  # transformers 5: rope_parameters; 4: rope_theta
+    spec["rope_theta"] = float(rope.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    spec["vocab"] = sorted(tok.get_vocab().items())
+    spec["special"] = [tok.bos_token, tok.eos_token, tok.pad_token]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def models_root() -> Path:
@@ -58,7 +100,8 @@ def shipped_dir(name: str) -> Path | None:
 
 
 def check(name: str, path: Path) -> str:
-    """The weights hash of ``path``; refuses (UsageError) when ``name`` is pinned and the hash differs."""
+    """The weights hash of ``path``; refuses (UsageError) when ``name`` is pinned and the hash differs, or when its
+    configuration and tokenizer (:func:`spec_sha256`) differ from the pinned ones."""
     path = Path(path)
     if path not in _checked:
         _checked[path] = weights_sha256(path)
@@ -72,6 +115,16 @@ def check(name: str, path: Path) -> str:
             f"(this machine's instruction set, {isa}, rounds the warm start differently); use the shipped "
             f"checkpoint ({models_root() / name}: run from a checkout of the repository, or set GACBENCH_MODELS to a "
             "directory that holds it), or give model.path to run from another start point on purpose")
+    spec_pin = PINNED_SPEC.get(name)
+    if spec_pin is not None:
+        if path not in _checked_spec:
+            _checked_spec[path] = spec_sha256(path)
+        if _checked_spec[path] != spec_pin:
+            raise UsageError(
+                f"start point {name}: {path} has the pinned weights, but its config.json or tokenizer computes "
+                f"otherwise (configuration and vocabulary SHA-256 {_checked_spec[path][:16]}..., pinned "
+                f"{spec_pin[:16]}...): an edited copy, or a build by another code version; use the shipped "
+                f"checkpoint ({models_root() / name}), or give model.path to run from another start point on purpose")
     return digest
 
 

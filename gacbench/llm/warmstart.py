@@ -11,13 +11,12 @@ steps, seed), so every run with the same settings reuses it.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from gacbench.llm.model import cached_model_dir, config_key, default_cache_dir, load, tiny_config
+from gacbench.llm.model import cached_model_dir, config_key, default_cache_dir, install_dir, load, tiny_config
 from gacbench.llm.task import ArithmeticTask, Problem, exact_reward
 from gacbench.llm.tasks import TaskConfig, build_task, task_factory
 
@@ -122,17 +121,14 @@ def warm_key(config=None, task: ArithmeticTask | None = None, steps: int = 400, 
 
 def build_warm_start(path: Path, config=None, task: ArithmeticTask | None = None, steps: int = 400,
                      cache_dir=None, seed: int = 0) -> Path:
-    """Build the warm start into ``path`` (atomically: a temporary sibling, then a rename; a directory another
-    process finished meanwhile is kept)."""
+    """Build the warm start into ``path`` (atomically: a temporary sibling, then a rename, :func:`install_dir`: a
+    directory another process finished meanwhile is kept, an incomplete one replaced)."""
     model, tok = load(cached_model_dir(config or tiny_config(), cache_dir, seed))
     warm_start(model, tok, task or ArithmeticTask(), steps, seed=seed)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+    install_dir(tmp, path)
     return path
 
 
