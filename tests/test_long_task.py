@@ -187,7 +187,7 @@ def test_grpo_logs_the_response_length_and_parameter_count(tmp_path):
 
     def recording_step(batch, batch_idx):
         out = step(batch, batch_idx)
-        lengths.append(float(module._consumed[module.global_step]["packed"]["mask"].sum()) / 4)
+        lengths.append(float(module._consumed[module.global_step][1]["packed"]["mask"].sum()) / 4)
         logged = module.trainer.callback_metrics
         assert float(logged["response/tokens_mean"]) == pytest.approx(lengths[-1])
         assert float(logged["model/params"]) == sum(p.numel() for p in module.policy.parameters())
