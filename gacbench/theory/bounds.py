@@ -8,7 +8,8 @@ Theorem (result 2, delayed SGD). If L eta + L^2 eta^2 s^2 <= 1, then
     G <= 2 Delta / (eta T) + (L eta + L^2 eta^2 s^2) sigma^2.
 Theorem (result 3, GAC). If every applied gradient satisfies ||g_t - g~_t|| <= delta ||g_t|| with
 delta < 1 (GAC: delta = c_high - c_low while no step reaches c_high; in general delta = max_t k_t c_t)
-and L eta + L^2 eta^2 s^2 <= 1 - delta, then
+and ||g~_t|| <= ||g_t|| (GAC only removes a component: the proof's step 4 keeps its form), and
+L eta + L^2 eta^2 s^2 <= 1 - delta, then
     G <= [2 Delta / (eta T) + (delta + L eta + L^2 eta^2 s^2) sigma^2] / (1 - delta).
 """
 
