@@ -176,3 +176,27 @@ def test_a_param_that_leaves_the_start_point_where_it_is_keeps_the_theta0_check(
             check_theta0(suite, cells, tmp_path)
     else:  # another start point: the suite's theta0 does not describe it
         assert check_theta0(suite, cells, tmp_path) == {}
+
+
+def test_warm_start_prints_both_hashes_beside_their_pins_and_fails_when_one_differs(tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    from gacbench.bench import warm_start
+    from gacbench.cli import main
+
+    edit = {}
+
+    def copy_of_the_shipped(path, config, task, steps, cache_dir):  # stands for the build: the pinned bits
+        shutil.copytree(pinned.models_root() / path.name, path)
+        if edit:
+            (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **edit}))
+
+    monkeypatch.setattr(warm_start, "build_warm_start", copy_of_the_shipped)
+    assert main(["warm-start", "--suite", "llm-smoke", "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr().out
+    assert said.count(" = the pin") == 2 and "configuration and vocabulary SHA-256" in said
+    edit["rms_norm_eps"] = 1e-3  # the same weights, another computation
+    assert main(["warm-start", "--suite", "llm-smoke", "--out", str(tmp_path / "b")]) == 1
+    said = capsys.readouterr().out
+    assert "weights SHA-256" in said and said.count(" = the pin") == 1 and " != the pin" in said
