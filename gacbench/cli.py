@@ -196,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_step_profile_arguments(p)
 
     p = sub.add_parser("warm-start", help="rebuild a start point (warm-started checkpoint) from scratch and print "
-                       "its weights hash beside the pinned one",
+                       "its weights hash and its configuration-and-vocabulary hash beside the pinned ones",
                        description="Build the warm-started checkpoints of a suite's GRPO tasks (--suite), or of one "
-                                   "model and task, in a fresh directory, and print each one's SHA-256 beside the "
-                                   "pinned θ₀ (gacbench.llm.pinned). Exit 1 when one differs from its pin.")
+                                   "model and task, in a fresh directory, and print each one's SHA-256 (of its "
+                                   "weights, and of its configuration and vocabulary) beside the pinned θ₀ "
+                                   "(gacbench.llm.pinned). Exit 1 when one differs from its pin.")
     p.add_argument("--suite", default=None, help="a suite name or YAML path: every start point its GRPO tasks use")
     p.add_argument("--size", default="tiny", help="model size (tiny, small, medium) when no --suite")
     p.add_argument("--warm-steps", type=_positive_int, default=400, help="supervised steps (default 400)")
