@@ -28,6 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -334,7 +335,7 @@ def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display
                 except BaseException as exc:  # a SystemExit in the worker's cell, e.g. Lightning's on SIGTERM
                     where = f"the worker process running {cell['task']}/{cell['method']}/s{cell['staleness']}/" \
                             f"seed{cell['seed']}"
-                    if type(exc).__name__ == "SIGTERMException":  # Lightning's handler, inside the cell's fit
+                    if isinstance(exc, SIGTERMException):  # Lightning's handler, inside the cell's fit
                         raise GridInterrupted(signal.SIGTERM, where) from None
                     raise RuntimeError(f"{where} ended with {type(exc).__name__}({exc}); the cells finished so far "
                                        "are stored: rerun the same command to resume") from None

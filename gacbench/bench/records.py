@@ -50,6 +50,11 @@ def recover_hint(root: Path, cell: dict) -> str:
             f"recompute it, or delete {cell_dir(root, cell)}")
 
 
+#: the result fields of a cell record that a cell without a finished run leaves empty
+NOT_READ = {k: None for k in ("metric", "higher_is_better", "final", "diverged", "cos_median", "cos_abs_q90",
+                              "cos_abs_le_005")}
+
+
 def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     """The summary's record of a stored cell (None when it has no status yet): ``status`` is ``done``,
     ``failed``, or ``incomplete`` (a status that claims a finished run whose files are not complete)."""
@@ -59,8 +64,7 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
     rec: dict[str, Any] = {k: cell[k] for k in ("task", "method", "staleness", "seed")}
     if cell.get("misplaced"):  # its files belong to another cell (discover_cells)
         return {**rec, "status": "incomplete", "ablation": bool(cell.get("ablation")), "error": cell["misplaced"],
-                "metric": None, "higher_is_better": None, "final": None, "diverged": None, "cos_median": None,
-                "cos_abs_q90": None, "cos_abs_le_005": None}
+                **NOT_READ}
     # the run's own record says whether it is a threshold-ablation cell (a grid that reuses a cell another grid ran
     # as a plain method must not relabel it), so that gacbench bench and gacbench report group it alike
     ran_as = status.get("cell") if isinstance(status, dict) and isinstance(status.get("cell"), dict) else cell
@@ -70,8 +74,7 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
         rec["engine"] = engine.get("name", "hf") if isinstance(engine, dict) else engine
     if problem is not None or status.get("status") != "done":
         error = f"{problem}: {recover_hint(root, cell)}" if problem else status.get("error")
-        rec.update({"error": error, "metric": None, "higher_is_better": None, "final": None,
-                    "diverged": None, "cos_median": None, "cos_abs_q90": None, "cos_abs_le_005": None})
+        rec.update({"error": error, **NOT_READ})
         return rec
     series = read_metrics(cell_dir(root, cell) / "metrics.csv")
     cos = [v for _, v in series.get("align/cos", [])]

@@ -140,10 +140,6 @@ class StalenessSimulator(Callback):
         self._end_window()
 
     @override
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._end_window()
-
-    @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._end_window()
 

@@ -307,16 +307,12 @@ def check_checkpoint_run(path: str | Path, config_hash: str | None, identity: di
         refuse_other_run(path, read_checkpoint(Path(path))[1], config_hash, identity)
 
 
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        return {k: v for key, part in value.items() for k, v in _flat(part, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: value}
-
-
 def differing_settings(recorded: dict[str, Any], identity: dict[str, Any], most: int = 4) -> str:
     """The settings in which two run identities (:func:`run_identity`) differ, named as ``gacbench grpo``'s
     options: ``--KEY A in the checkpoint, B in this run`` (at most ``most`` of them, then how many more)."""
-    a, b = _flat(recorded), _flat(identity)
+    from gacbench.bench.cell import flat_params
+
+    a, b = flat_params(recorded), flat_params(identity)
     keys = sorted(k for k in set(a) | set(b) if a.get(k, "unset") != b.get(k, "unset"))
     text = "; ".join(f"--{k} {json.dumps(a.get(k, 'unset'))} in the checkpoint, {json.dumps(b.get(k, 'unset'))} "
                      "in this run" for k in keys[:most])

@@ -446,7 +446,7 @@ class GRPOModule(Objective):
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones
         from gacbench.rollout.engines import acquire_engine
 
-        self.check_one_batch_per_step()
+        super().on_train_start()  # one batch per optimizer step
         t0 = time.perf_counter()
         if self.rollout_cfg.mode != "sync":  # async: Ray rollout workers; uniform: the random-lag simulator
             from gacbench.llm.async_source import build_source

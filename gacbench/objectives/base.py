@@ -142,12 +142,10 @@ class Objective(pl.LightningModule):
             check_name(owner, "optimizer", params["optimizer"], OPTIMIZERS, "an optimizer of the objectives")
 
     def on_train_start(self) -> None:
-        self.check_one_batch_per_step()
-
-    def check_one_batch_per_step(self) -> None:
         """A rollout objective (``rollout_staleness``) refuses gradient accumulation: its stale-rollout queue
         advances once per batch while the policy version advances once per optimizer step, so k batches a step
-        would train at about s / k staleness, each batch of a step on the same rollouts."""
+        would train at about s / k staleness, each batch of a step on the same rollouts. A subclass that defines
+        its own ``on_train_start`` calls this one first."""
         k = self.trainer.accumulate_grad_batches
         if self.rollout_staleness and k != 1:
             raise ValueError(f"{type(self).__name__}: accumulate_grad_batches={k} must be 1 (the stale-rollout queue "
