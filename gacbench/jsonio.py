@@ -57,6 +57,18 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def flat_params(params: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"engine": {"name": "hf"}}`` -> ``{"engine.name": "hf"}`` (an empty section stays a value): the dotted
+    keys by which settings are named (``--param engine.name``, a run's differing settings)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def json_safe(obj: Any) -> Any:
     """``obj`` with NaN and infinities replaced by None, so that it serialises to valid JSON (no bare NaN)."""
     if isinstance(obj, float) and not math.isfinite(obj):

@@ -40,10 +40,11 @@ from lightning.pytorch.loggers import CSVLogger
 import gacbench.llm  # noqa: F401  (registers the LLM objectives, e.g. grpo, in a worker process too)
 from gacbench.bench.timing import cell_parts
 from gacbench.callbacks import AlignmentMonitor, AssumptionMonitor, DriftMonitor, StalenessSimulator
-from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE and hold re-exported)
+from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE, hold and flat_params re-exported)
     CLAIM_FILE,
     DISK_FULL,
     claim_dir,
+    flat_params,
     hold,
     json_safe,
     read_json,
@@ -326,17 +327,6 @@ def _canonical(value: Any) -> Any:
 
 
 UNSET = object()  # a parameter one side of a comparison does not set
-
-
-def flat_params(params: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"engine": {"name": "hf"}}`` -> ``{"engine.name": "hf"}`` (an empty section stays a value)."""
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        if isinstance(value, dict) and value:
-            out.update(flat_params(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def identity_diff(stored: dict, cell: dict, keys: tuple[str, ...] = IDENTITY_KEYS) -> dict[str, tuple[Any, Any]]:

@@ -310,7 +310,7 @@ def check_checkpoint_run(path: str | Path, config_hash: str | None, identity: di
 def differing_settings(recorded: dict[str, Any], identity: dict[str, Any], most: int = 4) -> str:
     """The settings in which two run identities (:func:`run_identity`) differ, named as ``gacbench grpo``'s
     options: ``--KEY A in the checkpoint, B in this run`` (at most ``most`` of them, then how many more)."""
-    from gacbench.bench.cell import flat_params
+    from gacbench.jsonio import flat_params
 
     a, b = flat_params(recorded), flat_params(identity)
     keys = sorted(k for k in set(a) | set(b) if a.get(k, "unset") != b.get(k, "unset"))
