@@ -27,9 +27,49 @@ def test_problems_are_deterministic_correct_and_splits_disjoint():
         ArithmeticTask(eval_fraction=0.0)
 
 
+@pytest.mark.parametrize("cls", ["ArithmeticTask", "ScratchpadTask"])
+def test_a_task_whose_split_holds_no_problem_is_refused_at_construction_naming_the_settings(cls):
+    from gacbench.llm import task as tasks
+    from gacbench.usage import UsageError
+
+    # one operation on 0..1 or 0..2: 12 or 27 prompts, none of them in the 5% eval bucket (drawing would not end)
+    small = {"max_ops": 1, "max_operand": 2, "eval_fraction": 0.05}
+    if cls == "ScratchpadTask":
+        small["min_ops"] = 1
+    with pytest.raises(UsageError, match=r"eval split holds no problem.*task.max_operand"):
+        getattr(tasks, cls)(**small)
+    assert getattr(tasks, cls)(**{**small, "max_operand": 9}).problem("eval", 3).prompt  # a larger space has both
+
+
+def test_the_warm_start_of_an_arithmetic_run_never_trains_on_its_eval_problems():
+    from gacbench.llm.task import _is_eval
+    from gacbench.llm.tasks import TaskConfig, build_task
+    from gacbench.llm.warmstart import warm_task
+
+    for fraction in (0.1, 0.3):
+        cfg = TaskConfig(eval_fraction=fraction)
+        warm = warm_task(cfg, build_task(cfg, 0))
+        assert warm == ArithmeticTask(max_ops=cfg.max_ops, max_operand=cfg.max_operand, eval_fraction=fraction)
+        assert not any(_is_eval(p.prompt, fraction) for p in warm.batch("train", 0, 2000))
+
+
 def test_exact_reward():
     assert exact_reward("31", "31") == 1.0 and exact_reward("3 1\nxyz", "31") == 1.0
     assert exact_reward("310", "31") == 0.0 and exact_reward("", "31") == 0.0
+
+
+def test_a_completion_is_scored_on_what_it_wrote_up_to_its_end_with_inner_special_tokens_kept():
+    from gacbench.llm.model import completion_text
+
+    tok = build_tokenizer()
+    pad, bos, eos = tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
+    one, two = tok.convert_tokens_to_ids(["1", "2"])
+    assert completion_text(tok, [one, two, eos]) == "12"
+    assert completion_text(tok, torch.tensor([one, two, eos, pad, pad])) == "12"  # a batch's padding after the end
+    assert completion_text(tok, [one, two]) == "12"  # cut off by max_tokens
+    for inner in ([one, pad, two, eos], [bos, one, bos, two, eos]):  # sampled inside the completion: not "12"
+        text = completion_text(tok, inner)
+        assert text != "12" and exact_reward(text, "12") == 0.0
 
 
 def test_tokenizer_round_trips_the_task_alphabet():

@@ -107,6 +107,10 @@ GOOD = json.dumps({"problem": "What is 1+1?", "answer": "2"})
      r"line 3: no \\boxed\{\.\.\.\} .*add an 'answer' field or end the solution with \\boxed"),
     (json.dumps({"problem": "What is 2+2?", "answer": "  "}), r"line 3: the answer is empty"),
     (json.dumps({"problem": "", "answer": "4"}), r"line 3: prompt field 'problem' must be a non-empty string"),
+    (json.dumps({"problem": "What is 2+2?", "answer": True}), r"line 3: answer field 'answer' is True \(bool\)"),
+    (json.dumps({"problem": "What is 2+2?", "answer": [1, 2]}), r"line 3: answer field 'answer' is \[1, 2\]"),
+    (json.dumps({"problem": "What is 2+2?", "answer": {"x": 1}}), r"line 3: answer field 'answer' is \{'x': 1\}"),
+    ('{"problem": "What is 2+2?", "answer": NaN}', r"line 3: answer field 'answer' is nan \(float\)"),
 ])
 def test_malformed_rows(tmp_path, bad, match):
     path = _write(tmp_path, [GOOD, "", bad, GOOD])
@@ -134,6 +138,26 @@ def test_file_errors(tmp_path):
         MathDataset(EXAMPLE, eval_fraction=0.0)
 
 
+def test_rows_with_line_separators_inside_strings_load_and_numeric_golds_are_read(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 unescaped: one row is one line still
+    rows = [{"problem": f"What is {i}+{i}?\u2028Reply\u0085now\u2029.", "answer": 2 * i} for i in range(40)]
+    path = tmp_path / "sep.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    d = MathDataset(path, eval_fraction=0.3)
+    got = d.batch("train", 0, d.sizes["train"]) + d.batch("eval", 0, d.sizes["eval"])
+    assert sorted((p.prompt, p.answer) for p in got) == sorted((r["problem"], str(r["answer"])) for r in rows)
+
+
+def test_copies_of_a_problem_that_differ_in_spacing_fall_in_one_split(tmp_path):
+    texts = [f"What is {i} + {i}?" for i in range(40)]
+    lines = [json.dumps({"problem": t, "answer": "1"}) for t in texts]
+    lines += [json.dumps({"problem": f"  {t.replace(' ', '  ')}\n", "answer": "1"}) for t in texts]
+    d = MathDataset(_write(tmp_path, lines), eval_fraction=0.3)
+    held = {" ".join(p.prompt.split()) for p in d.batch("eval", 0, d.sizes["eval"])}
+    trained = {" ".join(p.prompt.split()) for p in d.batch("train", 0, d.sizes["train"])}
+    assert held and trained and not held & trained
+
+
 def test_reward_registry():
     assert reward_fn("exact") is exact_reward and reward_fn("math-verify") is math_verify_reward
     with pytest.raises(ValueError, match="registered rewards: exact, final-line, math-verify"):
@@ -150,6 +174,9 @@ def test_reward_registry():
     (r"}}{{\boxed{\frac{ $$ \\", "3", 0.0),
     ("", "3", 0.0),
     (r"\boxed{9^{9^{9^{9}}}}", "1", 0.0),  # would run for minutes unguarded
+    (r"The answer is \boxed{3}. Wait, no: \boxed{5}", "5", 1.0),  # the last \boxed{} is the answer
+    (r"The answer is \boxed{3}. Wait, no: \boxed{5}", "3", 0.0),
+    (r"\boxed{3} Let me recheck. \boxed{4}", "4", 1.0),
 ])
 def test_math_verify_reward(completion, answer, want):
     pytest.importorskip("math_verify")

@@ -154,7 +154,8 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
 
 @pytest.mark.parametrize("param,checked", [("model.gradient_checkpointing=true", True), ("task.reward=exact", True),
                                            ("model.size=tiny", True), ("model.warm_steps=300", False),
-                                           ("task.max_operand=8", False)])
+                                           ("task.max_operand=8", False), ("task.eval_fraction=0.3", False),
+                                           ("task.eval_fraction=0.1", True)])
 def test_a_param_that_leaves_the_start_point_where_it_is_keeps_the_theta0_check(tmp_path, monkeypatch, param,
                                                                                    checked):
     from gacbench.bench import cell

@@ -85,6 +85,7 @@ def test_the_grpo_constructor_runs_the_runners_check_before_loading_anything(mon
     ("quadratic", "lr", math.nan, "NoisyQuadratic: lr=nan must be a finite number"),
     ("quadratic", "lr", -0.1, "NoisyQuadratic: lr=-0.1 must be a finite number > 0 (the learning rate)"),
     ("quadratic", "kappa", 0.5, "NoisyQuadratic: kappa=0.5 must be a finite number >= 1"),
+    ("quadratic", "dim", 1, "NoisyQuadratic: dim=1 has one curvature, L, so its condition number is 1, not kappa=100"),
     ("logistic", "lr", math.inf, "LogisticRegression: lr=inf must be a finite number"),
     ("logistic", "n", 1, "LogisticRegression: n=1 must be an integer >= 2"),
     ("mlp", "lr", -1.0, "MLPClassifier: lr=-1.0 must be a finite number > 0"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 import re
 import threading
@@ -64,7 +65,9 @@ def _read_rows(path: Path) -> tuple[str, list[tuple[int, Any]]]:
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a .jsonl dataset is one JSON "
                              "object per line in UTF-8 (or give a .parquet file)") from None
-        for n, line in enumerate(text.splitlines(), 1):
+        # lines end at "\n" only: str.splitlines() would also split inside a JSON string at U+2028, U+2029,
+        # U+0085 and other separators that json.dumps(ensure_ascii=False) writes unescaped
+        for n, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -115,7 +118,9 @@ class MathDataset:
         splits: dict[str, list[Problem]] = {"train": [], "eval": []}
         for n, row in rows:
             text, answer = self._parse_row(row, f"{path}: {unit} {n}")
-            split = "eval" if _is_eval(text, self.eval_fraction) else "train"
+            # the split hashes the text with its white space collapsed, so that two copies of a problem that
+            # differ only in spacing land in the same split
+            split = "eval" if _is_eval(" ".join(text.split()), self.eval_fraction) else "train"
             splits[split].append(Problem(self.template.format(problem=text), answer))
         if not rows:
             raise ValueError(f"MathDataset: {path} holds no rows")
@@ -144,7 +149,12 @@ class MathDataset:
             if row.get(akey) is None:
                 raise ValueError(f"{where}: no answer field {akey!r} (fields: {sorted(row)}); add it, "
                                  f"or pass answer_key=")
-            answer: str | None = str(row[akey]).strip()
+            raw = row[akey]
+            if isinstance(raw, bool) or not isinstance(raw, (str, int, float)) or (
+                    isinstance(raw, float) and not math.isfinite(raw)):
+                raise ValueError(f"{where}: answer field {akey!r} is {raw!r} ({type(raw).__name__}); give the gold "
+                                 "answer as a string (or a finite number)")
+            answer: str | None = str(raw).strip()
             if "\\boxed" in answer or "\\fbox" in answer:
                 answer = extract_boxed(answer)
                 if answer is None:
@@ -213,8 +223,9 @@ def _too_big(expr: Any) -> bool:
 
 
 def math_verify_reward(completion: str, answer: str) -> float:
-    """1.0 when math-verify judges the completion's final answer (its last ``\\boxed{}`` first, else
-    the last LaTeX or plain expression) equal to the gold ``answer`` (read as ``\\boxed{answer}``),
+    """1.0 when math-verify judges the completion's final answer (the content of its last ``\\boxed{}``
+    when it has one, else what math-verify's ``parse`` extracts from the whole text: its LaTeX and plain
+    expressions, an "answer:" marker first) equal to the gold ``answer`` (read as ``\\boxed{answer}``),
     else 0.0; never raises on a garbled completion. math-verify bounds parsing and comparison with
     ``signal.alarm``, which only works in the main thread: there the limit is 5 s each, and in any
     other thread without one (the guard against huge powers and factorials, ``_too_big``, keeps the
@@ -223,7 +234,8 @@ def math_verify_reward(completion: str, answer: str) -> float:
     timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     try:
         gold = _parse_gold(answer, timeout)
-        pred = mv.parse(completion, parsing_timeout=timeout)
+        boxed = extract_boxed(completion)
+        pred = mv.parse(completion if boxed is None else "\\boxed{" + boxed + "}", parsing_timeout=timeout)
         if any(_too_big(p) for p in pred):
             return 0.0
         return float(bool(gold and pred and mv.verify(list(gold), pred, timeout_seconds=timeout)))

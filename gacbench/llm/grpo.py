@@ -48,7 +48,7 @@ import torch
 from gacbench.callbacks._common import log_metrics
 from gacbench.functional.collective import release_process_group_at_exit
 from gacbench.llm.data_parallel import data_parallel_loss, rank_share
-from gacbench.llm.model import load
+from gacbench.llm.model import completion_text, load
 from gacbench.llm.tasks import TaskConfig, reward_fn, task_factory
 from gacbench.objectives.base import Objective, given_settings
 from gacbench.provenance import weights_sha256
@@ -532,7 +532,8 @@ class GRPOModule(Objective):
         problems = self.task.batch("eval", 0, size)
         prompts = [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
         groups = self.engine.generate(prompts, n=pe.samples, max_tokens=r.max_tokens, seed=POLICY_EVAL_SEED)
-        rewards = torch.tensor([[self.reward(self.tok.decode(x.completion_ids, skip_special_tokens=True), p.answer)
+        special = frozenset(self.tok.all_special_ids)
+        rewards = torch.tensor([[self.reward(completion_text(self.tok, x.completion_ids, special), p.answer)
                                  for x in g] for g, p in zip(groups, problems)], dtype=torch.float64)
         var = rewards.var(dim=1, unbiased=True) if pe.samples > 1 else torch.zeros(len(problems))
         se = float(var.sum().div(pe.samples).sqrt() / len(problems))
@@ -723,7 +724,8 @@ class GRPOModule(Objective):
                                f"{sorted({len(g) for g in groups})} for {len(problems)} prompts x n={r.group}")
         flat: list[Rollout] = [x for g in groups for x in g]
         self._tokens += sum(len(x.completion_ids) for x in flat)
-        rewards = torch.tensor([[self.reward(self.tok.decode(x.completion_ids, skip_special_tokens=True), p.answer)
+        special = frozenset(self.tok.all_special_ids)
+        rewards = torch.tensor([[self.reward(completion_text(self.tok, x.completion_ids, special), p.answer)
                                  for x in g] for g, p in zip(groups, problems)])
         packed = self._pack(flat)
         engine_lp = torch.zeros(packed["mask"].shape)

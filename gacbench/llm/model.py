@@ -31,6 +31,21 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
+def completion_text(tok, ids, special: frozenset[int] | None = None) -> str:
+    """The text a completion wrote, as a reward reads it: its tokens before the first end-of-sequence token, less
+    the special tokens that end it (a batch's padding after the end, or another stop token of the model), decoded
+    with every other special token kept: a ``<pad>`` or ``<bos>`` sampled inside a completion is part of what it
+    wrote, so ``1<pad>2`` is not the answer 12. ``special``: the tokenizer's special ids, when the caller holds
+    them (``frozenset(tok.all_special_ids)``)."""
+    special = frozenset(tok.all_special_ids) if special is None else special
+    ids = [int(i) for i in ids]
+    if tok.eos_token_id in ids:
+        ids = ids[: ids.index(tok.eos_token_id)]
+    while ids and ids[-1] in special:
+        ids.pop()
+    return tok.decode(ids, skip_special_tokens=False)
+
+
 def tiny_config(hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2, intermediate: int = 384,
                 max_len: int = 64, vocab: int | None = None):
     from transformers import Qwen3Config

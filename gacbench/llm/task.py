@@ -39,6 +39,21 @@ def _is_eval(text: str, eval_fraction: float) -> bool:
     return (h % 10_000) < eval_fraction * 10_000
 
 
+def _max_draws(eval_fraction: float) -> int:
+    """Draws a task makes for one problem before it concludes that its split holds none: 200 / (the smaller
+    split's share), at least 10,000. A split that holds a share p of the draws is missed that many times in a row
+    with probability about exp(-200) when p is its nominal share."""
+    return max(10_000, int(200 / min(eval_fraction, 1.0 - eval_fraction)))
+
+
+def _check_splits(task) -> None:
+    """Refuse (a UsageError naming the settings) a task whose train or eval split holds no problem: a small problem
+    space (few operations on small operands) can leave a split's hash bucket empty, and drawing from it would not
+    end."""
+    for split in ("eval", "train"):
+        task.problem(split, 0)
+
+
 @dataclass(frozen=True)
 class ArithmeticTask:
     """Args: max_ops (operations per problem, at least 1), max_operand, eval_fraction (share of the
@@ -58,6 +73,7 @@ class ArithmeticTask:
 
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"ArithmeticTask: eval_fraction={self.eval_fraction} must be in (0, 1)")
+        _check_splits(self)
 
     def _draw(self, rng: random.Random) -> Problem:
         n = rng.randint(1, self.max_ops)
@@ -71,10 +87,15 @@ class ArithmeticTask:
         if split not in ("train", "eval"):
             raise ValueError(f"{type(self).__name__}: split={split!r} is not 'train' or 'eval'")
         rng = random.Random(f"{self.seed}/{split}/{i}")
-        while True:
+        draws = _max_draws(self.eval_fraction)
+        for _ in range(draws):
             p = self._draw(rng)
             if _is_eval(p.prompt, self.eval_fraction) == (split == "eval"):
                 return p
+        settings = ", ".join(f"{k}={v}" for k, v in vars(self).items() if k != "seed")
+        raise UsageError(f"{type(self).__name__}({settings}): its {split} split holds no problem ({draws} "
+                         "draws found none in its hash bucket): the problem space is too small for this "
+                         "eval_fraction; raise task.max_operand or task.max_ops, or move task.eval_fraction")
 
     def batch(self, split: str, start: int, size: int) -> list[Problem]:
         return [self.problem(split, start + k) for k in range(size)]
@@ -124,6 +145,7 @@ class ScratchpadTask:
                              f"{self.min_ops}, max_ops={self.max_ops}, max_operand={self.max_operand}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise UsageError(f"ScratchpadTask: eval_fraction={self.eval_fraction} must be in (0, 1)")
+        _check_splits(self)
 
     def _draw(self, rng: random.Random) -> Problem:
         n = rng.randint(self.min_ops, self.max_ops)
