@@ -122,6 +122,11 @@ def test_the_cache_reuses_an_engine_for_an_equal_key_and_replaces_it_otherwise(s
     assert compiled is not third and third.closed  # a compiled forward is another engine
     third = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, bigger, tok, max_model_len=32))
     assert third is not compiled and compiled.closed
+    ends = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5),
+                            **_inputs(d, bigger, tok, max_model_len=32, eos_token_id=tok.eos_token_id + 7))
+    assert ends is not third and third.closed  # another end token: the engine stops elsewhere
+    third = E.acquire_engine(E.EngineSpec("fake", kv_cache_gib=0.5), **_inputs(d, bigger, tok, max_model_len=32))
+    assert third is not ends and ends.closed
     E.release_engines("fake")
     assert third.closed and E.cached_engine("fake") is None
     broken = E.acquire_engine(E.EngineSpec("fake"), **_inputs(d, model, tok))
@@ -178,6 +183,26 @@ def test_hf_engine_generates_every_prompt_in_one_padded_batch_with_exact_log_pro
         for r, q in zip(g, h):
             assert r.completion_ids == q.completion_ids
             assert max(abs(a - b) for a, b in zip(r.logprobs, q.logprobs)) < 1e-5
+
+
+def test_hf_engine_samples_the_policy_whatever_sampling_settings_the_checkpoint_carries(small):
+    """A checkpoint's generation_config.json may set a repetition penalty, top-k, top-p, a temperature and extra
+    end tokens (Qwen's lists two): the engine's samples and log-probs are the policy's all the same, and a
+    completion ends at any of the end tokens, as vLLM's do."""
+    d, model, tok = small
+    _perturb(model, 0.5)
+    seven = tok.convert_tokens_to_ids("7")
+    model.generation_config.update(repetition_penalty=1.3, temperature=0.7, top_p=0.8, top_k=20,
+                                   no_repeat_ngram_size=2, eos_token_id=[tok.eos_token_id, seven])
+    engine = E.HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    assert model.generation_config.repetition_penalty == 1.3  # the trainer's own model is left as it was
+    prompts = _prompts(tok, 6, max_ops=3, max_operand=99)
+    assert E.check_sync(engine, model, prompts, tol=5e-5) < 5e-5
+    rows = [r for g in engine.generate(prompts, n=8, max_tokens=8, seed=3) for r in g]
+    for r in rows:
+        assert (sequence_logprobs_unpadded(model, r) - torch.tensor(r.logprobs)).abs().max() < 5e-5
+        assert not {tok.eos_token_id, seven} & set(r.completion_ids[:-1])  # cut at the first end token, kept
+    assert any(r.completion_ids[-1] == seven for r in rows)
 
 
 def sequence_logprobs_unpadded(model, r):
@@ -308,7 +333,17 @@ def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_
     d, model, tok = small
     prompts = _prompts(tok)
     spec = E.EngineSpec("vllm")
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
     engine = E.acquire_engine(spec, **_inputs(d, model, tok, seed=0))
+    # vLLM seeds the global generators as it starts in this process: the caller's random state is put back, as a
+    # reused engine leaves it
+    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == (
+        torch.manual_seed(123) and torch.rand(2).tolist(), random.seed(123) or random.random(),
+        np.random.seed(123) or np.random.rand())
     assert engine.needs_sync_check and engine.version == 0
     assert not engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching  # no KV of old weights is reused
     cell_a = {k: v.clone() for k, v in model.state_dict().items()}

@@ -505,7 +505,11 @@ class GRPOModule(Objective):
         if not self._sync_verified:  # once per run, after the first update: the weights now differ from the
             # engine's start-up weights, so this proves that the in-place reload changed what the engine runs
             probe = [self.tok.encode(p.prompt, add_special_tokens=False) for p in self.task.batch("eval", 0, 4)]
-            check_sync(self.engine, self.policy, probe, tol=self.engine_cfg.sync_tol, seed=self.seed)
+            try:
+                check_sync(self.engine, self.policy, probe, tol=self.engine_cfg.sync_tol, seed=self.seed)
+            except RuntimeError:
+                discard_engine(self.engine)  # not handed to a later run in this process
+                raise
             self.policy.train()
             self._sync_verified = True
         super().on_train_batch_end(outputs, batch, batch_idx)  # eval/acc every eval_every steps (not timed)

@@ -90,13 +90,17 @@ class UniformLagSource:
         return data, float(lag)
 
     def _check(self, version: int) -> None:
-        from gacbench.rollout.engines import check_sync
+        from gacbench.rollout.engines import check_sync, discard_engine
 
         m = self.module
         model = copy.deepcopy(m.policy).to("cpu").eval()
         model.load_state_dict(self.snapshots[version])
         probe = [m.tok.encode(p.prompt, add_special_tokens=False) for p in m.task.batch("eval", 0, 4)]
-        check_sync(self.engine, model, probe, tol=m.engine_cfg.sync_tol, seed=m.seed)
+        try:
+            check_sync(self.engine, model, probe, tol=m.engine_cfg.sync_tol, seed=m.seed)
+        except RuntimeError:
+            discard_engine(self.engine)  # not handed to a later run in this process
+            raise
         self._verified = True
 
     def step_metrics(self) -> dict[str, float]:

@@ -157,13 +157,15 @@ def _architecture(policy: torch.nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def engine_key(spec, *, model_path: str, policy: torch.nn.Module, max_model_len: int | None) -> Hashable:
+def engine_key(spec, *, model_path: str, policy: torch.nn.Module, max_model_len: int | None,
+               eos_token_id: int | None = None, pad_token_id: int | None = None) -> Hashable:
     """What an engine is built from, apart from weights and seeds (name, dtype, KV cache, compile, checkpoint,
-    architecture, device and dtype of the policy, context): a cached engine is reused only for an equal key."""
+    architecture, device and dtype of the policy, context, end and padding tokens): a cached engine is reused
+    only for an equal key."""
     first = next(policy.parameters())
     return (spec.name, str(getattr(spec, "dtype", None)), getattr(spec, "kv_cache_gib", None),
             bool(getattr(spec, "compile", False)), str(Path(model_path).resolve()), _architecture(policy),
-            str(first.device), str(first.dtype), max_model_len)
+            str(first.device), str(first.dtype), max_model_len, eos_token_id, pad_token_id)
 
 
 def acquire_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_id: int, pad_token_id: int,
@@ -173,7 +175,8 @@ def acquire_engine(spec, *, model_path: str, policy: torch.nn.Module, eos_token_
     from the registry, after closing the engine it replaces. Arguments as for :func:`build_engine`."""
     spec = EngineSpec(spec) if isinstance(spec, str) else spec
     _factory(spec.name)  # an unknown name fails before anything is closed
-    key = engine_key(spec, model_path=model_path, policy=policy, max_model_len=max_model_len)
+    key = engine_key(spec, model_path=model_path, policy=policy, max_model_len=max_model_len,
+                     eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     held = _LIVE.get(spec.name)
     _close_at_exit()
     if held is not None:
@@ -226,12 +229,15 @@ def cached_engine(name: str) -> RolloutEngine | None:
 
 def discard_engine(engine: RolloutEngine) -> None:
     """Drop ``engine`` from the cache (if it is the cached one) and close it: after a failed generation or
-    sync, so that the next :func:`acquire_engine` builds a new engine instead of handing out a broken one."""
+    sync, so that the next :func:`acquire_engine` builds a new engine instead of handing out a broken one. An
+    error while closing a broken engine is dropped: the failure that led here is the one the caller reports."""
     for name, (_, held) in list(_LIVE.items()):
         if held is engine:
             del _LIVE[name]
     try:
         engine.close()
+    except Exception:  # noqa: BLE001 - a dead engine core may fail to shut down; the caller raises the cause
+        pass
     finally:
         gc.collect()
 
@@ -254,14 +260,26 @@ class HFEngine:
     their last token) fills a KV cache that is repeated n times and handed to ``generate``, which then starts
     from the last prompt token (where the model's cache cannot be repeated, ``generate`` encodes every row).
     Sampling uses torch's generator seeded with ``seed`` inside a forked RNG state: the caller's random state
-    is left as it was."""
+    is left as it was. It samples from the policy itself: the copy's generation config is a fresh one with the
+    token ids alone, so that sampling settings a checkpoint's ``generation_config.json`` carries
+    (``repetition_penalty``, ``min_p``, ``no_repeat_ngram_size``, ...) change neither the samples nor their
+    log-probs, as vLLM's explicit sampling parameters ignore them. A completion ends at the tokenizer's
+    ``eos_token_id`` or at any end token of the checkpoint's generation config, as in vLLM (which stops at
+    both)."""
 
     needs_sync_check = False  # a sync copies every tensor or raises
     sync_method = "copy"
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int) -> None:
+        from transformers import GenerationConfig
+
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        own = [] if own is None else [own] if isinstance(own, int) else list(own)
+        self.eos_ids = [eos_token_id, *(i for i in own if i != eos_token_id)]
         self.eos, self.pad = eos_token_id, pad_token_id
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=pad_token_id,
+                                                        bos_token_id=getattr(model.config, "bos_token_id", None))
         self.version = 0
         self._targets = self.model.state_dict()  # name -> the engine's tensor (shares its storage)
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -310,12 +328,12 @@ class HFEngine:
             torch.manual_seed(seed)
             gen = self.model.generate(ids.repeat_interleave(n, 0), attention_mask=attention.repeat_interleave(n, 0),
                                       past_key_values=cache, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                      max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
+                                      max_new_tokens=max_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad,
                                       output_scores=True, return_dict_in_generate=True)
         new = gen.sequences[:, width:]  # (rows, T); after a row's eos, generate writes pad
         scores = torch.stack(gen.scores, 1).float().log_softmax(-1)  # (rows, T, V)
         lps = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        is_eos = new == self.eos
+        is_eos = torch.isin(new, torch.tensor(self.eos_ids, device=new.device))
         has_eos = is_eos.any(1)
         lengths = torch.where(has_eos, is_eos.int().argmax(1) + 1, new.shape[1])  # up to and including the first eos
         new, lps, lengths = new.tolist(), lps.tolist(), lengths.tolist()
@@ -329,6 +347,25 @@ def _build_hf(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model
 
 
 # -- vllm ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _global_rng_kept():
+    """Put torch's (CPU and CUDA), numpy's and Python's global random states back as they were on leaving."""
+    import random
+
+    import numpy as np
+
+    state, py, npy = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+        random.setstate(py)
+        np.random.set_state(npy)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 @contextlib.contextmanager
 def _collector_paused():
     """Python's cyclic garbage collector off inside the block (as it was after it; an explicit
@@ -621,13 +658,18 @@ class VLLMEngine:
             _eager_sampled_ranks()
         memory = {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
         try:
-            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, enforce_eager=not compile,
-                           seed=seed, enable_prefix_caching=False, **memory)
+            # vLLM seeds torch's, numpy's and Python's global generators with the engine's seed when it starts in
+            # this process; the caller's random state is put back, so that a run draws the same numbers with a
+            # new engine as with a cached one
+            with _global_rng_kept():
+                self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
+                               enforce_eager=not compile, seed=seed, enable_prefix_caching=False, **memory)
         except Exception as exc:
             raise RuntimeError(f"vLLM could not start on {model_dir}: {type(exc).__name__}: {exc}. Check that the "
                                "directory is a Hugging Face checkpoint, that head_dim >= 32 on CPU, and that the KV "
-                               f"cache fits in free memory (kv_cache_gib={kv_cache_gib}; lower it, or free "
-                               "memory).") from exc
+                               f"cache fits in memory (kv_cache_gib={kv_cache_gib}: raise it when the cache cannot "
+                               "hold the model's context; lower it, or free memory, when the machine runs "
+                               "short).") from exc
 
     def _plan(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         if self.weight_sync == "reload":
@@ -762,5 +804,8 @@ def check_sync(engine: RolloutEngine, model, prompts: list[list[int]], tol: floa
             worst = max(worst, float((mine - torch.tensor(r.logprobs)).abs().max()))
     if worst > tol:
         raise RuntimeError(f"engine log-probs differ from the trainer's by {worst:.3g} (> {tol}): the engine is not "
-                           "running the trainer's weights; the weight sync failed")
+                           "running the trainer's weights; the weight sync failed (a failed sync differs by whole "
+                           "nats). An engine in a lower precision than the trainer (engine.dtype bfloat16 beside a "
+                           "float32 policy: 0.16 on the tiny model) differs by rounding alone: raise engine.sync_tol "
+                           "for it")
     return worst
