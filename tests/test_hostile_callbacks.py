@@ -658,3 +658,49 @@ def test_the_trl_callback_logs_no_cosine_for_zero_and_non_finite_gradients():
     cb.on_train_end(None, state, None)
     assert logged[0] is None and _same_trace(logged[1:], want), logged
     assert cb.summary["n"] == 2 and cb.summary["skipped"] == 2
+
+
+@pytest.mark.parametrize("who", ["GAC", "AlignmentMonitor", "DriftMonitor"])
+def test_a_callbacks_sharded_state_is_not_restored_from_rank_0s_shard_on_every_rank(who):
+    """Under a sharded strategy each rank holds its own shard of the reference, and Lightning saves a callback's
+    part of the checkpoint from rank 0 only: restoring it on several ranks is refused in one line; one rank, or
+    no stored state, restores as before."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    import gacbench
+    from gacbench.callbacks._common import CKPT_TENSORS_KEY
+
+    callback = getattr(gacbench, who)()
+    sharded = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=2)
+    stored = {key: {"stored": True} for key in (callback.state_key, callback.state_key + "/start",
+                                                callback.state_key + "/prev")}
+    with pytest.raises(RuntimeError, match=f"^{who}: cannot resume its state under ModelParallelStrategy with 2 "
+                                           "ranks: the checkpoint holds rank 0's shard"):
+        callback.on_load_checkpoint(sharded, None, {CKPT_TENSORS_KEY: stored})
+    callback.on_load_checkpoint(sharded, None, {})  # nothing stored: nothing to refuse
+
+
+def test_a_parameter_replicated_over_several_ranks_is_refused_naming_its_placements(monkeypatch, tmp_path):
+    """Tensor parallelism's replicated parameters (and HSDP's replicas) would be counted once per replica in the
+    sharded sums: refused when the callbacks collect the optimizer's parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gacbench.callbacks._common import check_no_replicated_shards
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+        replicated = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+        check_no_replicated_shards([sharded, replicated], "GAC")  # a mesh of one rank: nothing counted twice
+        monkeypatch.setattr(DeviceMesh, "size", lambda self, mesh_dim=None: 2)  # the same tensors on two ranks
+        check_no_replicated_shards([sharded], "GAC")
+        with pytest.raises(RuntimeError, match=r"^GAC: a parameter of shape \(4,\) is replicated over 2 ranks of "
+                                               r"its device mesh \(placements \(Replicate\(\),\)\)"):
+            check_no_replicated_shards([sharded, replicated], "GAC")
+    finally:
+        dist.destroy_process_group()

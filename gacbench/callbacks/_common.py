@@ -43,7 +43,41 @@ def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter
             if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
+    check_no_replicated_shards(params, who)
     return params
+
+
+def check_no_replicated_shards(params: list[torch.Tensor], who: str) -> None:
+    """Refuse a DTensor parameter that is replicated over a mesh dimension of more than one rank (tensor
+    parallelism's replicated weights and biases, HSDP's replica groups): under sharding the callbacks sum each
+    rank's local sums, which counts such a tensor once per replica (a wrong cosine, and wrong decisions)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate
+    except ImportError:  # a torch without DTensor has no replicated shards either
+        return
+    for p in params:
+        if isinstance(p, DTensor):
+            for dim, placement in enumerate(p.placements):
+                if isinstance(placement, Replicate) and p.device_mesh.size(dim) > 1:
+                    raise RuntimeError(
+                        f"{who}: a parameter of shape {tuple(p.shape)} is replicated over {p.device_mesh.size(dim)} "
+                        f"ranks of its device mesh (placements {p.placements}): tensor parallelism and HSDP's "
+                        "replica groups are not supported, since the callback sums every rank's share and would "
+                        "count a replicated tensor once per replica. Shard every parameter over one mesh dimension "
+                        "(fully_shard with a 1-D mesh, or ModelParallelStrategy(tensor_parallel_size=1)), or use "
+                        "strategy='ddp'.")
+
+
+def check_sharded_resume(trainer: "pl.Trainer", who: str) -> None:
+    """Refuse to restore a callback's tensor state under a sharded strategy with several ranks: each rank holds
+    its own shard of that state, but Lightning writes a callback's part of the checkpoint from rank 0 alone, so
+    every rank would restore rank 0's shard (a wrong reference, or a size mismatch)."""
+    if is_sharded(trainer) and trainer.world_size > 1:
+        raise RuntimeError(
+            f"{who}: cannot resume its state under {type(trainer.strategy).__name__} with {trainer.world_size} "
+            "ranks: the checkpoint holds rank 0's shard of it only (Lightning saves a callback's state from rank "
+            "0), so the other ranks' shards are lost. Start the fit again, or train with strategy='ddp', whose "
+            "ranks hold the same state, to resume.")
 
 
 def parameter_names(pl_module: "pl.LightningModule", params: list[torch.nn.Parameter]) -> list[str]:
@@ -179,5 +213,10 @@ def save_tensor(checkpoint: dict[str, Any], key: str, value: Any) -> None:
         checkpoint.setdefault(CKPT_TENSORS_KEY, {})[key] = value
 
 
-def load_tensor(checkpoint: dict[str, Any], key: str) -> Any:
-    return checkpoint.get(CKPT_TENSORS_KEY, {}).get(key)
+def load_tensor(checkpoint: dict[str, Any], key: str, trainer: "pl.Trainer | None" = None, who: str = "") -> Any:
+    """The tensor state stored under ``key`` (None when there is none). With ``trainer``, state that a sharded
+    strategy's ranks would each need their own shard of is refused (:func:`check_sharded_resume`)."""
+    value = checkpoint.get(CKPT_TENSORS_KEY, {}).get(key)
+    if value is not None and trainer is not None:
+        check_sharded_resume(trainer, who)
+    return value

@@ -166,7 +166,7 @@ class AlignmentMonitor(Callback):
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        self._prev.load(load_tensor(checkpoint, self.state_key))
-        steps = load_tensor(checkpoint, self.state_key + "/step")
+        self._prev.load(load_tensor(checkpoint, self.state_key, trainer, "AlignmentMonitor"))
+        steps = load_tensor(checkpoint, self.state_key + "/step", trainer, "AlignmentMonitor")
         if steps is not None and self.step_cos:
             self._steps.load_state_dict(steps)

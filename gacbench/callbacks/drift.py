@@ -93,8 +93,8 @@ class DriftMonitor(Callback):
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        start = load_tensor(checkpoint, self.state_key + "/start")
-        prev = load_tensor(checkpoint, self.state_key + "/prev")
+        start = load_tensor(checkpoint, self.state_key + "/start", trainer, "DriftMonitor")
+        prev = load_tensor(checkpoint, self.state_key + "/prev", trainer, "DriftMonitor")
         if start is not None and prev is not None:
             self._start.load(start)
             self._prev.load(prev)

@@ -385,6 +385,6 @@ class GAC(Callback):
 
     @override
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        saved = load_tensor(checkpoint, self.state_key)
+        saved = load_tensor(checkpoint, self.state_key, trainer, "GAC")
         if saved is not None:
             (self.step_transform if self.step_transform is not None else self.transform).load_state_dict(saved)
