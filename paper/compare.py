@@ -30,6 +30,37 @@ def _outside(x: float, lo: float, hi: float) -> bool:
     return not (lo <= x <= hi)
 
 
+def _outside_share(x: float | None, e: dict) -> bool | None:
+    """Whether the share ``x`` lies outside ``e``'s Fieller interval (``share_ci_kind``: bounded [low, high];
+    exclusive, every share but the band ``share_ci_excluded``; unbounded, every share); None where the share or
+    the interval is missing (no gap to divide by, or too few seeds)."""
+    kind = e.get("share_ci_kind")
+    if x is None or kind is None:
+        return None
+    if kind == "exclusive":
+        a, b = e["share_ci_excluded"]
+        return a < x < b
+    if kind == "unbounded":
+        return False
+    return _outside(x, e["share_ci_low"], e["share_ci_high"])
+
+
+def _share_ci(e: dict) -> str:
+    kind = e.get("share_ci_kind")
+    if kind == "exclusive":
+        a, b = e["share_ci_excluded"]
+        return f"(−∞, {a:+.2f}] ∪ [{b:+.2f}, ∞)"
+    if kind == "unbounded":
+        return "(−∞, ∞)"
+    if kind is None:
+        return "—"
+    return f"[{e['share_ci_low']:+.2f}, {e['share_ci_high']:+.2f}]"
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.2f}"
+
+
 def _num(p) -> float | None:
     return None if p is None or (isinstance(p, float) and math.isnan(p)) else float(p)
 
@@ -40,15 +71,16 @@ def share_rows(old: dict, new: dict) -> list[dict]:
     rows = []
     for key in sorted(set(a) & set(b), key=lambda k: (k[0], k[2], k[1])):
         x, y = a[key], b[key]
-        out_new = _outside(y["share"], x["share_ci_low"], x["share_ci_high"])
-        out_old = _outside(x["share"], y["share_ci_low"], y["share_ci_high"])
+        out_new, out_old = _outside_share(y.get("share"), x), _outside_share(x.get("share"), y)
         adjusted = "vs_stale_p_adj" in x and "vs_stale_p_adj" in y
         key_p = "vs_stale_p_adj" if adjusted else "vs_stale_p"
         px, py = _num(x.get(key_p)), _num(y.get(key_p))
-        rows.append({"task": key[0], "method": key[1], "staleness": key[2], "old": x["share"],
-                     "old_ci": (x["share_ci_low"], x["share_ci_high"]), "new": y["share"],
-                     "new_ci": (y["share_ci_low"], y["share_ci_high"]), "diff": y["share"] - x["share"],
-                     "beyond_both": out_new and out_old, "beyond_one": out_new or out_old,
+        both = x.get("share") is not None and y.get("share") is not None
+        rows.append({"task": key[0], "method": key[1], "staleness": key[2], "old": x.get("share"),
+                     "old_ci": _share_ci(x), "new": y.get("share"), "new_ci": _share_ci(y),
+                     "diff": y["share"] - x["share"] if both else None, "comparable": out_new is not None
+                     and out_old is not None, "beyond_both": bool(out_new and out_old),
+                     "beyond_one": bool(out_new or out_old),
                      "old_p": px, "new_p": py, "p_adjusted": adjusted, "new_p_adj": _num(y.get("vs_stale_p_adj")),
                      "within_noise": bool(x.get("gap_within_noise") or y.get("gap_within_noise")),
                      "verdict_changed": px is not None and py is not None and (px < 0.05) != (py < 0.05)})
@@ -87,16 +119,17 @@ def markdown(old: dict, new: dict, old_name: str, new_name: str) -> str:
     for r in shares:
         kind = "adj." if r["p_adjusted"] else "raw"
         noise = " (gap within noise)" if r["within_noise"] else ""
-        lines.append(f"| {r['task']} | {r['method']} | {r['staleness']}{noise} | {r['old']:+.2f} "
-                     f"[{r['old_ci'][0]:+.2f}, {r['old_ci'][1]:+.2f}] | {r['new']:+.2f} [{r['new_ci'][0]:+.2f}, "
-                     f"{r['new_ci'][1]:+.2f}] | {r['diff']:+.2f} | {'yes' if r['beyond_both'] else ''} | "
+        lines.append(f"| {r['task']} | {r['method']} | {r['staleness']}{noise} | {_share(r['old'])} "
+                     f"{r['old_ci']} | {_share(r['new'])} {r['new_ci']} | {_share(r['diff'])} | "
+                     f"{'yes' if r['beyond_both'] else '' if r['comparable'] else 'no interval'} | "
                      f"{kind} {fmt_p(r['old_p'])} → {fmt_p(r['new_p'])}"
                      f"{' (verdict changed)' if r['verdict_changed'] else ''} | {fmt_p(r['new_p_adj'])} |")
     moved = sum(r["beyond_both"] for r in shares)
     changed = sum(r["verdict_changed"] for r in shares)
     noisy = sum(r["within_noise"] for r in shares)
+    blind = sum(not r["comparable"] for r in shares)
     lines += ["", f"{moved} of {len(shares)} shares moved beyond both intervals ({noisy} rows have a gap within "
-              "seed noise on one side or both); "
+              f"seed noise on one side or both; {blind} rows lack a share or an interval on one side); "
               f"{sum(r['beyond_both'] for r in gaps)} of {len(gaps)} gaps; "
               f"{changed} paired tests against stale changed their verdict at 0.05."]
     return "\n".join(lines) + "\n"
@@ -109,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
     args = parser.parse_args(argv)
     old, new = (json.loads(p.read_text()) for p in (args.old, args.new))
+    if not set(_entries(old)) & set(_entries(new)):
+        sys.exit(f"paper/compare.py: {args.old} and {args.new} share no (task, method, staleness) entry of "
+                 "recovered_reward: they are not summaries of the same grid")
     text = markdown(old, new, str(args.old), str(args.new))
     if args.markdown:
         args.markdown.write_text(text)

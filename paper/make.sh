@@ -29,7 +29,9 @@ GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-grids}
-ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-tiny llm-regime llm-headline llm-readings
+# llm-tiny is not among them: its published table is an older result that mixes library versions (paper/README.md),
+# rerun (about 55 min, then one version) only when named: bash paper/make.sh llm-tiny
+ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-regime llm-headline llm-readings
      llm-headline-healthy llm-step-control llm-step-control-lr3e-4 llm-size llm-length)
 SUITES=()
 for arg in "$@"; do
@@ -156,14 +158,21 @@ done
 if [ "$EVERYTHING" -eq 1 ]; then
     # asynchronous rollouts: async-bench records and the simulator-faithfulness studies stored in $RUNS/async/
     # (paper/async/run.py produces them, about 20 min), rebuilt into paper/async/summary.md and its figures
-    if [ -d "$RUNS/async" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async"; fi
+    # (or in runs/async/, where paper/async/README.md's commands write them; not in git)
+    if [ -d "$RUNS/async" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async"
+    elif [ -d runs/async ]; then "$PYTHON" paper/async/make.py --runs runs/async
+    else echo "paper/make.sh: neither $RUNS/async nor runs/async holds records: paper/async/ is not rebuilt (the" \
+        "commands of paper/async/README.md make them, about 20 min)" >&2; fi
     # the same on the long-answer task, from the records in $RUNS/async-long/ (committed in grids/), each made on a
     # quiet machine by: gacbench async-bench --task scratchpad --size small --warm-steps 500 --max-tokens 48
     #     --lr 1e-4 --steps 60 --max-staleness 4 --json grids/async-long/bench-long-K.json
     # and the simulator study there (about 20 min): python paper/async/run.py --task scratchpad --size small
     #     --warm-steps 500 --max-tokens 48 --lr 1e-4 --steps 80 --seeds 0,1,2 --max-staleness 4
     #     --root grids/async-long/study-long
-    if [ -d "$RUNS/async-long" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async-long" --out paper/async-long; fi
+    if [ -d "$RUNS/async-long" ]; then "$PYTHON" paper/async/make.py --runs "$RUNS/async-long" --out paper/async-long
+    else echo "paper/make.sh: no $RUNS/async-long: paper/async-long/ is not rebuilt" >&2; fi
+    # paper/toward.{md,json} from the summaries just published
+    "$PYTHON" paper/toward.py
     # vLLM vs HF rollout throughput and generation's share of a GRPO step (a fresh measurement each call)
     "$GACBENCH" rollout-bench --repeats 7 --json paper/llm-tiny/rollout-bench.json
     # where a GRPO step's time goes, at the shapes of llm-headline, llm-length and llm-size (docs/llm.md; one
