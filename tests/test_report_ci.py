@@ -370,3 +370,50 @@ def test_the_legend_names_methods_that_appear_in_one_panel_only():
     assert labels == ["stale", "dual-clip", "gac"]
     assert len(handles) == 3
     plt.close(fig)
+
+
+def test_the_regime_gap_of_a_lower_is_better_metric_is_oriented_so_that_below_zero_is_stale_worse():
+    """On a final loss (the quadratic's f - f*), a stale run that ends at a larger loss is worse: its gap is < 0,
+    and stale_worse holds, as for a reward."""
+    from gacbench.bench.regime import regime_points
+
+    cells, specs = [], []
+    for task, lr in (("quad-lr0.05", 0.05), ("quad-lr0.2", 0.2)):
+        for seed in range(3):
+            for method, s, final in (("sync", 0, 1.0 + 0.01 * seed), ("stale", 16, 5.0 + 0.02 * seed)):
+                specs.append({"task": task, "objective": "quadratic", "params": {"lr": lr}, "method": method,
+                              "staleness": s, "seed": seed})
+                cells.append({"task": task, "method": method, "staleness": s, "seed": seed, "status": "done",
+                              "ablation": False, "metric": "gap", "higher_is_better": False, "initial": 10.0,
+                              "final": final, "diverged": False, "cos_median": 0.0, "cos_abs_q90": 0.1,
+                              "assume_eta_max": 0.01, "assume_L": 1.0, "assume_eta_eff": 0.5})
+    points = regime_points(cells, specs)
+    assert len(points) == 2
+    for p in points:
+        assert p["stale"] > p["sync"]  # the raw final losses
+        assert p["gap"] == pytest.approx(-(4.0 + 0.01)) and p["gap_ci_high"] < 0 and p["stale_worse"] is True
+
+
+def test_one_methods_short_run_leaves_the_version_window_of_every_comparison_and_counts_at_its_start():
+    """The version-aligned window comes from the sync and stale runs: a method's seed that stopped early (a
+    non-finite loss ends a run) neither moves the window of the other methods nor drops out; it counts at its
+    first version's reward, as final_mean counts a diverged run at its starting value."""
+    from gacbench.bench.stats import aligned_values
+
+    steps, s = 100, 16
+
+    def cell(method, seed, last=steps):
+        lag = 0 if method == "sync" else s
+        slope = {"sync": 0.3, "stale": 0.15}.get(method, 0.25)
+        rewards = {v: 0.3 + slope * v / steps + 0.001 * seed for v in range(0, last - lag)}
+        return {"task": "arith", "method": method, "staleness": 0 if method == "sync" else s, "seed": seed,
+                "status": "done", "_by_version": {"reward/mean": rewards}}
+
+    full = [cell(m, k) for m in ("sync", "stale", "gac", "m2po") for k in range(3)]
+    short = full[:-1] + [cell("m2po", 2, last=30)]
+    a, b = aligned_values(full, "arith", s), aligned_values(short, "arith", s)
+    assert a["versions"] == b["versions"] == [64, 83]
+    for key in (("arith", "sync", 0), ("arith", "stale", s), ("arith", "gac", s)):
+        assert a["seeds"][key] == b["seeds"][key]
+    assert b["seeds"][("arith", "m2po", s)][2] == pytest.approx(0.3 + 0.002)  # its version 0
+    assert b["seeds"][("arith", "m2po", s)][0] == a["seeds"][("arith", "m2po", s)][0]

@@ -25,7 +25,8 @@ def _model_label(objective: str | None, params: dict) -> str:
 def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
     """The regime map: for every task of an objective whose tasks span two or more learning rates (``params.lr``),
     per staleness s > 0 of ``stale``: the stale - sync gap on the training reward (last 20% of steps; the final
-    metric where no reward is logged), paired over seeds, with its 95% bootstrap interval; median c_t and
+    metric where no reward is logged, negated where lower is better, so that < 0 is always "stale worse"), paired
+    over seeds, with its 95% bootstrap interval; median c_t and
     q0.9(|c_t|) of sync and stale; the share of seeds whose training reward degraded (fell more than
     the degradation threshold below its own running maximum, smoothed over DEGRADE_WINDOW steps:
     :func:`degrade_threshold`); and whether sync training
@@ -62,7 +63,8 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
             stale = [c for c in tc if c["method"] == "stale" and c["staleness"] == s]
             stale_seeds = seeds.get((task, "stale", s), {})
             common = sorted(set(sync_seeds) & set(stale_seeds))
-            d = np.array([stale_seeds[k] - sync_seeds[k] for k in common])
+            # oriented so that < 0 is always "stale worse": a final loss (lower is better) is negated
+            d = (1.0 if higher else -1.0) * np.array([stale_seeds[k] - sync_seeds[k] for k in common])
             low, high = mean_bootstrap_ci(d)
             drops = [c.get("reward_drop") for c in stale if c.get("reward_drop") is not None]
             points.append({

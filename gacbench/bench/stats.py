@@ -422,10 +422,12 @@ def aligned_values(cells: list[dict], task: str, s: int, on_policy: bool = False
     ``s`` on ``task`` (``on_policy``: and every method other than sync and stale at s = 0, the on-policy controls).
     Its measure is ``eval/policy_reward`` where every run of the comparison logs it, else the
     training reward indexed by policy version (:func:`gacbench.bench.records.by_version`); its window is the last
-    W versions that every run has, W = VERSION_WINDOW of sync's versions (at least one): versions hi - W + 1 .. hi,
-    hi the smallest last version of the runs. Returns {measure, versions: [lo, hi], seeds: {(task, method, s'):
-    {seed: mean over the window}}}, or None where a run lacks versioned rewards or the comparison lacks sync or
-    stale."""
+    W versions that every sync and stale run has, W = VERSION_WINDOW of sync's versions (at least one): versions
+    hi - W + 1 .. hi (from 0 at least), hi the smallest last version of those reference runs, so that one method's
+    short run does not move the window of every comparison. A run that stopped before the window (a non-finite
+    loss ends a run early) counts at its first version's value, as ``final_mean`` counts a diverged run at its
+    starting value. Returns {measure, versions: [lo, hi], seeds: {(task, method, s'): {seed: mean over the
+    window}}}, or None where a run lacks versioned rewards or the comparison lacks sync or stale."""
     runs = [c for c in cells if c["status"] == "done" and c["task"] == task and not c.get("ablation")
             and ((c["method"] == "sync" and c["staleness"] == 0) or (c["staleness"] == s and c["method"] != "sync")
                  or (on_policy and c["staleness"] == 0 and c["method"] not in REFERENCE_METHODS))]
@@ -435,12 +437,14 @@ def aligned_values(cells: list[dict], task: str, s: int, on_policy: bool = False
         return None
     measure = POLICY_REWARD if all(POLICY_REWARD in c["_by_version"] for c in runs) else "reward/mean"
     series = [(c, c["_by_version"][measure]) for c in runs]
-    hi = min(max(v) for _, v in series)
+    hi = min(max(v) for c, v in series if c["method"] in REFERENCE_METHODS)
     n_sync = max(len(c["_by_version"]["reward/mean"]) for c in runs if c["method"] == "sync")
-    lo = hi - max(1, int(n_sync * VERSION_WINDOW)) + 1
+    lo = max(0, hi - max(1, int(n_sync * VERSION_WINDOW)) + 1)
     seeds: dict[tuple, dict[int, float]] = {}
     for c, v in series:
         window = [x for version, x in v.items() if lo <= version <= hi and math.isfinite(x)]
+        if not window and v and max(v) < lo:  # stopped before the window: counted at its starting value
+            window = [x for _, x in sorted(v.items()) if math.isfinite(x)][:1]
         if window:
             seeds.setdefault((task, c["method"], c["staleness"]), {})[c["seed"]] = float(np.mean(window))
     return {"measure": measure, "versions": [lo, hi], "seeds": seeds}

@@ -611,7 +611,8 @@ def _regime_section(points: list[dict]) -> list[str]:
         return []
     lines = ["", "## Regime map: stale − sync per (model, learning rate, staleness)", "",
              f"Gap: stale − sync on the training reward of the last 20% of steps (the final metric where no reward is "
-             f"logged), paired over seeds, mean [{CI_LEVEL:.0%} bootstrap]; < 0 = stale worse. c_t: median and "
+             f"logged, negated where lower is better), paired over seeds, mean [{CI_LEVEL:.0%} bootstrap]; < 0 = "
+             f"stale worse. c_t: median and "
              f"q0.9(|c_t|) after the warm-up, means over seeds. Degraded: share of stale seeds whose reward "
              f"(smoothed over {DEGRADE_WINDOW} steps) ends below its own running maximum by more than {DEGRADE_MARGIN} "
              f"and more than {DEGRADE_SIGMAS:g} standard deviations of a {DEGRADE_WINDOW}-step mean (from its "
