@@ -272,3 +272,39 @@ def test_findings_single_seeds_and_the_difference_to_stale_in_table_1():
     assert table1[2].endswith("− stale | Δ | seeds |")
     assert next(x for x in table1 if x.startswith("| tis |")).endswith(f"| {0.01 / 3:+.3g} | – | 3 |")
     assert next(x for x in table1 if x.startswith("| m2po |")).split(" | ")[-3] == f"{0.3 - 0.21:+.3g}"
+
+
+def _final_cell(method, s, seed, final):
+    return {"task": "bandit", "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+            "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
+            "cos_median": 0, "cos_abs_q90": 0, "cos_abs_le_005": 0}
+
+
+@pytest.mark.parametrize("shift,seeds,wording", [
+    (0.25, 5, "gac at s = 16 (the same difference, +0.25, on every seed)"),
+    (0.0, 5, "gac at s = 16 (identical to stale on every seed)"),
+    (0.25, 1, "gac at s = 16 (one seed)"),
+])
+def test_a_method_without_a_paired_test_is_named_as_untested_not_as_indistinguishable(shift, seeds, wording):
+    """A t-test needs two seeds whose differences vary: without one (one seed, or the same difference on every seed)
+    the findings say so, and no detectable share is claimed (it would be 0 from a standard deviation of 0)."""
+    from gacbench.bench.stats import apply_families
+    from gacbench.bench.tables import findings
+
+    sync, stale = [0.90, 0.93, 0.88, 0.91, 0.95][:seeds], [0.50, 0.61, 0.55, 0.47, 0.58][:seeds]
+    cells = ([_final_cell("sync", 0, k, v) for k, v in enumerate(sync)]
+             + [_final_cell("stale", 16, k, v) for k, v in enumerate(stale)]
+             + [_final_cell("gac", 16, k, v + shift) for k, v in enumerate(stale)])  # 0.25: exact in binary
+    rows = recovered_shares(group_records(cells), cells=cells)
+    apply_families([("vs_stale", "final", rows)], None)
+    assert math.isnan(rows[0]["vs_stale_p"]) and not rows[0]["min_detectable_share"] == 0
+    text = "\n".join(findings(rows, [], []))
+    assert "No paired test: " + wording in text and "not distinguishable" not in text
+    assert math.isnan(min_detectable_share(0.0, 0.5, 5)) and seeds_needed(0.0, 0.5, 0.5) is None
+
+
+def test_an_adjusted_p_near_alpha_is_printed_on_its_side_of_it():
+    from gacbench.bench.tables import fmt_p
+
+    assert (fmt_p(0.0496), fmt_p(0.0504), fmt_p(0.012345), fmt_p(0.31), fmt_p(None)) == (
+        "0.0496", "0.0504", "0.012", "0.31", "—")

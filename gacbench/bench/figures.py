@@ -207,8 +207,8 @@ def cos_figure(cv: Canvas) -> None:
 
 def robustness_figure(cv: Canvas, groups: list[dict]) -> None:
     """Robustness across staleness: per method against s, the training reward of the last 20% of steps where every
-    group of the task has it (rollout objectives), else the final metric; mean ± std over seeds
-    (``fig_robustness.png``)."""
+    group of the task has it (rollout objectives), else the final metric; mean ± sd over seeds (population sd,
+    ddof 0) (``fig_robustness.png``)."""
     plt = cv.plt
     maing = [g for g in groups if not g["ablation"]]
     fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
@@ -274,10 +274,10 @@ def staleness_figures(cv: Canvas) -> None:
 def method_figures(cv: Canvas) -> None:
     """Figure 3 (paper): c_t per method at each staleness, mean over seeds of 10-step moving averages
     (``fig_cos_methods_TASK.png``); Figure 4 (paper): training-reward trajectories per method at each staleness,
-    mean ± std over seeds (rollout objectives, ``fig_reward_TASK.png``); the distance travelled ``param/drift``
-    per method (``fig_drift_TASK.png``, where cells log it). One column per staleness (and one at s = 0 for
-    on-policy methods, :func:`on_policy_panel`), one row per method group (:func:`method_panels`), sync and stale
-    in every panel."""
+    mean ± sd over seeds (population sd, ddof 0; rollout objectives, ``fig_reward_TASK.png``); the distance
+    travelled ``param/drift`` per method (``fig_drift_TASK.png``, where cells log it). One column per staleness
+    (and one at s = 0 for on-policy methods, :func:`on_policy_panel`), one row per method group
+    (:func:`method_panels`), sync and stale in every panel."""
     plt = cv.plt
     for task in cv.tasks:
         tc = [c for c in cv.main if c["task"] == task]
@@ -417,7 +417,7 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
         ax.text(0.0, 1.0, " stale", transform=ax.get_xaxis_transform(), color="tab:red", fontsize=7, va="bottom")
         ax.text(1.0, 1.0, " sync", transform=ax.get_xaxis_transform(), color="black", fontsize=7, va="bottom")
         ax.grid(axis="x", color="0.9", lw=0.5)
-    label = "share (95% paired bootstrap interval; filled: Holm-adjusted p < 0.05 against stale; arrow: interval cut)"
+    label = "share (95% Fieller interval; filled: Holm-adjusted p < 0.05 against stale; arrow: interval cut)"
     if noisy:
         where = ", ".join(f"{t} s = {s}" for t, s in dict.fromkeys((r["task"], r["staleness"]) for r in noisy))
         label += f"\nleft out: {len(noisy)} shares whose stale–sync gap is within seed noise ({where})"

@@ -103,6 +103,9 @@ def nanmean(xs: list[float]) -> float:
 
 
 def group_records(cells: list[dict]) -> list[dict]:
+    """One record per (task, method, staleness) of the done cells: means over seeds, and ``final_std`` /
+    ``reward_last_std``, the population standard deviation over seeds (ddof 0, as summary.md's "mean ± sd" tables
+    and fig_robustness.png label it; the gap's standard error is formed from it with n - 1)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for c in cells:
         if c["status"] == "done":

@@ -197,8 +197,9 @@ def detectable_multiplier(n: int, power: float = POWER, alpha: float = ALPHA) ->
 def min_detectable_share(sd_diff: float, gap: float, n: int, power: float = POWER, alpha: float = ALPHA) -> float:
     """The smallest recovered share a paired test against stale on n seeds detects at ``power``:
     :func:`detectable_multiplier` (n) * sd_diff / |gap|, sd_diff the sample (ddof=1) standard deviation of the
-    per-seed differences method - stale and gap the stale - sync gap. NaN below two seeds or without a gap."""
-    if n < 2 or not math.isfinite(sd_diff) or not math.isfinite(gap) or gap == 0:
+    per-seed differences method - stale and gap the stale - sync gap. NaN below two seeds, without a gap, and
+    where the differences do not vary (sd_diff 0: the t-test the verdicts read has no p-value then)."""
+    if n < 2 or not math.isfinite(sd_diff) or sd_diff <= 0 or not math.isfinite(gap) or gap == 0:
         return math.nan
     return detectable_multiplier(n, power, alpha) * sd_diff / abs(gap)
 
@@ -207,7 +208,7 @@ def seeds_needed(sd_diff: float, gap: float, target: float, power: float = POWER
                  most: int = 1000) -> int | None:
     """The fewest seeds n >= 2 at which :func:`min_detectable_share` (sd_diff, gap, n) <= ``target``; None when
     more than ``most`` would be needed (or the noise or gap is unknown)."""
-    if not (math.isfinite(sd_diff) and math.isfinite(gap)) or gap == 0 or target <= 0:
+    if not (math.isfinite(sd_diff) and math.isfinite(gap)) or sd_diff <= 0 or gap == 0 or target <= 0:
         return None
     if min_detectable_share(sd_diff, gap, most, power, alpha) > target:
         return None

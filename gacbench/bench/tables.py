@@ -47,7 +47,8 @@ def fmt_share_ci(r: dict, digits: int = 2) -> str:
 
 
 def mean_sd(mean: float | None, sd: float | None, n: int, digits: int = 4, sd_digits: int = 2) -> str:
-    """``mean ± sd`` over seeds, or ``mean (n = 1)`` for a single seed (no spread to show)."""
+    """``mean ± sd`` over seeds (the groups' population sd, ddof 0), or ``mean (n = 1)`` for a single seed (no
+    spread to show)."""
     return f"{fmt(mean, digits)} (n = 1)" if n < 2 else f"{fmt(mean, digits)} ± {fmt(sd, sd_digits)}"
 
 
@@ -105,7 +106,7 @@ def _on_policy_table(measure: str, rows: list[dict]) -> list[str]:
         star = " *" if r.get("vs_sync_p_adj") is not None and r["vs_sync_p_adj"] < 0.05 else ""
         lines.append(f"| {r['task']} | {r['method']} | {fmt(r['sync'], 4)} | {fmt(r['value'], 4)} | "
                      f"{fmt(r['vs_sync_diff'], 3)} {fmt_ci(r['vs_sync_ci_low'], r['vs_sync_ci_high'], 3)}{star} | "
-                     f"{fmt(r['vs_sync_p'], 2)} | {fmt(r.get('vs_sync_p_adj'), 2)} | {r['n']} |")
+                     f"{fmt(r['vs_sync_p'], 2)} | {fmt_p(r.get('vs_sync_p_adj'))} | {r['n']} |")
     return lines + [""]
 
 
@@ -122,7 +123,7 @@ def _cost_table(measure: str, rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"| {r['task']} | {r['method']} | {r['staleness']} | {fmt(r['cost'], 3)} "
                      f"{fmt_ci(r['cost_ci_low'], r['cost_ci_high'], 3)} | {fmt(r['cost_p'], 2)} | "
-                     f"{fmt(r.get('cost_p_adj'), 2)} | {r['n']} | "
+                     f"{fmt_p(r.get('cost_p_adj'))} | {r['n']} | "
                      f"{fmt(r['stale_cost'], 3)} {fmt_ci(r['stale_cost_ci_low'], r['stale_cost_ci_high'], 3)} | "
                      f"{r['stale_n']} |")
     return lines + [""]
@@ -158,7 +159,7 @@ def _beyond_section(tables: dict[str, list[dict]], uncontrolled: list[dict]) -> 
                 star = " *" if r.get("beyond_p_adj") is not None and r["beyond_p_adj"] < 0.05 else ""
                 share = f"{r['beyond_on_policy_share']:.2f} {ci}{star}"
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {r['control']} | {share} | "
-                         f"{fmt(r['beyond_p'], 2)} | {fmt(r.get('beyond_p_adj'), 2)} | {fmt(r['raw_share'], 2)} | "
+                         f"{fmt(r['beyond_p'], 2)} | {fmt_p(r.get('beyond_p_adj'))} | {fmt(r['raw_share'], 2)} | "
                          f"{fmt(r['on_policy_effect'], 3)} | {fmt(r['gap'], 3)} | "
                          f"{fmt(r.get('min_detectable_share'), 2)} | {r['n']} |")
     if uncontrolled:
@@ -252,8 +253,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         if not tg:
             continue
         metric, hib = tg[0]["metric"], tg[0]["higher_is_better"]
-        lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± std "
-                               "over seeds "
+        lines += _method_table(f"{task}: final {metric} ({'higher' if hib else 'lower'} is better), mean ± sd "
+                               "over seeds (population sd, ddof 0) "
                                "[diverged share]", tg,
                                lambda g: mean_sd(g["final_mean"], g["final_std"], g["n"])
                                          + (f" [{g['diverged_frac']:.0%}]" if g["diverged_frac"] else ""))
@@ -262,8 +263,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     rewarded = [g for g in main if "reward_last_mean" in g]
     for task in sorted({g["task"] for g in rewarded}):
         lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), "
-                               "mean ± std "
-                               "over seeds", [g for g in rewarded if g["task"] == task],
+                               "mean ± sd "
+                               "over seeds (population sd, ddof 0)", [g for g in rewarded if g["task"] == task],
                                lambda g: f"{mean_sd(g['reward_last_mean'], g['reward_last_std'], g['n'], 3)} "
                                          f"({fmt(g['reward_first_mean'], 3)})")
     if reward_shares:
@@ -305,7 +306,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
                 f"{r['vs_stale_diff']:+.3g} {fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)}")
             lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
                          f"{reward} | {share} | {diff} | {fmt(r.get('vs_stale_p'), 2)} | "
-                         f"{fmt(r.get('vs_stale_p_adj'), 2)} | {g['diverged_frac']:.0%} | {g['n']} |")
+                         f"{fmt_p(r.get('vs_stale_p_adj'))} | {g['diverged_frac']:.0%} | {g['n']} |")
     sections = (("Failed cells", "failed"), ("Incomplete cells (stored files damaged; not counted)", "incomplete"))
     for title, kind in sections:
         listed = [c for c in cells if c["status"] != "done" and (c["status"] == "incomplete") == (kind == "incomplete")]
@@ -337,18 +338,20 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
     smallest share their seeds could have detected; nothing without tests."""
     from gacbench.bench.stats import headline_shares
 
-    rows = [r for r in headline_shares(shares, reward_shares, aligned)
-            if not r.get("missing") and r.get("vs_stale_p") is not None]
-    if not rows:
+    headline = [r for r in headline_shares(shares, reward_shares, aligned) if not r.get("missing")]
+    rows = [r for r in headline if _tested(r)]
+    untested = [r for r in headline if not _tested(r) and (r.get("vs_stale_n") or 0) >= 1]
+    if not rows and not untested:
         return []
     names = {"by_version": "reward by policy version", "reward_last": "training reward (last 20% of steps)",
              "final": "final metric"}
     out = []
-    for task in dict.fromkeys(r["task"] for r in rows):
+    for task in dict.fromkeys(r["task"] for r in rows + untested):
         tr = [r for r in rows if r["task"] == task]
-        measure = names[tr[0]["measure"]]
-        if tr[0]["measure"] == "by_version":
-            measure = tr[0]["source_name"] + " (the last common versions of each comparison)"
+        first = (tr or [r for r in untested if r["task"] == task])[0]
+        measure = names[first["measure"]]
+        if first["measure"] == "by_version":
+            measure = first["source_name"] + " (the last common versions of each comparison)"
         better = [r for r in tr if significant(r) and r["vs_stale_diff"] > 0]
         worse = [r for r in tr if significant(r) and r["vs_stale_diff"] < 0]
         rest = [r for r in tr if not significant(r) and not r["no_gap"]]
@@ -356,11 +359,11 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
         parts = [f"**{task}**, on the {measure}: "]
         if better:
             parts.append("beat stale: " + "; ".join(
-                f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, p adj. {fmt(r['vs_stale_p_adj'], 2)})"
+                f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, p adj. {fmt_p(r['vs_stale_p_adj'])})"
                 for r in better) + ". ")
         if worse:
             parts.append("worse than stale: " + "; ".join(
-                f"{r['method']} at s = {r['staleness']} (p adj. {fmt(r['vs_stale_p_adj'], 2)})" for r in worse) + ". ")
+                f"{r['method']} at s = {r['staleness']} (p adj. {fmt_p(r['vs_stale_p_adj'])})" for r in worse) + ". ")
         if rest:
             parts.append("not distinguishable from stale: " + "; ".join(
                 f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, min. detectable share "
@@ -369,11 +372,37 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
             at = sorted({r["staleness"] for r in no_gap})
             parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}: no gap to recover there ("
                          + ", ".join(dict.fromkeys(r["method"] for r in no_gap)) + ").")
+        blind = [r for r in untested if r["task"] == task]
+        if blind:
+            parts.append(("" if parts[-1].endswith(" ") else " ") + "No paired test: " + "; ".join(
+                f"{r['method']} at s = {r['staleness']} ({_untested_text(r)})" for r in blind) + ".")
         out.append("".join(parts).rstrip())
     return ["## Findings", "",
             "Each method against stale at the same s, paired over seeds (t-test, Holm-adjusted within its family; "
             "significant: p adj. < 0.05). Min. detectable share: the smallest share a paired test on these seeds "
             "and this noise detects with 80% power at α = 0.05 (docs/bench.md).", ""] + [x + "\n" for x in out]
+
+
+def _tested(r: dict) -> bool:
+    """Whether a share row carries a paired test against stale (a finite p: two seeds or more whose differences
+    vary)."""
+    p = r.get("vs_stale_p")
+    return p is not None and math.isfinite(p)
+
+
+def _untested_text(r: dict) -> str:
+    if (r.get("vs_stale_n") or 0) < 2:
+        return "one seed"
+    d = r.get("vs_stale_diff")
+    if d is None or not math.isfinite(d) or d == 0:
+        return "identical to stale on every seed"
+    return f"the same difference, {d:+.3g}, on every seed"
+
+
+def fmt_p(p: float | None) -> str:
+    """An adjusted p-value as the verdicts read it: two significant digits, three between 0.045 and 0.055, so that
+    a p that rounds to 0.05 still shows on which side of α = 0.05 it lies (0.0496, 0.0504)."""
+    return fmt(p, 3 if p is not None and math.isfinite(p) and 0.045 <= p < 0.055 else 2)
 
 
 def _share_text(r: dict) -> str:
@@ -398,7 +427,7 @@ def _aligned_section(rows: list[dict]) -> list[str]:
         share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f} {fmt_share_ci(r)}"
         lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {r['source']} | "
                      f"{r['versions'][0]}–{r['versions'][1]} | {fmt(r['sync'], 4)} | {fmt(r['stale'], 4)} | "
-                     f"{fmt(r['value'], 4)} | {share} | {fmt(r.get('vs_stale_p_adj'), 2)} | "
+                     f"{fmt(r['value'], 4)} | {share} | {fmt_p(r.get('vs_stale_p_adj'))} | "
                      f"{fmt(r.get('min_detectable_share'), 2)} | {r['n']} |")
     return lines + [""]
 
@@ -466,7 +495,7 @@ def _share_cell(r: dict) -> str:
 
 
 def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
-    """The appended confidence-interval tables (module docstring: paired bootstrap of the share, paired t on
+    """The appended confidence-interval tables (module docstring: Fieller's interval of the share, paired t on
     the difference to stale)."""
     if not any("n" in r for r in shares + reward_shares):
         return []
@@ -500,7 +529,7 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {share} | "
                          f"{fmt_share_ci(r)} | {fmt(r['vs_stale_diff'], 3)} | "
                          f"{fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)} | {fmt(r['vs_stale_p'], 2)} | "
-                         f"{fmt(r.get('vs_stale_p_adj'), 2)} | {fmt(r.get('vs_stale_p_signflip'), 2)} | "
+                         f"{fmt_p(r.get('vs_stale_p_adj'))} | {fmt(r.get('vs_stale_p_signflip'), 2)} | "
                          f"{fmt(r.get('min_detectable_share'), 2)} | {r['n']} |")
     return lines
 
