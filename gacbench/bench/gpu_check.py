@@ -145,13 +145,17 @@ def check_overhead(kernels: tuple[str, ...], dev, repeats: int, progress, params
     for kernel in kernels:
         sfx = KERNEL_SUFFIX[kernel]
         over = {"shrink": record["gac" + sfx + "_over_adamw"], "keep": record["gac_keep" + sfx + "_over_adamw"]}
-        detail = (f"{record['params'] / 1e6:,.0f}M params, AdamW {record['adamw_step_s'] * 1e3:.1f} ms; shrink "
+        adamw_s = record.get(f"adamw_step{sfx or '_eager'}_s", record["adamw_step_s"])
+        detail = (f"{record['params'] / 1e6:,.0f}M params, AdamW {adamw_s * 1e3:.1f} ms; shrink "
                   f"{over['shrink']:.2f}x, keep {over['keep']:.2f}x")
         if record.get("floor_keep_over_adamw") is not None:
             detail += (f" (floor: keep >= {record['floor_keep_over_adamw']:.2f}x, shrink >= "
                        f"{record['floor_project_over_adamw']:.2f}x)")
         detail += f"; first round +{record['first_round_extra' + (sfx or '_eager') + '_s']:.0f} s"
         ok = record["gac" + sfx + "_case"] == "shrink" and record["gac_keep" + sfx + "_case"] == "keep"
+        if min(over.values()) < 0:  # a pass that adds to AdamW's cannot cost less than nothing
+            detail += "; a negative cost: the machine's load changed within the rounds, rerun on a quiet machine"
+            ok = False
         target = TARGETS.get(kernel)
         if target and dev.type == "cuda" and record.get("shape_name") == "qwen3-1.7b":
             met = all(over[branch] <= limit for branch, limit in target.items())

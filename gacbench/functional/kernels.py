@@ -367,8 +367,10 @@ def measurement_row(record: dict, kernels: str, suffix: str) -> str | None:
     if not record.get("gpu"):
         return None
     shape = record.get("shape_name") or f"{record['params'] / 1e6:.0f}M"
+    # the AdamW step timed in this path's own rounds (records before per-path timing hold one for all paths)
+    adamw_s = record.get(f"adamw_step{suffix or '_eager'}_s", record["adamw_step_s"])
     return (f'Measurement("cuda", {record["gpu"]!r}, {record["torch"].split("+")[0]!r}, {shape!r}, '
-            f'{record["params"]:_}, {kernels!r}, {record["adamw_step_s"] * 1e3:.1f}, '
+            f'{record["params"]:_}, {kernels!r}, {adamw_s * 1e3:.1f}, '
             f'{record["gac_keep" + suffix + "_over_adamw"]:.2f}, {record["gac" + suffix + "_over_adamw"]:.2f}, '
             f'{record["first_round_extra" + (suffix or "_eager") + "_s"]:.1f}),')
 
