@@ -304,3 +304,27 @@ def test_a_grid_without_sync_cells_is_refused(tmp_path, capsys):
     root = tmp_path / "grid"
     _store(root, "stale", 2, 0, {4: 0.5, 8: 0.6})
     assert "no done sync cell" in _error(capsys, ["time-to-quality", str(root), "--setting", "2,1,1"])
+
+
+def test_sync_seeds_that_end_apart_or_a_final_reward_that_is_not_positive_are_refused_in_one_line():
+    """The targets are fractions of the last point of sync's seed-mean curve: a sync seed that stopped early would
+    make that an early version's reward (and every target and speed-up move with it), and a fraction of a reward
+    that is not positive names no quality. Both are refused, naming the cause; equal ends and a positive final
+    give the table."""
+    from gacbench.bench.time_to_quality import Setting, time_to_quality
+    from gacbench.usage import UsageError
+
+    full = {v: 0.1 + 0.2 * v / 160 for v in (40, 80, 120, 160)}
+    stale = {("stale", 16): {0: {v: 0.1 + 0.15 * v / 160 for v in (40, 80, 120, 160)}}}
+
+    def table(sync):
+        return time_to_quality({"t": {"measure": "eval/policy_reward", "runs": {("sync", 0): sync, **stale}}},
+                               [Setting(2.0, 1.0, 1)])
+
+    rows = table({0: full, 1: full})
+    assert rows[0]["sync_final_reward"] == pytest.approx(0.3) and rows[0]["targets"][0]["time_s"] is not None
+    with pytest.raises(UsageError, match=r"sync's seeds on task 't' end at different versions \(seed 0 at 160, "
+                                         r"seed 1 at 80\)"):
+        table({0: full, 1: {v: full[v] for v in (40, 80)}})
+    with pytest.raises(UsageError, match=r"sync's final reward on task 't' is -0.5: the targets are fractions"):
+        table({0: {v: -0.5 for v in (40, 80)}})

@@ -12,10 +12,11 @@ For every (task, method, s) of a benchmark directory and every setting (G, T, n[
 - **the clock**: version v exists at the end of optimizer step v - 1 of the simulated schedule of the method's
   s (:func:`gacbench.bench.pipeline.simulate`, from time 0, the pipeline's fill included), linear in between.
 - **the targets**: fractions (``--targets``, default 1 and 0.9) of sync's final reward, the last point of
-  sync's seed-mean curve on the same measure. The time to a target is the time of the first point where the
-  curve reaches it; ``never`` when it does not within the run; ``<=`` when the curve's first point already
-  reaches it (the curve starts there: the grid measured nothing earlier, so the time is an upper bound and no
-  speed-up against sync is given). Per seed, each seed's own curve against the same target: how many seeds
+  sync's seed-mean curve on the same measure; it must be positive, and sync's seeds must end at one version.
+  The time to a target is the time of the first point where the curve reaches it; ``never`` when it does not
+  within the run; ``<=`` when the curve's first point already reaches it (the curve starts there: the grid
+  measured nothing earlier, so the time is an upper bound and no speed-up against sync is given). Per seed,
+  each seed's own curve against the same target: how many seeds
   reach it, and the range of their times.
 
 ``--from-async-bench RESULT.json`` checks the model against a measured ``gacbench async-bench`` record: G and T
@@ -172,7 +173,18 @@ def time_to_quality(curves: dict[str, dict], settings: list[Setting], fractions=
         sync_curve = seed_mean(runs[sync_key])
         if not sync_curve:
             continue
+        ends = {seed: max(c) for seed, c in runs[sync_key].items()}
+        if len(set(ends.values())) > 1:  # the seed-mean curve would end, and take its final, at the shortest seed
+            listed = ", ".join(f"seed {seed} at {end:g}" for seed, end in sorted(ends.items()))
+            raise UsageError(f"time-to-quality: sync's seeds on task {task!r} end at different versions ({listed}): "
+                             "a seed that stopped early (a non-finite loss ends a run) would make sync's final reward "
+                             "an early version's; recompute that cell (delete its directory, rerun the grid's "
+                             "command)")
         final = sync_curve[max(sync_curve)]
+        if not final > 0:
+            raise UsageError(f"time-to-quality: sync's final reward on task {task!r} is {final:.4g}: the targets are "
+                             "fractions of it, which name a quality only for a positive reward (a fraction of a "
+                             "negative one lies above it); use a reward that is positive at the end of training")
         keys = sorted((k for k in runs if methods is None or k[0] in methods or k == sync_key),
                       key=lambda k: (k != sync_key, k[1], k[0]))
         for setting in settings:
