@@ -166,6 +166,22 @@ def test_power_command_on_a_pilot_summary(tmp_path, capsys):
         power_main(SimpleNamespace(**{**vars(args), "runs": str(tmp_path / "none")}))
     with pytest.raises(UsageError, match="--power"):
         power_main(SimpleNamespace(**{**vars(args), "power": 1.5}))
+    # a method identical to stale on every seed (no spread) and a beyond-the-on-policy-effect entry, whose gap
+    # is stored as sync - stale: strict JSON, one orientation of the gap, and no "> 1000" for an entry that no
+    # number of seeds would test
+    summary = _pilot_summary()
+    summary["recovered_reward"].append({**summary["recovered_reward"][0], "method": "same", "sd_diff": 0.0})
+    summary["beyond_on_policy_reward"] = [{"task": "t", "method": "gac", "staleness": 16, "share": 0.3, "n": 3,
+                                           "measure": "reward_last",
+                                           "gap": 0.5, "sd_diff": 0.1, "no_gap": False, "beyond_p": 0.2}]
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert power_main(SimpleNamespace(**{**vars(args), "json": True})) == 0
+    rows = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert {r["gap"] for r in rows} == {0.5} and rows[1]["min_detectable_share"] is None
+    assert power_main(args) == 0
+    out = capsys.readouterr().out
+    assert "— (sd 0)" in out and "> 1000" not in out
+    assert "2 of the 3 entries detectable at 0.5: 4 seeds (1 entries have no seed-to-seed spread" in out
 
 
 def test_each_comparison_gets_one_adjusted_p_within_its_family():

@@ -17,15 +17,18 @@ from pathlib import Path
 
 from gacbench.bench.beyond import BEYOND_MEASURES, headline_beyond
 from gacbench.bench.stats import ALPHA, POWER, headline_shares, min_detectable_share, seeds_needed
+from gacbench.jsonio import json_safe
 from gacbench.usage import UsageError
 
 
 def power_rows(summary: dict, target: float, power: float = POWER, alpha: float = ALPHA) -> list[dict]:
     """Per recovered-share entry of ``summary`` (summary.json) on its headline measure, then per share beyond the
     on-policy effect on its headline measure: task, method, s, measure, ``share`` (``recovered`` or ``beyond``),
-    the pilot's seeds ``n``, ``sd_diff`` (of method - stale, or of the difference-in-differences), ``gap``,
-    ``min_detectable_share`` at n and ``seeds_needed`` for ``target`` (None where the noise or gap is unknown or
-    more than 1000 seeds would be needed)."""
+    the pilot's seeds ``n``, ``sd_diff`` (of method - stale, or of the difference-in-differences), ``gap`` (the
+    size of the stale - sync gap the share is a fraction of, > 0: both kinds of entry carry it with the same
+    orientation), ``min_detectable_share`` at n (NaN where the differences do not vary: no t-test then) and
+    ``seeds_needed`` for ``target`` (None where the noise or gap is unknown or 0, or more than 1000 seeds would be
+    needed)."""
     rows = [(r, "recovered", r.get("vs_stale_n") or 0) for r in headline_shares(
         summary.get("recovered", []), summary.get("recovered_reward", []), summary.get("recovered_by_version"))]
     beyond = headline_beyond({key: summary.get(f"beyond_on_policy{suffix}", []) for suffix, key, _ in BEYOND_MEASURES})
@@ -36,7 +39,7 @@ def power_rows(summary: dict, target: float, power: float = POWER, alpha: float 
         if r.get("missing") or r.get("no_gap") or sd is None or gap is None:
             continue
         out.append({"task": r["task"], "method": r["method"], "staleness": r["staleness"], "measure": r["measure"],
-                    "share": kind, "n": n, "sd_diff": sd, "gap": gap,
+                    "share": kind, "n": n, "sd_diff": sd, "gap": abs(gap),
                     "min_detectable_share": min_detectable_share(sd, gap, n, power, alpha),
                     "seeds_needed": seeds_needed(sd, gap, target, power, alpha)})
     return out
@@ -55,19 +58,24 @@ def main(args) -> int:
     if not rows:
         raise UsageError(f"--runs: {path} has no recovered share with a gap and two paired seeds to size from")
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(json_safe(rows), indent=2, allow_nan=False))  # strict JSON: NaN written as null
         return 0
     print(f"seeds for a detectable share of {args.target_share:g} (power {args.power:g}, two-sided alpha "
           f"{args.alpha:g}; noise and gap from {path}):")
     print(f"{'task':24s} {'method':22s} {'s':>3s}  {'measure':11s} {'share':9s} {'pilot n':>7s} {'sd(diff)':>9s} "
-          f"{'gap':>8s} {'min. det. at n':>14s} {'seeds needed':>12s}")
+          f"{'|gap|':>8s} {'min. det. at n':>14s} {'seeds needed':>12s}")
     for r in rows:
-        needed = "> 1000" if r["seeds_needed"] is None else str(r["seeds_needed"])
+        flat = not (math.isfinite(r["sd_diff"]) and r["sd_diff"] > 0)  # no spread: no t-test at any n
+        needed = "— (sd 0)" if flat else "> 1000" if r["seeds_needed"] is None else str(r["seeds_needed"])
         mds = "—" if math.isnan(r["min_detectable_share"]) else f"{r['min_detectable_share']:.3g}"
         print(f"{r['task'][:24]:24s} {r['method'][:22]:22s} {r['staleness']:3d}  {r['measure']:11s} {r['share']:9s} "
               f"{r['n']:7d} {r['sd_diff']:9.3g} {r['gap']:8.3g} {mds:>14s} {needed:>12s}")
     known = [r["seeds_needed"] for r in rows if r["seeds_needed"] is not None]
+    flat = sum(not (math.isfinite(r["sd_diff"]) and r["sd_diff"] > 0) for r in rows)
+    many = len(rows) - len(known) - flat
     if known:
-        print(f"every entry detectable at {args.target_share:g}: {max(known)} seeds"
-              + ("" if len(known) == len(rows) else f" ({len(rows) - len(known)} entries need more than 1000)"))
+        every = "every entry" if len(known) == len(rows) else f"{len(known)} of the {len(rows)} entries"
+        print(f"{every} detectable at {args.target_share:g}: {max(known)} seeds"
+              + (f" ({many} entries need more than 1000)" if many else "")
+              + (f" ({flat} entries have no seed-to-seed spread: no paired test at any n)" if flat else ""))
     return 0
