@@ -107,12 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("overhead", help="time a GAC pass against an AdamW step on a Qwen3-shaped parameter list")
     p.add_argument("--params", type=int, default=20_000_000, help="about how many parameters (default 20M)")
     p.add_argument("--shape", choices=["auto", "qwen3-1.7b"], default="auto",
-                   help="'auto': an 8-layer Qwen3 shape sized to --params; 'qwen3-1.7b': the real 1.7B shape "
-                        "(ignores --params)")
+                   help="'auto': the small Qwen3 shape (head_dim 32, 2 to 48 layers, a 512- to 8192-token "
+                        "vocabulary) closest to --params; 'qwen3-1.7b': the real 1.7B shape (ignores --params)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--repeats", type=_positive_int, default=7, help="timed runs per figure; the median is reported")
     p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="dtype of GAC's reference buffer")
+                   help="dtype of GAC's reference buffer (a bfloat16 one is timed on the eager and fused-adamw "
+                        "paths: give --kernels eager,fused-adamw with it)")
     p.add_argument("--kernels", default=None, type=_kernel_list,
                    help="GAC kernel paths to time, comma-separated: eager, compiled, fused-adamw (torch.compile; "
                         "the first, untimed round compiles, about a minute on 2 CPU cores), triton (CUDA; on the CPU "

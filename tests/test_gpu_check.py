@@ -70,6 +70,11 @@ def test_gpu_check_bad_arguments_are_one_line(capsys):
     assert main(["gpu-check", "--device", "cpu", "--kernels", "fast"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert main(["gpu-check", "--device", "cpu", "--params", "0"]) == 2
+    capsys.readouterr()
+    for bad in (["--kernels", "eager,eager"], ["--engines", ""], ["--engines", "hf,hf"], ["--tests-timeout", "-5"]):
+        assert main(["gpu-check", "--device", "cpu", *bad]) == 2  # refused before any check runs, not a FAIL row
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("gacbench gpu-check: error: --"), err
 
 
 @pytest.mark.parametrize("device,tests,want", [("cpu", None, "core"), ("cuda", None, "fast"), ("cpu", "fast", "fast")])

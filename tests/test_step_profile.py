@@ -41,6 +41,7 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
     (["--shape", "tiny-random", "--model", "/x"], "--shape or --model"),
     (["--compile"], "engine.compile=true is for the vllm engine in float32"),
     (["--logit-rows", "0"], "--logit-rows 0"),
+    (["--logprob-rows", "0"], "rollout.logprob_rows=0"),  # refused as GRPO refuses it, not replaced by the default
 ])
 def test_step_profile_refuses_bad_options_in_one_line(args, words, capsys):
     assert main(["step-profile", "--engine", "hf", *args]) == 2

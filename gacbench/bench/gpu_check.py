@@ -309,10 +309,12 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
 
     dev = _device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kernels = tuple(KERNELS) if kernels is None else tuple(kernels)
-    if set(kernels) - set(KERNELS):
-        raise UsageError(f"--kernels {','.join(kernels)}: give one or more of {', '.join(KERNELS)}")
-    if set(engines) - {"hf", "vllm"}:
-        raise UsageError(f"--engines {','.join(engines)}: give hf, vllm or both")
+    if set(kernels) - set(KERNELS) or len(set(kernels)) < len(kernels):
+        raise UsageError(f"--kernels {','.join(kernels)!r}: give one or more of {', '.join(KERNELS)}, each once")
+    if not engines or set(engines) - {"hf", "vllm"} or len(set(engines)) < len(engines):
+        raise UsageError(f"--engines {','.join(engines)!r}: give hf, vllm or both, each once")
+    if not tests_timeout_s > 0:
+        raise UsageError(f"--tests-timeout {tests_timeout_s:g}: give a positive number of seconds")
     grpo_steps = (30 if dev.type == "cuda" else 10) if grpo_steps is None else grpo_steps
     repeats = (5 if dev.type == "cuda" else 3) if repeats is None else repeats
     tests = ("fast" if dev.type == "cuda" else "core") if tests is None else tests

@@ -75,7 +75,7 @@ def build_module(args):
                           "logit_rows": args.logit_rows},
                 "engine": {"name": args.engine, **({"compile": True} if args.compile else {})},
                 "rollout": {"prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
-                            **({"logprob_rows": args.logprob_rows} if args.logprob_rows else {})},
+                            **({"logprob_rows": args.logprob_rows} if args.logprob_rows is not None else {})},
                 "staleness": 1, "steps": 1, "lr": args.lr, "seed": args.seed, "eval_every": 10**9}
     if args.task != "arithmetic":
         settings["task"] = {"name": args.task}
