@@ -42,6 +42,8 @@ def test_grpo_command_runs_checkpoints_and_resumes(tiny_llm_dir, tmp_path, capsy
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["method"] == "gac+m2po" and summary["engine"] == "hf"
     assert 0.0 <= summary["eval_acc_final"] <= 1.0 and 0.0 < summary["generate_share"] < 1.0
+    # c_t's statistics come from GAC itself (the AlignmentMonitor stays passive beside it)
+    assert summary["alignment"]["n"] == 3  # steps 1-3: step 0 has no earlier gradient to compare with
     header = (run_dir / "metrics.csv").read_text().splitlines()[0]
     assert all(k in header for k in ("align/cos", "m2po/m2", "stale/lag", "eval/acc", "time/generate_s"))
     assert (run_dir / "config.yaml").exists()  # LightningCLI's saved config

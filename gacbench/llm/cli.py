@@ -564,9 +564,13 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
                **model.run_stats}
     if mode != "sync":
         summary["rollout"] = {"mode": mode, **rollout_record(getattr(model, "source_summary", None) or {})}
-    monitor = next((c for c in trainer.callbacks if type(c).__name__ == "AlignmentMonitor"), None)
-    if monitor is not None and getattr(monitor, "summary", None):
-        summary["alignment"] = monitor.summary
+    # c_t's end-of-fit statistics: the AlignmentMonitor's, or, where it stays passive, those of the callback that
+    # computes c_t in its place (GAC with reference "grad" declares logs_raw_alignment)
+    for cb in trainer.callbacks:
+        if (type(cb).__name__ == "AlignmentMonitor" or getattr(cb, "logs_raw_alignment", False)) and getattr(
+                cb, "summary", None):
+            summary["alignment"] = cb.summary
+            break
     out = Path(trainer.log_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
     from gacbench.jsonio import json_safe
