@@ -18,13 +18,16 @@ BUILTINS = {"gac", "m2po", "bapo", "tis", "decoupled-ppo", "dual-clip", "gspo", 
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    """Three fake entry points: a module that raises on import, a missing class, and a working plug-in."""
+    """Four fake entry points: a module that raises on import, a missing class, a class without a kind, and a
+    working plug-in."""
     (tmp_path / "raising_plugin.py").write_text("raise RuntimeError('this plug-in needs a GPU driver')\n")
     (tmp_path / "good_plugin.py").write_text(
-        "from gacbench.stabilizers.ppo import GSPO\n\nclass Good(GSPO):\n    \"\"\"A working plug-in.\"\"\"\n")
+        "from gacbench.stabilizers.ppo import GSPO\n\nclass Good(GSPO):\n    \"\"\"A working plug-in.\"\"\"\n\n\n"
+        "class Kindless:\n    \"\"\"No kind declared.\"\"\"\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     eps = [EntryPoint("raises", "raising_plugin:Stab", ENTRY_POINT_GROUP),
            EntryPoint("no-class", "good_plugin:Missing", ENTRY_POINT_GROUP),
+           EntryPoint("no-kind", "good_plugin:Kindless", ENTRY_POINT_GROUP),
            EntryPoint("good", "good_plugin:Good", ENTRY_POINT_GROUP)]
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep for ep in eps if ep.group == group])
     monkeypatch.setattr(registry, "_BROKEN", {})
@@ -35,12 +38,14 @@ def test_a_plugin_that_fails_to_load_is_left_out_with_one_warning_naming_it(plug
         found = available()
     assert BUILTINS | {"good"} == set(found) and found["good"]["kind"] == "loss"
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 2  # one per broken plug-in
+    assert len(messages) == 3  # one per broken plug-in
     raises = next(m for m in messages if "'raises'" in m)
     assert "'raising_plugin'" in raises and "RuntimeError: this plug-in needs a GPU driver" in raises
     missing = next(m for m in messages if "'no-class'" in m)
     assert "'good_plugin'" in missing and "AttributeError" in missing and "Missing" in missing
-    assert set(registry.broken()) == {"raises", "no-class"}
+    kindless = next(m for m in messages if "'no-kind'" in m)
+    assert "its class needs kind = 'gradient' or 'loss', got None" in kindless and "left out" in kindless
+    assert set(registry.broken()) == {"raises", "no-class", "no-kind"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same broken plug-ins are not warned about again
         assert set(available()) == set(found)

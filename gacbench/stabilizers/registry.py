@@ -54,6 +54,9 @@ def available() -> dict[str, dict[str, Any]]:
                              f"{first['package']} ({first['source']}) and by {_package(ep)} ({ep.value}); uninstall "
                              "one of the two packages, or rename the entry point in one package's pyproject.toml")
         cls = _load(ep)
+        if cls is not None and getattr(cls, "kind", None) not in KINDS:  # as a plug-in that fails to load
+            _leave_out(ep, f"its class needs kind = 'gradient' or 'loss', got {getattr(cls, 'kind', None)!r}")
+            cls = None
         if cls is not None:
             found[ep.name] = {"cls": cls, "source": ep.value, "package": _package(ep)}
     for name, info in found.items():
@@ -79,17 +82,23 @@ def _load(ep: EntryPoint) -> type | None:
     try:
         return ep.load()
     except Exception as exc:  # noqa: BLE001  (whatever a third-party module raises on import)
-        key = (ep.name, ep.value)
-        if key not in _BROKEN:
-            _BROKEN[key] = f"{type(exc).__name__}: {exc}"
-            dist = getattr(getattr(ep, "dist", None), "name", None)
-            package = f" of the package {dist!r}" if dist else ""
-            warnings.warn(
-                f"stabilizer plug-in {ep.name!r}{package} (entry point group {ENTRY_POINT_GROUP}: module "
-                f"{ep.module!r}, {ep.value}) failed to load and is left out: {_BROKEN[key]}. The built-in "
-                "stabilizers and the other plug-ins are available; fix or uninstall that package to use it.",
-                RuntimeWarning, stacklevel=3)
+        _leave_out(ep, f"{type(exc).__name__}: {exc}")
         return None
+
+
+def _leave_out(ep: EntryPoint, error: str) -> None:
+    """Record a plug-in that cannot be used (it failed to load, or its class declares no valid ``kind``) and warn
+    once: it is left out, and every other method runs as usual."""
+    key = (ep.name, ep.value)
+    if key not in _BROKEN:
+        _BROKEN[key] = error
+        dist = getattr(getattr(ep, "dist", None), "name", None)
+        package = f" of the package {dist!r}" if dist else ""
+        warnings.warn(
+            f"stabilizer plug-in {ep.name!r}{package} (entry point group {ENTRY_POINT_GROUP}: module "
+            f"{ep.module!r}, {ep.value}) cannot be used and is left out: {error}. The built-in "
+            "stabilizers and the other plug-ins are available; fix or uninstall that package to use it.",
+            RuntimeWarning, stacklevel=4)
 
 
 def broken() -> dict[str, str]:
