@@ -146,8 +146,22 @@ def test_cells_of_one_code_version_from_different_initial_weights_are_two_versio
     assert summary["mixed_version_groups"][0]["method"] == "stale"
     # what a process compares with its own before it loads a model: the code environment alone
     assert environment_key(base, weights=False) == environment_key(other, weights=False) == environment_key(same)
-    assert "threads and device, the instruction set and the initial weights where recorded;" in (
-        tmp_path / "summary.md").read_text()
+    assert ("threads and device, the instruction set where recorded, and the initial weights of a task whose cells "
+            "started from more than one;") in (tmp_path / "summary.md").read_text()
+
+
+def test_tasks_that_start_from_different_checkpoints_are_one_code_version(tmp_path):
+    """llm-size's model sizes start from different checkpoints: one commit and machine is one code version, and a
+    grid of it is published; a task whose own cells started from two is still two (above)."""
+    for task, weights in (("tiny", "d" * 64), ("small", "e" * 64)):
+        for seed in (0, 1):
+            _store(tmp_path, "sync", 0, seed, 1.0, task=task, prov={**_prov("7"), **INTEL, "initial_weights": weights})
+            _store(tmp_path, "stale", 2, seed, 5.0, task=task, prov={**_prov("7"), **AMD, "initial_weights": weights})
+    summary = build_report(tmp_path)["summary"]
+    assert [v["key"] for v in summary["versions"]] == sorted(
+        environment_key({**_prov("7"), **cpu}) for cpu in (AMD, INTEL))  # the CPU kinds, not the start points
+    assert "mixed_version_groups" not in summary or not summary["mixed_version_groups"]
+    assert summary["machine_blocks"]["code_versions"] == [environment_key(_prov("7"))]
 
 
 def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):

@@ -471,7 +471,8 @@ def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | No
     recorded = any(" isa " in v["key"] or " weights " in v["key"] for v in versions)
     lines = ["", "## Code versions", "",
              "The environments the cells ran in (gacbench/provenance.py: the library's source hash, package versions, "
-             "threads and device" + (", the instruction set and the initial weights where recorded" if recorded else "")
+             "threads and device" + (", the instruction set where recorded, and the initial weights of a task whose "
+                                     "cells started from more than one" if recorded else "")
              + "; the commit, dirty where the checkout differed from it; unrecorded: stored without provenance).", ""]
     lines += [f"- {v['description']}: `{v['key']}`, {v['cells']} cell{'' if v['cells'] == 1 else 's'}"
               for v in versions]

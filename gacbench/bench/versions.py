@@ -10,13 +10,30 @@ from collections import defaultdict
 from gacbench.provenance import code_label, environment_key, machine_kind
 
 
+def _start_points_differ(records: list[dict], provenances: list[dict | None]) -> set:
+    """The tasks of ``records`` whose cells recorded more than one initial-weights hash."""
+    seen: dict = defaultdict(set)
+    for c, p in zip(records, provenances):
+        if isinstance(p, dict) and p.get("initial_weights"):
+            seen[c.get("task")].add(p["initial_weights"])
+    return {task for task, weights in seen.items() if len(weights) > 1}
+
+
+def version_key(record: dict, prov: dict | None, mixed_tasks: set, machine: bool = True) -> str:
+    """A cell's code version: its environment key without the start point, which tasks of one grid may have
+    apart (llm-size's model sizes start from different checkpoints), except for a task whose cells started from
+    more than one (``mixed_tasks``): there the weights tell its versions apart."""
+    return environment_key(prov, weights=record.get("task") in mixed_tasks, machine=machine)
+
+
 def code_versions(records: list[dict], provenances: list[dict | None]) -> list[dict]:
-    """One entry per distinct environment key of ``records`` (``provenances[i]`` is ``records[i]``'s), most cells
-    first: ``key``, ``description`` (the commits or versions with that key, each with its dirty mark) and
-    ``cells`` (every stored cell with that key, done or not)."""
+    """One entry per distinct code version of ``records`` (``provenances[i]`` is ``records[i]``'s;
+    :func:`version_key`), most cells first: ``key``, ``description`` (the commits or versions with that key, each
+    with its dirty mark) and ``cells`` (every stored cell with that key, done or not)."""
+    mixed = _start_points_differ(records, provenances)
     by_key: dict[str, list[dict | None]] = defaultdict(list)
-    for prov in provenances:
-        by_key[environment_key(prov)].append(prov)
+    for record, prov in zip(records, provenances):
+        by_key[version_key(record, prov, mixed)].append(prov)
     out = [{"key": key, "description": ", ".join(dict.fromkeys(code_label(p) for p in provs)), "cells": len(provs)}
            for key, provs in by_key.items()]
     return sorted(out, key=lambda v: (-v["cells"], v["key"]))
@@ -36,7 +53,7 @@ def mixed_version_groups(cells: list[dict]) -> list[dict]:
 def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | None:
     """Where the done ``cells`` (``provenances[i]`` is ``cells[i]``'s) ran on more than one CPU kind
     (:func:`~gacbench.provenance.machine_kind`), the seeds of each kind; ``None`` on one kind. A grid whose cells
-    are one code version apart from the machine (``code_versions``: their environment keys without the CPU kind)
+    are one code version apart from the machine (``code_versions``: their :func:`version_key` without the CPU kind)
     and whose every seed of a task ran on one kind (``mixed_seeds`` empty) is a blocked design: every paired
     comparison of the report (methods within a seed) is made on one machine, and the spread over seeds holds the
     machine's effect as it holds the seed's. ``blocked`` says whether the grid is one. Returns ``kinds`` (kind:
@@ -53,7 +70,8 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
         by_kind[kind]["seeds"][c["task"]].add(c["seed"])
         by_kind[kind]["cells"] += 1
     mixed = [{"task": t, "seed": s, "kinds": sorted(k)} for (t, s), k in sorted(per_seed.items()) if len(k) > 1]
-    code = sorted({environment_key(p, machine=False) for _, p, _ in done})
+    mixed_tasks = _start_points_differ([c for c, _, _ in done], [p for _, p, _ in done])
+    code = sorted({version_key(c, p, mixed_tasks, machine=False) for c, p, _ in done})
     return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
                       for k, v in sorted(by_kind.items())},
             "mixed_seeds": mixed, "code_versions": code,
