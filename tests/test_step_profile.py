@@ -91,3 +91,49 @@ def test_step_profile_at_a_random_weight_shape_reports_speeds_and_the_flop_floor
     assert floor["forward_s"] == pytest.approx(2 * rec["params"] * rec["batch_tokens_median"] / 790e12)
     assert rec["forward_over_floor"] == pytest.approx(rec["phases_s"]["forward"] / floor["forward_s"])
     assert rec["step_tokens_per_s"] == pytest.approx(rec["batch_tokens_median"] / rec["stale_step_s"])
+
+
+def test_the_first_round_warms_up_and_is_not_timed():
+    """AdamW allocates its moments at its first step: that round is run but left out of every phase's times."""
+    import time
+
+    import torch
+
+    from gacbench.llm.step_profile import PHASES, time_phases
+
+    class Slow(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Slow.calls += 1
+            if Slow.calls == 1:
+                time.sleep(0.3)  # as a first AdamW step allocating its state
+            return super().step(closure)
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.global_step, self._times, self.rollouts = 0, {}, 0
+
+        def configure_optimizers(self):
+            return Slow(self.parameters(), lr=0.1)
+
+        def sync_engine(self, version):
+            pass
+
+        def start_step_counters(self):
+            self._times = {"time/generate_s": 0.0, "time/behav_s": 0.0}
+
+        def rollout(self):
+            self.rollouts += 1
+            return {"packed": {"mask": torch.ones(2, 3), "attention": torch.ones(2, 5)}}
+
+        def policy_loss(self, data):
+            return (self.w ** 2).sum(), {}
+
+    module = Module()
+    timed = time_phases(module, repeats=3)
+    assert module.rollouts == 4 and Slow.calls == 4  # one untimed round, then three timed ones
+    assert all(len(timed["seconds"][k]) == 3 for k in PHASES) and len(timed["tokens"]) == 3
+    assert max(timed["seconds"]["optimizer"]) < 0.2

@@ -714,6 +714,8 @@ class GRPOModule(Objective):
         data = self.batch_from_groups(problems, groups)
         t0 = time.perf_counter()
         data["logp_behav"] = self.frozen_logprobs(data["packed"]) if self.staleness > 0 else None
+        if data["logp_behav"] is not None and data["logp_behav"].is_cuda:  # the kernels finish inside the clock
+            torch.cuda.synchronize(data["logp_behav"].device)
         self._times["time/behav_s"] += time.perf_counter() - t0
         return data
 

@@ -87,7 +87,8 @@ def build_module(args):
 def time_phases(module, repeats: int, precision: str = "32") -> dict:
     """Each phase's seconds per repeat (lists), the generated tokens and the batch's tokens per repeat, on the
     device the module's parameters are on; ``precision="bf16-mixed"`` runs generation, the behaviour
-    log-probs and the forward under bfloat16 autocast (Lightning's bf16-mixed: float32 weights and optimizer)."""
+    log-probs and the forward under bfloat16 autocast (Lightning's bf16-mixed: float32 weights and optimizer). An
+    untimed first round comes before the ``repeats`` timed ones (it allocates AdamW's moments and fills caches)."""
     import contextlib
 
     import torch
@@ -112,7 +113,10 @@ def time_phases(module, repeats: int, precision: str = "32") -> dict:
         seconds[key].append(time.perf_counter() - t0)
         return out
 
-    for _ in range(repeats):
+    for i in range(repeats + 1):
+        if i == 1:  # the first round warms up (the optimizer's moments are allocated, caches filled): not counted
+            for values in (*seconds.values(), tokens, batch_tokens):
+                values.clear()
         clock("weight_sync", module.sync_engine, module.global_step)
         module.start_step_counters()
         data = clock("pack", module.rollout)
