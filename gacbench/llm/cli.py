@@ -564,13 +564,18 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
                **model.run_stats}
     if mode != "sync":
         summary["rollout"] = {"mode": mode, **rollout_record(getattr(model, "source_summary", None) or {})}
-    # c_t's end-of-fit statistics: the AlignmentMonitor's, or, where it stays passive, those of the callback that
-    # computes c_t in its place (GAC with reference "grad" declares logs_raw_alignment)
-    for cb in trainer.callbacks:
-        if (type(cb).__name__ == "AlignmentMonitor" or getattr(cb, "logs_raw_alignment", False)) and getattr(
-                cb, "summary", None):
-            summary["alignment"] = cb.summary
-            break
+    # c_t's end-of-fit statistics: the AlignmentMonitor's, or, where it stays passive, those of the c_t trace of the
+    # callback that computes c_t in its place (GAC with reference "grad" declares logs_raw_alignment), read with
+    # the monitor's warm-up and tolerance, so that every method's summary leaves out the same steps
+    monitor = next((c for c in trainer.callbacks if type(c).__name__ == "AlignmentMonitor"), None)
+    provider = next((c for c in trainer.callbacks if c is not monitor and getattr(c, "logs_raw_alignment", False)
+                     and hasattr(c, "trace")), None)
+    if monitor is not None and monitor.summary:
+        summary["alignment"] = monitor.summary
+    elif monitor is not None and provider is not None and provider.trace.values:
+        from gacbench.functional.stats import alignment_summary
+
+        summary["alignment"] = alignment_summary(provider.trace.values, monitor.trace.warmup, monitor.trace.tol)
     out = Path(trainer.log_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
     from gacbench.jsonio import json_safe
