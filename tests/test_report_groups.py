@@ -144,6 +144,7 @@ def test_cells_of_one_code_version_from_different_initial_weights_are_two_versio
     assert [v["cells"] for v in summary["versions"]] == [3, 1]
     assert summary["versions"][0]["key"] == environment_key(same) + " weights dddddddddddd"
     assert summary["mixed_version_groups"][0]["method"] == "stale"
+    assert set(summary["mixed_version_groups"][0]["versions"]) == {v["key"] for v in summary["versions"]}
     # what a process compares with its own before it loads a model: the code environment alone
     assert environment_key(base, weights=False) == environment_key(other, weights=False) == environment_key(same)
     assert ("threads and device, the instruction set where recorded, and the initial weights of a task whose cells "
@@ -162,6 +163,7 @@ def test_tasks_that_start_from_different_checkpoints_are_one_code_version(tmp_pa
         environment_key({**_prov("7"), **cpu}) for cpu in (AMD, INTEL))  # the CPU kinds, not the start points
     assert "mixed_version_groups" not in summary or not summary["mixed_version_groups"]
     assert summary["machine_blocks"]["code_versions"] == [environment_key(_prov("7"))]
+    assert {c["environment"] for c in summary["cells"]} == {v["key"] for v in summary["versions"]}  # one key
 
 
 def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):

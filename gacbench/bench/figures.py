@@ -515,7 +515,7 @@ def law_figure(cv: Canvas, law: list[dict]) -> None:
     ax.set_xlabel("s · lr (staleness × learning rate)")
     measures = {entry["measure"] for entry in law}
     ax.set_ylabel("stale − sync, reward (< 0: stale worse)" if measures == {"reward_last"}
-                  else "stale − sync (each model's measure)")
+                  else "stale − sync, each model's measure (< 0: stale worse; a loss negated)")
     ax.set_title("Gap against s · lr per model (95% bootstrap over seeds; open: sync unhealthy at that lr)",
                  fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), borderaxespad=0.0, frameon=False)

@@ -129,9 +129,14 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     staleness_costs,
 )
 from gacbench.bench.tables import markdown, table1_staleness  # noqa: F401  (re-exported)
-from gacbench.bench.versions import code_versions, machine_blocks, mixed_version_groups
+from gacbench.bench.versions import (
+    code_versions,
+    machine_blocks,
+    mixed_version_groups,
+    start_points_differ,
+    version_key,
+)
 from gacbench.jsonio import write_text
-from gacbench.provenance import environment_key
 
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
 
@@ -149,8 +154,9 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     provs = {(c["task"], c["method"], c["staleness"], c["seed"]): stored_provenance(root, c) for c in specs}
     provs = [provs[(r["task"], r["method"], r["staleness"], r["seed"])] for r in records]
-    for r, prov in zip(records, provs):
-        r["environment"] = environment_key(prov)
+    mixed_starts = start_points_differ(records, provs)
+    for r, prov in zip(records, provs):  # the code version, as summary.json's versions list it
+        r["environment"] = version_key(r, prov, mixed_starts)
     versions = code_versions(records, provs)
     # the cells as grouped: a task stored with several settings is one group per setting, each labelled
     cells_g, specs_g = label_by_settings(records, specs)

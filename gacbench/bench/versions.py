@@ -10,7 +10,7 @@ from collections import defaultdict
 from gacbench.provenance import code_label, environment_key, machine_kind
 
 
-def _start_points_differ(records: list[dict], provenances: list[dict | None]) -> set:
+def start_points_differ(records: list[dict], provenances: list[dict | None]) -> set:
     """The tasks of ``records`` whose cells recorded more than one initial-weights hash."""
     seen: dict = defaultdict(set)
     for c, p in zip(records, provenances):
@@ -30,7 +30,7 @@ def code_versions(records: list[dict], provenances: list[dict | None]) -> list[d
     """One entry per distinct code version of ``records`` (``provenances[i]`` is ``records[i]``'s;
     :func:`version_key`), most cells first: ``key``, ``description`` (the commits or versions with that key, each
     with its dirty mark) and ``cells`` (every stored cell with that key, done or not)."""
-    mixed = _start_points_differ(records, provenances)
+    mixed = start_points_differ(records, provenances)
     by_key: dict[str, list[dict | None]] = defaultdict(list)
     for record, prov in zip(records, provenances):
         by_key[version_key(record, prov, mixed)].append(prov)
@@ -70,7 +70,7 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
         by_kind[kind]["seeds"][c["task"]].add(c["seed"])
         by_kind[kind]["cells"] += 1
     mixed = [{"task": t, "seed": s, "kinds": sorted(k)} for (t, s), k in sorted(per_seed.items()) if len(k) > 1]
-    mixed_tasks = _start_points_differ([c for c, _, _ in done], [p for _, p, _ in done])
+    mixed_tasks = start_points_differ([c for c, _, _ in done], [p for _, p, _ in done])
     code = sorted({version_key(c, p, mixed_tasks, machine=False) for c, p, _ in done})
     return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
                       for k, v in sorted(by_kind.items())},
