@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--repeats", type=_positive_int, default=7, help="timed runs per figure; the median is reported")
     p.add_argument("--buffer-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="dtype of GAC's reference buffer (a bfloat16 one is timed on the eager and fused-adamw "
-                        "paths: give --kernels eager,fused-adamw with it)")
+                   help="dtype of GAC's reference buffer (a bfloat16 one is timed on the eager, fused-adamw and "
+                        "triton paths: give --kernels eager,fused-adamw with it on the CPU)")
     p.add_argument("--kernels", default=None, type=_kernel_list,
                    help="GAC kernel paths to time, comma-separated: eager, compiled, fused-adamw (torch.compile; "
                         "the first, untimed round compiles, about a minute on 2 CPU cores), triton (CUDA; on the CPU "

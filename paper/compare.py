@@ -90,7 +90,8 @@ def share_rows(old: dict, new: dict) -> list[dict]:
 def gap_rows(old: dict, new: dict) -> list[dict]:
     """One row per (task, staleness) gap in both: stale - sync with its +- 1.96 SE interval on each side."""
     def gaps(summary):  # every entry of one (task, s) carries the same gap
-        return {(task, s): (e["gap"], e.get("gap_se") or 0.0) for (task, _, s), e in _entries(summary).items()}
+        return {(task, s): (e["gap"], e.get("gap_se") or 0.0) for (task, _, s), e in _entries(summary).items()
+                if e.get("gap") is not None}  # an entry missing its sync or stale group has no gap
 
     a, b = gaps(old), gaps(new)
     rows = []

@@ -29,8 +29,8 @@ GACBENCH=${GACBENCH:-gacbench}
 PYTHON=${PYTHON:-python3}
 ALLOW_MIXED=${GACBENCH_ALLOW_MIXED_VERSIONS:-0}
 RUNS=${GACBENCH_RUNS:-grids}
-# llm-tiny is not among them: its published table is an older result that mixes library versions (paper/README.md),
-# rerun (about 55 min, then one version) only when named: bash paper/make.sh llm-tiny
+# llm-tiny is not among them: its published table is an older result that mixes library versions (paper/README.md);
+# named (bash paper/make.sh llm-tiny), its suite as it stands now runs (138 cells, about 2 h) and replaces it
 ALL=(synthetic-smoke synthetic bandit-baselines synthetic-sequence llm-smoke llm-regime llm-headline llm-readings
      llm-headline-healthy llm-step-control llm-step-control-lr3e-4 llm-size llm-length)
 SUITES=()

@@ -50,7 +50,8 @@ def test_the_warm_start_of_an_arithmetic_run_never_trains_on_its_eval_problems()
         cfg = TaskConfig(eval_fraction=fraction)
         warm = warm_task(cfg, build_task(cfg, 0))
         assert warm == ArithmeticTask(max_ops=cfg.max_ops, max_operand=cfg.max_operand, eval_fraction=fraction)
-        assert not any(_is_eval(p.prompt, fraction) for p in warm.batch("train", 0, 2000))
+    # what that prevents: the default warm task's training problems include some of a 0.3 run's eval problems
+    assert any(_is_eval(p.prompt, 0.3) for p in ArithmeticTask().batch("train", 0, 2000))
 
 
 def test_exact_reward():

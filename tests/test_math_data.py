@@ -91,6 +91,15 @@ def test_parquet_matches_jsonl(tmp_path):
     pq.write_table(pa.table({"problem": ["A?", "B?"], "solution": [r"\boxed{1}", "no box"]}), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"bad.parquet: row 2: no \\boxed"):
         MathDataset(tmp_path / "bad.parquet")
+    # a decimal column (pyarrow reads it as decimal.Decimal) holds finite numbers: read as their text
+    from decimal import Decimal
+
+    answers = pa.array([Decimal(i) / 2 for i in range(40)], pa.decimal128(10, 1))
+    pq.write_table(pa.table({"problem": [f"What is {i}/2?" for i in range(40)], "answer": answers}),
+                   tmp_path / "decimal.parquet")
+    d = MathDataset(tmp_path / "decimal.parquet", eval_fraction=0.3)
+    got = d.batch("train", 0, d.sizes["train"]) + d.batch("eval", 0, d.sizes["eval"])
+    assert sorted(p.answer for p in got) == sorted(f"{i / 2:.1f}" for i in range(40))  # the column's scale
 
 
 GOOD = json.dumps({"problem": "What is 1+1?", "answer": "2"})

@@ -29,7 +29,8 @@ def test_every_kind_of_share_interval_is_compared_and_a_missing_share_is_named(t
     tool = _tool()
     old = {"recovered_reward": [_entry("a", 0.5, "bounded", 0.4, 0.6), _entry("b", -4.3, "exclusive",
                                                                              excluded=[1.0, 1.3]),
-                                _entry("c", 0.2, "unbounded"), _entry("d", None, None)]}
+                                _entry("c", 0.2, "unbounded"), _entry("d", None, None),
+                                {**_entry("e", None, None), "task": "u", "gap": None, "missing": ["sync"]}]}
     new = {"recovered_reward": [_entry("a", 0.9, "bounded", 0.8, 1.0), _entry("b", 1.1, "exclusive",
                                                                              excluded=[-5.0, -4.0]),
                                 _entry("c", 5.0, "unbounded"), _entry("d", 0.1, "bounded", 0.0, 0.2)]}
@@ -44,6 +45,7 @@ def test_every_kind_of_share_interval_is_compared_and_a_missing_share_is_named(t
     out = capsys.readouterr().out
     assert "(−∞, +1.00] ∪ [+1.30, ∞)" in out and "| — — | +0.10 [+0.00, +0.20] | — | no interval |" in out
     assert "2 of 4 shares moved beyond both intervals" in out and "1 rows lack a share or an interval" in out
+    assert "0 of 1 gaps" in out  # an entry without its sync or stale group has no gap to compare
     (tmp_path / "other.json").write_text(json.dumps({"recovered_reward": [{**_entry("a", 0.5, "bounded", 0, 1),
                                                                           "task": "u"}]}))
     with pytest.raises(SystemExit, match="share no \\(task, method, staleness\\) entry"):

@@ -153,7 +153,7 @@ def check_overhead(kernels: tuple[str, ...], dev, repeats: int, progress, params
                        f"{record['floor_project_over_adamw']:.2f}x)")
         detail += f"; first round +{record['first_round_extra' + (sfx or '_eager') + '_s']:.0f} s"
         ok = record["gac" + sfx + "_case"] == "shrink" and record["gac_keep" + sfx + "_case"] == "keep"
-        if min(over.values()) < 0:  # a pass that adds to AdamW's cannot cost less than nothing
+        if min(over.values()) < -0.1:  # a pass that adds to AdamW's cannot cost less than nothing, beyond noise
             detail += "; a negative cost: the machine's load changed within the rounds, rerun on a quiet machine"
             ok = False
         target = TARGETS.get(kernel)

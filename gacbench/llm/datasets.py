@@ -11,6 +11,7 @@ nor on the row order), and each split is visited in an order shuffled by the see
 
 from __future__ import annotations
 
+import decimal
 import functools
 import json
 import math
@@ -149,9 +150,10 @@ class MathDataset:
             if row.get(akey) is None:
                 raise ValueError(f"{where}: no answer field {akey!r} (fields: {sorted(row)}); add it, "
                                  f"or pass answer_key=")
-            raw = row[akey]
-            if isinstance(raw, bool) or not isinstance(raw, (str, int, float)) or (
-                    isinstance(raw, float) and not math.isfinite(raw)):
+            raw = row[akey]  # a .parquet decimal column reads as decimal.Decimal
+            if isinstance(raw, bool) or not isinstance(raw, (str, int, float, decimal.Decimal)) or (
+                    isinstance(raw, float) and not math.isfinite(raw)) or (
+                    isinstance(raw, decimal.Decimal) and not raw.is_finite()):
                 raise ValueError(f"{where}: answer field {akey!r} is {raw!r} ({type(raw).__name__}); give the gold "
                                  "answer as a string (or a finite number)")
             answer: str | None = str(raw).strip()
