@@ -31,10 +31,10 @@ def _outside(x: float, lo: float, hi: float) -> bool:
 
 
 def _outside_share(x: float | None, e: dict) -> bool | None:
-    """Whether the share ``x`` lies outside ``e``'s Fieller interval (``share_ci_kind``: bounded [low, high];
+    """Whether the share ``x`` lies outside ``e``'s Fieller interval (:func:`_kind`: bounded [low, high];
     exclusive, every share but the band ``share_ci_excluded``; unbounded, every share); None where the share or
     the interval is missing (no gap to divide by, or too few seeds)."""
-    kind = e.get("share_ci_kind")
+    kind = _kind(e)
     if x is None or kind is None:
         return None
     if kind == "exclusive":
@@ -45,8 +45,17 @@ def _outside_share(x: float | None, e: dict) -> bool | None:
     return _outside(x, e["share_ci_low"], e["share_ci_high"])
 
 
-def _share_ci(e: dict) -> str:
+def _kind(e: dict) -> str | None:
+    """The entry's interval kind; ``bounded`` for a summary written before the kind was recorded that holds both
+    ends."""
     kind = e.get("share_ci_kind")
+    if kind is None and e.get("share_ci_low") is not None and e.get("share_ci_high") is not None:
+        return "bounded"
+    return kind
+
+
+def _share_ci(e: dict) -> str:
+    kind = _kind(e)
     if kind == "exclusive":
         a, b = e["share_ci_excluded"]
         return f"(−∞, {a:+.2f}] ∪ [{b:+.2f}, ∞)"
