@@ -157,7 +157,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     mixed_starts = start_points_differ(records, provs)
     for r, prov in zip(records, provs):  # the code version, as summary.json's versions list it
         r["environment"] = version_key(r, prov, mixed_starts)
-    versions = code_versions(records, provs)
+    versions = code_versions(records, provs, mixed_starts)
     # the cells as grouped: a task stored with several settings is one group per setting, each labelled
     cells_g, specs_g = label_by_settings(records, specs)
     cells_g.sort(key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))

@@ -26,11 +26,12 @@ def version_key(record: dict, prov: dict | None, mixed_tasks: set, machine: bool
     return environment_key(prov, weights=record.get("task") in mixed_tasks, machine=machine)
 
 
-def code_versions(records: list[dict], provenances: list[dict | None]) -> list[dict]:
+def code_versions(records: list[dict], provenances: list[dict | None], mixed_tasks: set | None = None) -> list[dict]:
     """One entry per distinct code version of ``records`` (``provenances[i]`` is ``records[i]``'s;
     :func:`version_key`), most cells first: ``key``, ``description`` (the commits or versions with that key, each
-    with its dirty mark) and ``cells`` (every stored cell with that key, done or not)."""
-    mixed = start_points_differ(records, provenances)
+    with its dirty mark) and ``cells`` (every stored cell with that key, done or not). ``mixed_tasks``:
+    :func:`start_points_differ` of ``records``, where the caller has it already."""
+    mixed = start_points_differ(records, provenances) if mixed_tasks is None else mixed_tasks
     by_key: dict[str, list[dict | None]] = defaultdict(list)
     for record, prov in zip(records, provenances):
         by_key[version_key(record, prov, mixed)].append(prov)

@@ -43,14 +43,14 @@ def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter
             if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-    check_no_replicated_shards(params, who)
     return params
 
 
 def check_no_replicated_shards(params: list[torch.Tensor], who: str) -> None:
     """Refuse a DTensor parameter that is replicated over a mesh dimension of more than one rank (tensor
     parallelism's replicated weights and biases, HSDP's replica groups): under sharding the callbacks sum each
-    rank's local sums, which counts such a tensor once per replica (a wrong cosine, and wrong decisions)."""
+    rank's local sums, which counts such a tensor once per replica (a wrong cosine, and wrong decisions). Once per
+    fit, from the callbacks' ``on_train_start``."""
     try:
         from torch.distributed.tensor import DTensor, Replicate
     except ImportError:  # a torch without DTensor has no replicated shards either

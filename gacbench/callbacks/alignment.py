@@ -23,6 +23,7 @@ from gacbench.callbacks._common import (
     CosineTrace,
     agree,
     check_automatic_optimization,
+    check_no_replicated_shards,
     check_strategy,
     is_sharded,
     load_tensor,
@@ -93,6 +94,7 @@ class AlignmentMonitor(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "AlignmentMonitor")
+        check_no_replicated_shards(self._params, "AlignmentMonitor")
         self._names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "AlignmentMonitor", self._names)
         if not self.step_passive:

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from gacbench.callbacks._common import (
     agree,
+    check_no_replicated_shards,
     check_strategy,
     is_sharded,
     load_tensor,
@@ -54,6 +55,7 @@ class DriftMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        check_no_replicated_shards(optimizer_params(trainer, "DriftMonitor"), "DriftMonitor")  # once per fit
         params = self._params(trainer)
         start, prev = self._start.get(params), self._prev.get(params)
         if not self._restored:  # a fresh fit: theta_0 is the parameters now

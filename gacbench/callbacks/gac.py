@@ -27,6 +27,7 @@ from gacbench.callbacks._common import (
     CosineTrace,
     agree,
     check_automatic_optimization,
+    check_no_replicated_shards,
     check_strategy,
     is_sharded,
     load_tensor,
@@ -226,6 +227,7 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        check_no_replicated_shards(self._params, "GAC")
         self._clipping = clips_after_hook(trainer, pl_module)  # fixed for the fit as well
         self.transform.names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "GAC", self.transform.names)

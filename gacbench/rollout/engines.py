@@ -277,7 +277,7 @@ class HFEngine:
         own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         own = [] if own is None else [own] if isinstance(own, int) else list(own)
         self.eos_ids = [eos_token_id, *(i for i in own if i != eos_token_id)]
-        self.eos, self.pad = eos_token_id, pad_token_id
+        self.pad = pad_token_id
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=pad_token_id,
                                                         bos_token_id=getattr(model.config, "bos_token_id", None))
         self.version = 0
