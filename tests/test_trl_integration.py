@@ -116,3 +116,74 @@ def test_the_callback_drives_the_hooks_through_the_trainer_events():
     model.loss_fn(batches[0]).backward()
     opt.step()  # detached: a plain AdamW step, nothing recorded
     assert cb.gac.steps == 4 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class Regressor(torch.nn.Module):
+    """A model whose forward returns the loss, as a transformers.Trainer expects."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), labels)}
+
+
+RESUMED = dict(c_low=0.05, c_high=0.3, reference="ema", warmup=0)  # keep, shrink and project over 8 steps
+
+
+def regress(out_dir, settings=RESUMED, resume=None, args_resume=None):
+    """8 steps of a plain Trainer with a checkpoint every 4; returns the final parameters and the callback."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(80)]
+    model = Regressor()
+    cb = GACCallback(**settings)
+    args = TrainingArguments(output_dir=str(out_dir), max_steps=8, per_device_train_batch_size=8, logging_steps=1,
+                             learning_rate=0.05, save_strategy="steps", save_steps=4, report_to=[], use_cpu=True,
+                             disable_tqdm=True, resume_from_checkpoint=args_resume)
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train(resume_from_checkpoint=resume)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), cb
+
+
+def test_a_resumed_trainer_continues_gac_exactly(tmp_path):
+    """GAC's reference (an EMA here), counters and c_t trace travel in the Trainer's checkpoint: resumed from
+    step 4, in its own output_dir or from a folder named in TrainingArguments, the run ends with the
+    uninterrupted run's parameters bit for bit and the same c_t trace; without the state file it warns and
+    the run differs."""
+    import shutil
+
+    from gacbench.integrations.trl import STATE_FILE
+
+    full, cb = regress(tmp_path / "full")
+    assert cb.gac.steps == 8 and 0 < cb.gac.changed < 8
+    saved = tmp_path / "full" / "checkpoint-4"
+    assert (saved / STATE_FILE).is_file()
+
+    shutil.copytree(saved, tmp_path / "same" / "checkpoint-4")  # resume_from_checkpoint=True finds it
+    same, cb_same = regress(tmp_path / "same", resume=True)
+    named, cb_named = regress(tmp_path / "named", resume=str(saved), args_resume=str(saved))
+    for params, resumed in ((same, cb_same), (named, cb_named)):
+        assert torch.equal(params, full)
+        assert resumed.gac.values == cb.gac.values and resumed.gac.changed == cb.gac.changed
+        assert resumed.summary == cb.summary
+
+    (saved / STATE_FILE).unlink()
+    with pytest.warns(UserWarning, match="holds no gacbench_gac.pt"):
+        lost, cb_lost = regress(tmp_path / "lost", resume=str(saved), args_resume=str(saved))
+    assert not torch.equal(lost, full) and len(cb_lost.gac.values) < len(cb.gac.values)
+
+
+def test_a_resumed_trainer_refuses_gac_state_of_other_settings_or_another_step(tmp_path):
+    import shutil
+
+    from gacbench.integrations.trl import STATE_FILE
+
+    regress(tmp_path / "full")
+    saved = tmp_path / "full" / "checkpoint-4"
+    with pytest.raises(UsageError, match="resume with the same settings"):
+        regress(tmp_path / "other", settings={**RESUMED, "c_high": 0.4}, resume=str(saved), args_resume=str(saved))
+    shutil.copy(tmp_path / "full" / "checkpoint-8" / STATE_FILE, saved / STATE_FILE)
+    with pytest.raises(UsageError, match="state at step 8, but training resumes at step 4"):
+        regress(tmp_path / "moved", resume=str(saved), args_resume=str(saved))

@@ -8,14 +8,21 @@
 
 The Trainer calls ``optimizer.step()`` without a closure, after its gradient clipping (``max_grad_norm``)
 and, under fp16, after the GradScaler's unscale: GAC sees the clipped, unscaled gradient.
+
+At each checkpoint the callback writes the hooks' state (GAC's reference, counters and c_t trace) into the
+checkpoint folder the Trainer has just written (``STATE_FILE``, one file per process when there are several);
+a Trainer resumed from that checkpoint continues GAC where it stopped.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from gacbench.functional.alignment import ACTION_NAMES
 from gacbench.functional.settings import GACSettings
@@ -31,6 +38,21 @@ from gacbench.usage import UsageError
 
 # ``gac/action`` is logged as a number: 0 keep, 1 shrink, 2 project, 3 skip
 ACTION_CODES = {name: float(code) for code, name in ACTION_NAMES.items()}
+
+#: the hooks' state in a checkpoint folder (``gacbench_gac_rank{i}.pt`` per process when there are several)
+STATE_FILE = "gacbench_gac.pt"
+
+
+def state_file(args: Any) -> str:
+    """The name of this process's GAC state file in a checkpoint folder."""
+    if getattr(args, "world_size", 1) > 1:
+        return f"gacbench_gac_rank{args.process_index}.pt"
+    return STATE_FILE
+
+
+def checkpoint_folder(args: Any, step: int) -> str:
+    """The folder the Trainer writes its checkpoint of ``step`` to (outside a hyperparameter search)."""
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -55,6 +77,12 @@ class GACCallback(TrainerCallback):
     Each log adds the values of the last optimizer step (not an average over ``logging_steps``):
     ``align/cos`` (c_t), ``grad/norm``, ``align/ref_cos`` (other references), ``align/proj_frac``,
     ``align/skip``, ``gac/coef`` and ``gac/action`` (0 keep, 1 shrink, 2 project, 3 skip).
+
+    Checkpoints: each save writes :data:`STATE_FILE` into ``output_dir/checkpoint-<step>``; a resumed
+    ``train()`` reads it from ``args.resume_from_checkpoint`` when that names a folder, else from
+    ``output_dir/checkpoint-<step>`` (where ``resume_from_checkpoint=True`` resumes), and warns when neither
+    holds it (GAC then starts without a reference). A file written with other settings or at another step is
+    refused.
     """
 
     def __init__(self, **settings: Any) -> None:
@@ -81,6 +109,44 @@ class GACCallback(TrainerCallback):
             self.monitor = attach_alignment_monitor(opt, warmup=self.config.warmup, tol=self.config.tol)
         self.gac = attach_gac(opt, **self.settings)
         self.gac.origin = f"GACCallback({', '.join(f'{k}={v!r}' for k, v in self.settings.items())}) at {id(self):#x}"
+        if state.global_step > 0:  # the Trainer resumed from a checkpoint
+            self._resume(args, state.global_step)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if self.gac is None:
+            return
+        folder = checkpoint_folder(args, state.global_step)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, state_file(args))
+        saved = {"global_step": state.global_step, "settings": dict(self.settings), "gac": self.gac.state_dict(),
+                 "monitor": None if self.monitor is None else self.monitor.state_dict()}
+        torch.save(saved, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a checkpoint holds the whole file or none
+
+    def _resume(self, args, step: int) -> None:
+        name = state_file(args)
+        folders = [checkpoint_folder(args, step)]
+        given = getattr(args, "resume_from_checkpoint", None)
+        if isinstance(given, str) and os.path.isdir(given):
+            folders.insert(0, given)
+        path = next((os.path.join(f, name) for f in folders if os.path.isfile(os.path.join(f, name))), None)
+        if path is None:
+            warnings.warn(f"GACCallback: training resumes at step {step}, but {' or '.join(folders)} holds no {name} "
+                          "(written by GACCallback at each checkpoint): GAC starts without a reference, so its first "
+                          "step is kept and its c_t trace restarts. To continue GAC exactly, resume from a "
+                          "checkpoint written with GACCallback, named in TrainingArguments(resume_from_checkpoint=...) "
+                          "when it is outside output_dir", stacklevel=2)
+            return
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("global_step") != step:
+            raise UsageError(f"GACCallback: {path} holds GAC's state at step {saved.get('global_step')}, but training "
+                             f"resumes at step {step}; resume from the checkpoint that file belongs to")
+        if saved.get("settings") != self.settings:
+            raise UsageError(f"GACCallback: {path} was written with the settings {saved.get('settings')}, and this "
+                             f"callback has {self.settings}; resume with the same settings (or start a new run)")
+        self.gac.load_state_dict(saved["gac"])
+        if self.monitor is not None and saved.get("monitor") is not None:
+            self.monitor.load_state_dict(saved["monitor"])
 
     def metrics(self) -> dict[str, float]:
         """The last optimizer step's values, as they are added to the logs."""
