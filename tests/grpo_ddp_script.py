@@ -2,7 +2,11 @@
 GAC attached. Each rank writes to OUT_DIR/rank{r}.pt what it generated (its rollouts and rewards), the loss its
 training_step returned, the gradients after DDP's all-reduce (before GAC), GAC's c_t and the final parameters.
 
-    python grpo_ddp_script.py OUT_DIR MODEL_DIR AGG
+    python grpo_ddp_script.py OUT_DIR MODEL_DIR AGG [METHOD]
+
+METHOD ``mis``: the loss is MIS's (sequence level, threshold 2), and rank 0 lowers the engine log-prob of the
+first completion token of every other rollout by 1 (rho = e^1 > 2): those sequences are rejected on rank 0
+only, so the ranks keep different numbers of tokens and sequences.
 """
 
 import os
@@ -16,6 +20,7 @@ from conftest import TINY_TASK, make_trainer  # noqa: E402
 
 from gacbench import GAC  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
+from gacbench.stabilizers import MIS  # noqa: E402
 
 STEPS = 2
 
@@ -29,13 +34,17 @@ def settings(model_dir: str, agg: str) -> dict:
 class Record(pl.Callback):
     """Listed before GAC: sees the all-reduced gradients as GAC receives them."""
 
-    def __init__(self) -> None:
+    def __init__(self, reject: bool = False) -> None:
         self.rollouts, self.rewards, self.grads, self.losses = [], [], [], []
+        self.reject = reject
 
     def on_train_start(self, trainer, pl_module) -> None:
         pack, rollout = pl_module._pack, pl_module.rollout
 
         def spy_pack(rollouts):
+            if self.reject and trainer.global_rank == 0:
+                for r in rollouts[::2]:  # in place: the module reads the engine log-probs from these lists
+                    r.logprobs[0] -= 1.0
             self.rollouts.append([(r.prompt_ids, r.completion_ids, r.logprobs) for r in rollouts])
             return pack(rollouts)
 
@@ -55,8 +64,10 @@ class Record(pl.Callback):
 
 if __name__ == "__main__":
     out_dir, model_dir, agg = sys.argv[1:4]
-    rec, gac = Record(), GAC(c_low=0.05, c_high=0.3, warmup=0)
-    trainer = make_trainer([rec, gac], max_steps=STEPS, strategy="ddp", devices=2, accelerator="cpu",
+    method = sys.argv[4] if len(sys.argv) > 4 else "none"
+    rec, gac = Record(reject=method == "mis"), GAC(c_low=0.05, c_high=0.3, warmup=0)
+    callbacks = [rec, gac] + ([MIS()] if method == "mis" else [])
+    trainer = make_trainer(callbacks, max_steps=STEPS, strategy="ddp", devices=2, accelerator="cpu",
                            use_distributed_sampler=False)
     module = GRPOModule(**settings(model_dir, agg))
     trainer.fit(module)

@@ -22,15 +22,20 @@ from grpo_ddp_script import STEPS, settings  # noqa: E402
 from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
 from gacbench.rollout.engines import Rollout  # noqa: E402
+from gacbench.stabilizers import MIS  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny_llm_dir, tmp_path, agg):
+@pytest.mark.parametrize("agg,method", [("token-mean", "none"), ("seq-mean-token-mean", "none"), ("token-mean", "mis"),
+                                        ("seq-mean-token-mean", "mis")])
+def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny_llm_dir, tmp_path, agg, method):
+    """With ``mis`` the ranks reject different numbers of tokens and sequences (grpo_ddp_script.py): the loss over
+    the kept tokens of both ranks is still the single process's."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_ddp_script.py"), str(tmp_path), tiny_llm_dir, agg],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_ddp_script.py"), str(tmp_path), tiny_llm_dir, agg,
+                           method],
                           capture_output=True, text=True, timeout=400, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
@@ -40,6 +45,7 @@ def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny
 
     # the single-process reference replays the global batches (rank 0's prompts, then rank 1's) from the same start
     m = GRPOModule(**settings(tiny_llm_dir, agg))
+    m.loss_stabilizer = MIS() if method == "mis" else None
     opt = torch.optim.AdamW(m.policy.parameters(), lr=m.lr, weight_decay=0.0)
     grads = []
     for t in range(STEPS):
@@ -59,7 +65,9 @@ def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny
         data = {"packed": packed, "logp_behav": None, "engine_logp": engine_lp, "logp_ref": None,
                 "adv": m.advantages(rewards).reshape(-1), "rewards": rewards}
         opt.zero_grad()
-        loss, _ = m.policy_loss(data)
+        loss, metrics = m.policy_loss(data)
+        if method == "mis":  # rank 0 rejected a quarter of the global batch's sequences
+            assert float(metrics["mis/masked_frac"]) > 0
         loss.backward()
         # the loss: the mean of the ranks' (scaled) losses is the global batch's loss
         assert (r0["losses"][t] + r1["losses"][t]) / 2 == pytest.approx(loss.item(), rel=RTOL, abs=ATOL)

@@ -64,6 +64,23 @@ def test_aggregation_modes_equal_loops():
     assert float(agg_loss(x, mask, "seq-mean-token-sum")) == pytest.approx(sum(seq) / 4, rel=1e-6)
 
 
+def test_seq_mean_modes_leave_out_a_sequence_without_tokens_as_verl_does():
+    """verl's agg_loss divides the seq-mean modes by the sequences holding a mask token (seq_mask = mask.sum(-1) > 0):
+    a sequence rejected whole (MIS) leaves the count. Rows: 2 tokens (1, 3), none, 1 token (4)."""
+    x = torch.tensor([[1.0, 3.0, 9.0], [5.0, 5.0, 5.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
+    assert float(agg_loss(x, mask, "seq-mean-token-mean")) == pytest.approx((2.0 + 4.0) / 2)
+    assert float(agg_loss(x, mask, "seq-mean-token-sum")) == pytest.approx((4.0 + 4.0) / 2)
+    assert float(agg_loss(x, mask, "token-mean")) == pytest.approx(8.0 / 3)
+    # MIS at seq-mean: the rejected sequence is not averaged in as a zero
+    logp = torch.zeros(2, 2, requires_grad=True)
+    engine = torch.tensor([[-1.0, -1.0], [0.0, 0.0]])  # row 0: rho = e^2 > 2, rejected
+    batch = PolicyBatch(logp, logp.detach(), torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool),
+                        agg="seq-mean-token-mean", logp_engine=engine)
+    loss, _ = MIS().policy_loss(batch)
+    assert loss.item() == pytest.approx(-1.0)  # row 1 alone: -mean(rho A r) = -1
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_an_empty_batch_gives_a_zero_loss_and_finite_metrics_for_every_loss_side_stabilizer(agg):
     # no sequences, or sequences whose mask has no response token: every loss 0 with a zero gradient, no metric nan

@@ -8,12 +8,14 @@ and the loss is scaled so that one optimizer step equals the single-process step
   (the hf engine copies the rank's policy; a vLLM engine sees the devices the rank's process sees). Each rank's
   sampling seed is offset by its rank, so that ranks draw independent samples; weight syncs happen on every rank
   after the (identical) optimizer step.
-- **Loss**: DDP averages gradients over ranks. With ``loss.agg`` ``seq-mean-token-mean`` or
-  ``seq-mean-token-sum`` every rank holds P n / W sequences, so the average of the ranks' losses is the global
-  loss as it is. With ``token-mean`` the ranks hold different numbers of tokens: each rank's loss is multiplied
-  by W N_r / N (N_r its tokens, N all ranks' tokens, one all-reduce of a scalar per step, as verl normalises
-  by the global token count), so that the average of the ranks' gradients is the gradient of the global
-  token-mean.
+- **Loss**: DDP averages gradients over ranks, and the ranks hold different numbers of response tokens (and,
+  where sequences without a token are possible, of sequences): each rank's loss is multiplied by W c_r / C,
+  c_r the count its aggregation divides by (tokens for ``token-mean``, sequences holding a token for the
+  seq-mean modes: ``gacbench.stabilizers.base.agg_count``) and C that count over all ranks (one all-reduce of
+  a scalar per step, as verl normalises by the global token count), so that the average of the ranks'
+  gradients is the gradient of the global aggregate. A loss that aggregates over fewer tokens than the
+  batch's mask (MIS's and M2PO's AReaL-variant rejection) corrects this to its own kept tokens
+  (``over_kept_tokens``).
 - Loss-side stabilizers whose loss uses batch-level statistics (M2PO's masks and bounds, BAPO's bound search,
   VCPO's ESS) compute those statistics over all ranks' tokens (one all-gather or all-reduce), as one process
   holding the whole batch would.
@@ -22,6 +24,8 @@ and the loss is scaled so that one optimizer step equals the single-process step
 from __future__ import annotations
 
 import torch
+
+from gacbench.stabilizers.base import agg_count
 
 RANK_SEED_STRIDE = 1_000_000_007  # seed offset between ranks' generation streams
 
@@ -48,11 +52,10 @@ def rank_share(module, problems: list) -> tuple[list, int]:
 
 
 def data_parallel_loss(module, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``loss`` scaled by W N_r / N under DDP with ``token-mean`` aggregation (see the module docstring); as it
-    is otherwise."""
+    """``loss`` scaled by W c_r / C under DDP (see the module docstring); as it is on one process."""
     _, size = world(module)
-    if size == 1 or module.loss_cfg.agg != "token-mean":
+    if size == 1:
         return loss
-    local = mask.sum().to(torch.float64)
+    local = agg_count(mask, module.loss_cfg.agg).to(torch.float64)
     total = module.trainer.strategy.reduce(local.clone(), reduce_op="sum")
     return loss * (local * size / total.clamp_min(1.0)).to(loss.dtype)

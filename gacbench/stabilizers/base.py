@@ -134,12 +134,23 @@ def global_sum(x: Tensor) -> Tensor:
     return x
 
 
+def agg_count(mask: Tensor, mode: str) -> Tensor:
+    """What a mode divides by over ``mask`` (B, T): its tokens (``token-mean``) or its sequences holding at least
+    one token (the seq-mean modes: a sequence whose tokens are all masked out, such as one rejected whole, is
+    not counted, as in verl's ``agg_loss``)."""
+    mask = mask.bool()
+    if mode == "token-mean":
+        return mask.sum()
+    return mask.any(-1).sum() if mask.dim() > 1 else mask.sum()
+
+
 def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
     """Aggregate a (B, T) per-token loss over the mask (masked-out positions are dropped with ``torch.where``).
 
     ``token-mean``: mean over all response tokens of the batch; ``seq-mean-token-mean``: mean over
-    sequences of each sequence's token mean; ``seq-mean-token-sum``: mean over sequences of the token sum. An
-    empty batch (no sequences or no response tokens) aggregates to 0 in every mode.
+    sequences of each sequence's token mean; ``seq-mean-token-sum``: mean over sequences of the token sum. The
+    seq-mean modes average over the sequences that hold at least one token of the mask. An empty batch (no
+    sequences or no response tokens) aggregates to 0 in every mode.
     """
     mask = mask.bool()
     x = sanitize(per_token, mask)
@@ -148,11 +159,29 @@ def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tenso
         return x.sum() / m.sum().clamp_min(1.0)
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum") and x.shape[0] == 0:
         return x.sum()  # no sequences: 0, with a (zero) gradient, where a mean over none would be nan
+    rows = agg_count(mask, mode).to(x.dtype).clamp_min(1.0)
     if mode == "seq-mean-token-mean":
-        return (x.sum(-1) / m.sum(-1).clamp_min(1.0)).mean()
+        return (x.sum(-1) / m.sum(-1).clamp_min(1.0)).sum() / rows
     if mode == "seq-mean-token-sum":
-        return x.sum(-1).mean()
+        return x.sum(-1).sum() / rows
     raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
+
+
+def over_kept_tokens(loss: Tensor, kept: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """A loss aggregated over ``kept``, a part of the batch's ``mask`` (the tokens a rejection leaves), made right
+    across data-parallel ranks. The GRPO module scales each rank's loss by its share of the ``mask``'s count
+    (``gacbench.llm.data_parallel``); this multiplies it by (c(kept) / c(mask)) on this rank times (C(mask) /
+    C(kept)) over all ranks (c: :func:`agg_count`), so that the ranks' averaged gradient is that of the loss
+    over every rank's kept tokens, as one process holding the whole batch computes it. One all-reduce of two
+    numbers; ``loss`` unchanged on one process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return loss
+    local = torch.stack([agg_count(kept, mode), agg_count(mask, mode)]).to(torch.float64)
+    total = global_sum(local)
+    if float(local[0]) == 0.0 or float(total[0]) == 0.0:
+        return loss  # nothing kept on this rank: its loss is 0 already
+    factor = (local[0] / local[1].clamp_min(1.0)) * (total[1] / total[0])
+    return loss * factor.to(loss.dtype)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ from gacbench.stabilizers.base import (
     check_positive,
     clipped_surrogate,
     masked_mean,
+    over_kept_tokens,
     ratio_metrics,
     safe_log_ratio,
     sanitize,
@@ -215,6 +216,7 @@ class M2PO(LossStabilizer):
             log_sq = safe_log_ratio(batch.logp_prox, batch.logp_behav, m) ** 2
             keep = m2po_mask_areal(log_sq, m, self.tau)
             loss, metrics = decoupled_ppo_loss(dataclasses.replace(batch, mask=keep), self.weight_cap, "mask")
+            loss = over_kept_tokens(loss, keep, m, batch.agg)
         else:
             keep = m2po_mask(log_ratio, adv, m, self.tau, ties=self.ties)
             ratio = torch.exp(log_ratio)

@@ -33,6 +33,7 @@ from gacbench.stabilizers.base import (
     check_positive,
     clipped_surrogate,
     masked_mean,
+    over_kept_tokens,
     safe_log_ratio,
     sanitize,
 )
@@ -91,6 +92,7 @@ def mis_loss(batch: PolicyBatch, threshold: float = 2.0, level: str = "sequence"
     sampling does), shapes (B, T); see :func:`mis_weights`. ``dual_clip``: see the module doc."""
     weight, keep = mis_weights(engine_log_ratio(batch, "mis"), batch.mask, threshold, level, lower)
     loss, metrics = clipped_surrogate(dataclasses.replace(batch, mask=keep), weight=weight, dual_clip=dual_clip)
+    loss = over_kept_tokens(loss, keep, batch.mask, batch.agg)
     metrics.update({"is/engine_weight_mean": masked_mean(weight, keep),
                     "mis/masked_frac": 1.0 - keep.sum() / batch.mask.sum().clamp_min(1)})
     return loss, metrics
