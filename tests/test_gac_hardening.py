@@ -166,16 +166,59 @@ def test_update_reference_listed_after_the_simulator_runs():
     make_trainer([GAC(reference="update"), StalenessSimulator(0)], max_steps=2).fit(UserRegressor())
 
 
+@pytest.mark.parametrize("kernels", ["eager", "fused-adamw"])
 @pytest.mark.parametrize("reference", ["grad", "applied", "ema"])
-def test_gradient_references_do_not_depend_on_the_order(reference):
-    """These references read only gradients, which the simulator never touches: GAC may come first."""
+def test_gradient_references_do_not_depend_on_the_order(reference, kernels):
+    """These references read only gradients, which the simulator never touches: GAC may come first. With
+    kernels="fused-adamw" GAC listed before the simulator leaves the step to the optimizer (taken inside GAC's
+    hook, it would start from the stale iterate that the simulator then overwrites with theta_t)."""
     runs = []
     for gac_first in (False, True):
-        sim, gac = StalenessSimulator(3), GAC(reference=reference)
+        sim, gac = StalenessSimulator(3), GAC(reference=reference, c_low=0.0, c_high=0.3, kernels=kernels)
         model = UserRegressor(optimizer="adamw")
         make_trainer([gac, sim] if gac_first else [sim, gac], max_steps=12).fit(model)
+        assert gac.changed > 0
         runs.append(flat_params(model))
-    assert torch.equal(runs[0], runs[1])
+    if kernels == "eager":
+        assert torch.equal(runs[0], runs[1])
+    else:  # AdamW's fused step and its own step round differently
+        torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+
+
+class RawGradients(pl.Callback):
+    """Listed before GAC: the raw gradient of every step, as float64."""
+
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(torch.cat([p.grad.detach().reshape(-1).double() for p in pl_module.parameters()]))
+
+
+class ClipsInItsHook(UserRegressor):
+    """Clips its gradients in place in its own on_before_optimizer_step, which Lightning calls after the callbacks'."""
+
+    def on_before_optimizer_step(self, optimizer):
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+
+
+class NesterovRegressor(UserRegressor):
+    """SGD with Nesterov momentum on the foreach path (torch's default on CUDA), which adds the momentum into p.grad
+    in place during the step."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, nesterov=True, foreach=True)
+
+
+@pytest.mark.parametrize("model_cls", [ClipsInItsHook, NesterovRegressor])
+def test_c_t_is_that_of_the_raw_gradients_when_p_grad_is_edited_in_place_after_gac(model_cls):
+    """A kept step's reference may be p.grad itself only while nothing writes p.grad before the next step: the
+    module's own hook (clipping) or the optimizer's step (foreach Nesterov SGD) would change the reference, and c_t
+    with it."""
+    raw, gac = RawGradients(), GAC(c_low=0.05, c_high=0.3, warmup=0)
+    make_trainer([raw, gac], max_steps=20).fit(model_cls(n=160, batch_size=8))
+    want = [float(a @ b / (a.norm() * b.norm())) for a, b in zip(raw.grads[1:], raw.grads[:-1])]
+    assert gac.trace.values == pytest.approx(want, abs=1e-6)
 
 
 # -- parameters without a gradient on a step (a conditional branch): the rule reads the full vectors ----

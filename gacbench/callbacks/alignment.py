@@ -64,6 +64,8 @@ class AlignmentMonitor(Callback):
     After fit, ``summary`` holds ``q90_abs``, ``max_abs``, ``frac_le_tol``, ``median``, ``n`` and ``skipped``.
     """
 
+    keeps_gradients = True  # reads p.grad in on_before_optimizer_step, never writes it
+
     def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None,
                  step_cos: bool = False) -> None:
         self.trace = CosineTrace(warmup, tol)

@@ -48,6 +48,8 @@ class AssumptionMonitor(Callback):
     so that it sees theta_t and not the stale iterate.
     """
 
+    keeps_gradients = True  # never writes p.grad (its gradients come from torch.autograd.grad)
+
     def __init__(self, every: int = 10, loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
                  delta: float = 0.0) -> None:
         if not isinstance(every, int) or every < 1:

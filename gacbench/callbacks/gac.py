@@ -66,6 +66,33 @@ def clips_after_hook(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> 
                                                              pl.LightningModule)
 
 
+def _never_writes_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's own step leaves ``p.grad`` as it is: torch's Adam and AdamW (not ``differentiable``),
+    and SGD without Nesterov momentum (whose foreach path adds the momentum into ``p.grad`` in place)."""
+    step = type(optimizer).step
+    if any(g.get("differentiable", False) for g in optimizer.param_groups):
+        return False
+    if step in (torch.optim.Adam.step, torch.optim.AdamW.step):
+        return True
+    return step is torch.optim.SGD.step and not any(g.get("nesterov", False) for g in optimizer.param_groups)
+
+
+def gradients_stay_put(trainer: "pl.Trainer", pl_module: "pl.LightningModule", gac: Callback) -> bool:
+    """Whether nothing writes ``p.grad`` in place between GAC's ``on_before_optimizer_step`` and the next
+    ``zero_grad``, so that on a kept step GAC's reference may be ``p.grad`` itself (no copy): no clipping after
+    the hook (:func:`clips_after_hook`), no ``on_before_optimizer_step`` of the module (Lightning calls it after
+    the callbacks'), none of a callback listed after GAC unless it declares ``keeps_gradients = True``, and an
+    optimizer whose step does not write the gradient (:func:`_never_writes_gradients`)."""
+    if clips_after_hook(trainer, pl_module) or is_overridden("on_before_optimizer_step", pl_module,
+                                                             pl.LightningModule):
+        return False
+    later = trainer.callbacks[trainer.callbacks.index(gac) + 1 :] if gac in trainer.callbacks else []
+    if any(is_overridden("on_before_optimizer_step", cb, Callback) and not getattr(cb, "keeps_gradients", False)
+           for cb in later):
+        return False
+    return all(_never_writes_gradients(opt) for opt in trainer.optimizers)
+
+
 class GAC(Callback):
     """Gradient Alignment Control.
 
@@ -228,7 +255,12 @@ class GAC(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
         check_no_replicated_shards(self._params, "GAC")
-        self._clipping = clips_after_hook(trainer, pl_module)  # fixed for the fit as well
+        # fixed for the fit as well: whether the reference may alias p.grad on kept steps, and whether the
+        # fused-adamw path may take the optimizer's step inside this hook (not when a later callback swaps the
+        # parameters back to theta_t in the same hook: the step would be taken from its stale iterate)
+        self._alias = gradients_stay_put(trainer, pl_module, self)
+        later = trainer.callbacks[trainer.callbacks.index(self) + 1 :] if self in trainer.callbacks else []
+        self._may_fuse = not any(getattr(cb, "swaps_parameters", False) for cb in later)
         self.transform.names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "GAC", self.transform.names)
         if self.step_transform is not None:
@@ -294,8 +326,9 @@ class GAC(Callback):
         reduce = partial(agree, trainer, sharded=sharded)
         # kernels="fused-adamw" takes a shrunk or projected AdamW step itself; not under a GradScaler, which may
         # still decide to skip the step after this hook
-        fuse = self.transform.kernels == "fused-adamw" and getattr(trainer.precision_plugin, "scaler", None) is None
-        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=not self._clipping,
+        fuse = (self.transform.kernels == "fused-adamw" and self._may_fuse
+                and getattr(trainer.precision_plugin, "scaler", None) is None)
+        out = self.transform.step(params, reduce, swap=not sharded, keep_alias=self._alias,
                                   optimizer=optimizer if fuse else None)
         if out is None:  # no gradient at all (training_step returned None)
             return

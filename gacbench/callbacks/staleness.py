@@ -73,6 +73,8 @@ class StalenessSimulator(Callback):
     ``on_train_batch_start`` and ``on_before_optimizer_step`` the parameters hold a stale iterate.
     """
 
+    keeps_gradients = True  # its on_before_optimizer_step moves the parameters, never p.grad
+
     def __init__(
         self, staleness: int, schedule: str = "fixed", seed: int = 0, trace: Sequence[int] | None = None
     ) -> None:

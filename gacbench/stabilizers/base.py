@@ -259,6 +259,7 @@ class StepLRScale:
     is not touched. ``scales_lr`` declares it, so that two such callbacks can refuse to compound."""
 
     scales_lr = True
+    keeps_gradients = True  # its on_before_optimizer_step changes the learning rates, never p.grad
     _pending = None  # (optimizer, base learning rates, step hook) while a step is scaled
 
     def step_lr_scale(self) -> float:

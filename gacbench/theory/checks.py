@@ -60,6 +60,8 @@ class _GradRecorder(pl.Callback):
 class _Removed(pl.Callback):
     """max_t ||g_t - g~_t|| / ||g_t|| around GAC: one instance before it, one after."""
 
+    keeps_gradients = True  # reads p.grad only
+
     def __init__(self) -> None:
         self.grads: list[torch.Tensor | None] = []
 
