@@ -475,3 +475,23 @@ def test_step_gac_on_channels_last_parameters_equals_the_contiguous_run():
         for x0, x1 in zip(p0, p1):
             torch.testing.assert_close(x1, x0, rtol=1e-5, atol=1e-7)
     assert any(a != KEEP for _, a, _ in runs[1][1:])
+
+
+@pytest.mark.parametrize("reference", ["grad", "ema"])
+def test_gac_and_the_monitor_reused_for_a_second_fit_start_it_fresh(reference):
+    """An instance passed to a second Trainer.fit carries no reference, trace or count of the first fit into it:
+    the second fit equals one with new instances."""
+    def fit(gac, monitor):
+        model = UserRegressor(optimizer="adamw", seed=1)
+        make_trainer([monitor, gac], max_steps=10).fit(model)
+        return flat_params(model)
+
+    gac, monitor = GAC(reference=reference, c_low=0.0, c_high=0.3, warmup=0), AlignmentMonitor(warmup=0)
+    make_trainer([monitor, gac], max_steps=10).fit(UserRegressor(optimizer="adamw", seed=0))
+    again = fit(gac, monitor)
+    fresh_gac, fresh_monitor = GAC(reference=reference, c_low=0.0, c_high=0.3, warmup=0), AlignmentMonitor(warmup=0)
+    assert torch.equal(again, fit(fresh_gac, fresh_monitor))
+    assert gac.trace.values == fresh_gac.trace.values and gac.steps == fresh_gac.steps == 10
+    assert gac.summary == fresh_gac.summary and gac.changed == fresh_gac.changed
+    if reference != "grad":  # the monitor logs c_t of the raw gradient beside GAC
+        assert monitor.trace.values == fresh_monitor.trace.values and monitor.summary == fresh_monitor.summary

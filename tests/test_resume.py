@@ -21,11 +21,14 @@ def callbacks(kind):
         return [sim, GAC(reference="ema", warmup=0)]
     if kind == "gac-applied":
         return [sim, GAC(reference="applied", warmup=0)]
+    if kind in ("gac-compiled", "gac-fused-adamw"):  # the cached ||r||^2 travels in the checkpoint
+        return [sim, GAC(c_low=0.05, c_high=0.3, warmup=0, kernels=kind.removeprefix("gac-"))]
     return [sim, GAC(reference="update", high_mode="skip", warmup=0)]
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
-@pytest.mark.parametrize("kind", ["staleness", "monitor", "gac", "gac-ema", "gac-applied", "gac-update-skip"])
+@pytest.mark.parametrize("kind", ["staleness", "monitor", "gac", "gac-ema", "gac-applied", "gac-update-skip",
+                                  "gac-compiled", "gac-fused-adamw"])
 def test_resume_is_exact(kind, tmp_path):
     """The uninterrupted run writes a periodic checkpoint at step 8 (an epoch boundary: Lightning
     itself resumes a plain dataloader exactly only there); a fresh trainer resumes from it."""

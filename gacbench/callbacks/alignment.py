@@ -68,21 +68,27 @@ class AlignmentMonitor(Callback):
 
     def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None,
                  step_cos: bool = False) -> None:
-        self.trace = CosineTrace(warmup, tol)
+        self.warmup, self.tol = warmup, tol
         self.step_cos = step_cos
         self.step_passive = not step_cos
-        self._steps = StepGAC(apply=False)
         self._hook = None
         self.buffer_dtype = buffer_dtype
-        self.has_prev = False
         self.passive = False
+        self._reset()
+
+    def _reset(self) -> None:
+        """No previous gradient, trace or summary: each fit starts fresh (a resume loads its state after ``setup``)."""
+        self.trace = CosineTrace(self.warmup, self.tol)
+        self._steps = StepGAC(apply=False)
+        self.has_prev = False
         self.summary: dict[str, float] = {}
-        self._prev = LazyFlatBuffer(buffer_dtype)
+        self._prev = LazyFlatBuffer(self.buffer_dtype)
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        self._reset()  # an instance passed to a second fit carries nothing of the first into it
         check_automatic_optimization(pl_module, "AlignmentMonitor")
         check_strategy(trainer, "AlignmentMonitor", allow_sharded=True)
         providers = [cb for cb in trainer.callbacks if cb is not self and getattr(cb, "logs_raw_alignment", False)]

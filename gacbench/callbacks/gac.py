@@ -39,7 +39,7 @@ from gacbench.callbacks._common import (
 )
 from gacbench.functional.alignment import SKIP, sq_norm
 from gacbench.functional.buffer import check_parameters
-from gacbench.functional.gac import check_choice
+from gacbench.functional.gac import GACState, check_choice
 from gacbench.functional.settings import DEFAULTS, GACSettings
 from gacbench.functional.step_gac import StepGAC
 
@@ -188,7 +188,15 @@ class GAC(Callback):
                                  "target measures against the previous applied step. Drop them, or use target='grad'.")
             self.step_transform = StepGAC(c_low, c_high, high_mode, shrink)
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
-        self.trace = CosineTrace(warmup, tol)
+        self._reset()
+
+    def _reset(self) -> None:
+        """No reference, trace or counts: each fit starts fresh (a resume loads its state after ``setup``)."""
+        self.transform.state = GACState()  # the same transform (its settings and kernels), without a reference
+        if self.step_transform is not None:
+            t = self.transform
+            self.step_transform = StepGAC(t.c_low, t.c_high, t.high_mode, t.shrink)
+        self.trace = CosineTrace(self.config.warmup, self.config.tol)
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.summary: dict[str, float] = {}
 
@@ -231,6 +239,7 @@ class GAC(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
+            self._reset()  # an instance passed to a second fit carries nothing of the first into it
             check_automatic_optimization(pl_module, "GAC")
             check_strategy(trainer, "GAC", allow_sharded=True)
             if self.reference == "update":

@@ -485,10 +485,12 @@ class GACTransform:
 
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The state as ``{"has_ref": bool, "ref": flat tensor (numel,) or None}`` (tensors copied).
+        """The state as ``{"has_ref": bool, "ref": flat tensor (numel,) or None, "ref_sq": 0-d float64 tensor or
+        None}`` (tensors copied).
 
-        ``ref`` is None before the parameters are first seen (unless a restored one is waiting).
-        The cached norm is not saved: it is recomputed from the reference on the next step.
+        ``ref`` is None before the parameters are first seen (unless a restored one is waiting). ``ref_sq`` is
+        the cached ||r||^2 when there is one: a resumed step then reads the same value (and takes the same kernel
+        path) as the uninterrupted run's, instead of a sum over r that rounds differently.
         """
         st = self.state
         if st.ref is not None:
@@ -496,22 +498,24 @@ class GACTransform:
             flat = torch.cat([t.detach().reshape(-1).to(wide) for t in st.ref])
         else:
             flat = None if st.saved is None else st.saved.clone()
-        return {"has_ref": st.has_ref, "ref": flat}
+        ref_sq = None if st.ref_sq is None else st.ref_sq.detach().to("cpu", torch.float64).clone()
+        return {"has_ref": st.has_ref, "ref": flat, "ref_sq": ref_sq}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; before the parameters are known the reference waits in ``state.saved``."""
-        if not isinstance(state, Mapping) or set(state) != {"has_ref", "ref"}:
+        if not isinstance(state, Mapping) or set(state) not in ({"has_ref", "ref"}, {"has_ref", "ref", "ref_sq"}):
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
-                "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref' and 'ref'; "
-                f"got {found}. The checkpoint was written by a different version of gacbench: resume from "
-                "one written by this version."
+                "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref', 'ref' and "
+                f"'ref_sq'; got {found}. The checkpoint was written by a different version of gacbench: resume "
+                "from one written by this version."
             )
         flat, has_ref = state["ref"], bool(state["has_ref"])
         if has_ref and flat is None:
             raise ValueError("GAC: the saved state has has_ref=True but no reference tensor; the checkpoint is damaged")
         st = self.state
-        st.has_ref, st.ref_sq = has_ref, None
+        ref_sq = state.get("ref_sq")  # optional: without it ||r||^2 is summed again at the next step
+        st.has_ref, st.ref_sq = has_ref, None if ref_sq is None else torch.as_tensor(ref_sq, dtype=torch.float64)
         if flat is None:
             return
         if st.ref is None:
