@@ -175,13 +175,18 @@ def test_assumption_monitor_leaves_training_unchanged():
     assert torch.equal(a.theta, b.theta)
 
 
-def test_assumption_monitor_effective_step_is_the_learning_rate_for_noiseless_sgd_and_not_for_adamw():
-    def run(optimizer):
-        model = NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=0.0, steps=40, lr=0.01, optimizer=optimizer, seed=0)
-        trainer = make_trainer([AssumptionMonitor(every=5)], max_steps=40)
+def test_assumption_monitor_effective_step_is_the_learning_rate_for_sgd_and_not_for_adamw():
+    def run(optimizer, sigma2=0.0, staleness=0):
+        model = NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=sigma2, steps=40, lr=0.01, optimizer=optimizer,
+                               seed=0)
+        trainer = make_trainer([AssumptionMonitor(every=5), StalenessSimulator(staleness)], max_steps=40)
         trainer.fit(model)
-        return trainer.logger.last("assume/eta_eff")
+        return trainer.logger.values("assume/eta_eff")
 
-    assert run("sgd") == pytest.approx(0.01, rel=1e-4)  # theta_t - theta_{t-1} = -lr grad(theta_{t-1}), no noise
+    # theta_t - theta_{t-1} = -lr g_{t-1}, with g_{t-1} the gradient the step was made with: noisy (a different batch
+    # at every step) and delayed alike
+    for sigma2, staleness in ((0.0, 0), (10.0, 0), (10.0, 3)):
+        effs = run("sgd", sigma2, staleness)
+        assert len(effs) >= 6 and effs == pytest.approx([0.01] * len(effs), rel=1e-4)
     # AdamW moves every coordinate by about lr, a step of norm ~ lr sqrt(dim), whatever ||g|| is
-    assert abs(run("adamw") / 0.01 - 1) > 0.2
+    assert abs(run("adamw")[-1] / 0.01 - 1) > 0.2

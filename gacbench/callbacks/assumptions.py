@@ -7,8 +7,10 @@ Every ``every`` optimizer steps, at the current parameters theta_t and before th
 - L (local smoothness): the secant ||grad L(theta_t; B_t) - grad L(theta_{t-1}; B_t)|| / ||theta_t - theta_{t-1}||
   on the *same* batch, so the batch noise cancels where it does not depend on theta; the running
   maximum is logged. For a quadratic the secant lies in [mu, L] exactly.
-- eta_eff, the step actually taken as an SGD step size: ||theta_t - theta_{t-1}|| / ||grad L(theta_{t-1}; B_t)||.
-  It equals the learning rate for noiseless SGD; for Adam it is the preconditioned step's scale, the number
+- eta_eff, the step actually taken as an SGD step size: ||theta_t - theta_{t-1}|| / ||g_{t-1}||, g_{t-1} the
+  gradient the optimizer received at step t - 1 (``p.grad`` when this callback's ``on_before_optimizer_step``
+  runs: the delayed gradient under StalenessSimulator, after any gradient-side callback listed before it). It
+  equals the learning rate for SGD, noisy or stale; for Adam it is the preconditioned step's scale, the number
   to set against eta_max (an SGD step size) when the optimizer is not SGD;
 - the realised staleness (the logged ``stale/lag`` in ``trainer.callback_metrics``: StalenessSimulator
   logs it, and so does a stale-rollout module in its training_step; 0 when nothing logs it), its
@@ -62,6 +64,7 @@ class AssumptionMonitor(Callback):
         self.s_max = 0
         self._prev_batch: Any = None
         self._prev_theta: list[torch.Tensor] | None = None
+        self._applied_norm: float | None = None  # ||g|| received by the optimizer at the step before a measurement
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -121,9 +124,8 @@ class AssumptionMonitor(Callback):
                 secant = math.sqrt(float(sq_norm(torch._foreach_sub(g, g_then)))) / step
                 self.L_hat = max(self.L_hat, secant)
                 metrics["assume/L"] = self.L_hat
-                g_norm = math.sqrt(float(sq_norm(g_then)))
-                if g_norm > 0:  # the SGD step size that would have made this step from this gradient
-                    metrics["assume/eta_eff"] = step / g_norm
+                if self._applied_norm:  # the SGD step size that makes this step from the gradient it was made with
+                    metrics["assume/eta_eff"] = step / self._applied_norm
         self._prev_batch = batch
         metrics["assume/staleness"] = float(self.s_max)
         if self.L_hat > 0:
@@ -139,6 +141,9 @@ class AssumptionMonitor(Callback):
         lag = trainer.callback_metrics.get("stale/lag")
         if lag is not None:
             self.s_max = max(self.s_max, int(lag))
+        if (trainer.global_step + 1) % self.every == 0:  # the step before a measurement: eta_eff's denominator
+            grads = [p.grad for p in self._params if p.grad is not None]
+            self._applied_norm = math.sqrt(float(sq_norm(grads))) if grads else None
 
     @override
     def state_dict(self) -> dict[str, Any]:
