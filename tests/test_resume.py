@@ -1,6 +1,8 @@
 """Checkpoint-resume exactness: a run stopped at step k and resumed from its checkpoint ends with
 the same parameters, and logs the same c_t, as an uninterrupted run."""
 
+import re
+
 import pytest
 import torch
 from conftest import UserRegressor, flat_params, make_trainer
@@ -74,3 +76,23 @@ def test_resume_into_a_different_staleness_is_refused(tmp_path):
     first.save_checkpoint(tmp_path / "a.ckpt")
     with pytest.raises(ValueError, match="staleness=3"):
         make_trainer([StalenessSimulator(5)], max_steps=8).fit(UserRegressor(n=32), ckpt_path=tmp_path / "a.ckpt")
+
+
+@pytest.mark.parametrize("first,second,named", [
+    (dict(schedule="fixed"), dict(schedule="trace", trace=[0]), "schedule='fixed'"),
+    (dict(schedule="uniform", seed=1), dict(schedule="uniform", seed=2), "seed=1"),
+    (dict(schedule="trace", trace=[0, 3]), dict(schedule="trace", trace=[3, 0]), "trace=[0, 3]"),
+])
+def test_resume_into_another_lag_schedule_is_refused(tmp_path, first, second, named):
+    """The schedule, a uniform schedule's seed and a trace decide the lags as much as s does."""
+    run = make_trainer([StalenessSimulator(3, **first)], max_steps=4)
+    run.fit(UserRegressor(n=32))
+    run.save_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(ValueError, match=re.escape(named)):
+        make_trainer([StalenessSimulator(3, **second)], max_steps=8).fit(UserRegressor(n=32),
+                                                                          ckpt_path=tmp_path / "a.ckpt")
+    # a fixed schedule draws nothing: its seed is not part of the check
+    run = make_trainer([StalenessSimulator(3, seed=1)], max_steps=4)
+    run.fit(UserRegressor(n=32))
+    run.save_checkpoint(tmp_path / "b.ckpt")
+    make_trainer([StalenessSimulator(3, seed=2)], max_steps=6).fit(UserRegressor(n=32), ckpt_path=tmp_path / "b.ckpt")

@@ -225,14 +225,26 @@ class StalenessSimulator(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "newest": self._newest, "rng": self._rng.bit_generator.state,
-                "staleness": self.staleness}
+                **self._settings()}
+
+    def _settings(self) -> dict[str, Any]:
+        """What decides the lags, which a resume must share: the seed under ``uniform`` (the saved random state
+        replaces it) and the trace under ``trace``."""
+        out: dict[str, Any] = {"staleness": self.staleness, "schedule": self.schedule}
+        if self.schedule == "uniform":
+            out["seed"] = self.seed
+        if self.schedule == "trace":
+            out["trace"] = [int(v) for v in self.trace]
+        return out
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict["staleness"] != self.staleness:
-            saved = state_dict["staleness"]
-            raise ValueError(f"StalenessSimulator: the checkpoint was written with staleness={saved}, not "
-                             f"{self.staleness}; resume with StalenessSimulator(staleness={saved})")
+        for key, mine in self._settings().items():
+            if key in state_dict and state_dict[key] != mine:  # a key the state lacks is not checked
+                saved = state_dict[key]
+                raise ValueError(f"StalenessSimulator: the checkpoint was written with {key}={saved!r}, not "
+                                 f"{mine!r}; resume with StalenessSimulator({key}={saved!r}) and the checkpoint's "
+                                 "other settings, or start a new run")
         self.step, self._newest = state_dict["step"], state_dict["newest"]
         self._rng.bit_generator.state = state_dict["rng"]
 
