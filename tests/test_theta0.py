@@ -152,6 +152,30 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
     check_theta0(suite, cells, tmp_path)
 
 
+def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_theta0(tmp_path):
+    """A done cell of the task outside the grid (seed 0, the grid runs seed 1) joins the task's summary: from
+    another θ₀ it is refused before anything runs."""
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.runner import expand_cells
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.bench.validate import load_suite
+    from gacbench.jsonio import write_json
+
+    suite = load_suite("llm-smoke")
+    seed0, seed1 = (expand_cells(suite, methods=["sync"], seeds=[s]) for s in (0, 1))
+    pin = check_theta0(suite, seed1, tmp_path)["arithmetic"]
+    d = cell_dir(tmp_path, seed0[0])
+    d.mkdir(parents=True)
+    write_json(d / "status.json", {"status": "done", "initial": 0.1, "final": 0.2, "diverged": False,
+                                   "metric": "reward", "higher_is_better": True, "steps_run": 2, "cell": seed0[0]})
+    (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n0.2,1\n")
+    write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": pin}})
+    check_theta0(suite, seed1, tmp_path)  # the same θ₀: accepted
+    write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": "0" * 64}})
+    with pytest.raises(UsageError, match=r"1 stored cell\(s\) of task 'arithmetic' .* seed 0: 0000000000000000"):
+        check_theta0(suite, seed1, tmp_path)
+
+
 @pytest.mark.parametrize("param,checked", [("model.gradient_checkpointing=true", True), ("task.reward=exact", True),
                                            ("model.size=tiny", True), ("model.warm_steps=300", False),
                                            ("task.max_operand=8", False), ("task.eval_fraction=0.3", False),

@@ -6,8 +6,9 @@ line (a UsageError):
 
 - a ``theta0`` that is not hex, or that the task's built-in start point is not pinned to
   (:mod:`gacbench.llm.pinned`): the suite and the library disagree;
-- stored cells of the task, in ``--out``, whose recorded ``initial_weights`` differ from the pin: they started
-  from another θ₀ and cannot be reused, or summarised with the grid's other cells.
+- stored cells of the task, in ``--out`` (the grid's own and any other seed, method or staleness stored there),
+  whose recorded ``initial_weights`` differ from the pin: they started from another θ₀ and cannot be reused, or
+  summarised with the grid's other cells.
 
 Cells stored before their weights were recorded are accepted (their θ₀ is identified only by their first rewards).
 A ``--param`` that moves the start point (another model size, warm start, task, or ``model.path``) makes the cells
@@ -22,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gacbench.bench.cell import cell_dir, stored_done_files, stored_provenance
+from gacbench.bench.cell import cell_dir, read_config, stored_done_cells, stored_done_files, stored_provenance
 from gacbench.usage import UsageError
 
 HEX = re.compile(r"[0-9a-f]{12,64}")
@@ -74,6 +75,13 @@ def check_theta0(suite: dict, cells: list[dict], root: Path,
                 weights = (stored_provenance(root, c, found[1]) or {}).get("initial_weights")
                 if weights and weights != pin:
                     other.append((c, weights))
+        grid_dirs = {cell_dir(root, c) for c in own}
+        for d, c in stored_done_cells(root, task):  # the task's other stored cells join its summary too
+            if d in grid_dirs or not isinstance(c.get("params"), dict) or start_point(c["params"]) != point:
+                continue  # another start point's cells are check_stored's to refuse (one setting per task)
+            weights = (stored_provenance(root, c, read_config(d)) or {}).get("initial_weights")
+            if weights and weights != pin:
+                other.append((c, weights))
         if other:
             c, weights = other[0]
             raise UsageError(
