@@ -318,12 +318,18 @@ def _bench(args: argparse.Namespace) -> int:
     (:func:`gacbench.bench.workers.start_fork_server`), so that its imports run beside this process's own imports
     and its planning of the grid."""
     started = process_started()
-    if args.executor == "local" and args.workers > 1:
-        from gacbench.bench.workers import start_fork_server
+    try:
+        with raise_on_signals():  # the runner's own handler takes over once it is imported
+            if args.executor == "local" and args.workers > 1:
+                from gacbench.bench.workers import start_fork_server
 
-        start_fork_server()
-    from gacbench.bench.runner import main as run
-
+                start_fork_server()
+            from gacbench.bench.runner import main as run
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = _signal_of(exc)
+        print(f"gacbench bench: stopped by {signal.Signals(signum).name} before any cell ran; nothing was run",
+              flush=True)
+        return 128 + signum
     return run(args, started=started)
 
 

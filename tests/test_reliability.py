@@ -169,11 +169,30 @@ def test_damaged_cell_files_are_never_counted_and_are_recomputed(tmp_path, capsy
     assert "## Incomplete cells" in (out / "summary.md").read_text()
 
     capsys.readouterr()
-    assert bench(suite, out) == 0  # the damaged cells do not block the grid: they are recomputed
-    assert "ran 5 cells (1 already done" in " ".join(capsys.readouterr().out.split())
+    assert bench(suite, out) == 0  # the damaged cells do not block the grid: they are recomputed, each named
+    said = " ".join(capsys.readouterr().out.split())
+    assert "ran 5 cells (1 already done" in said
+    assert f"recomputing {cells['sync/s0/seed0']}: {cells['sync/s0/seed0']}/metrics.csv is empty" in said
+    assert f"recomputing {cells['gac/s4/seed1']}: {cells['gac/s4/seed1']}/config.json is not valid JSON" in said
     assert set(statuses(out).values()) == {"done"}
     assert bench(suite, out) == 0  # now complete: reused
     assert "ran 0 cells (6 already done" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_metrics_file_the_csv_reader_refuses_is_a_damaged_cell_not_a_crash(tmp_path, capsys):
+    """A block of NULs inside metrics.csv (a field past the csv module's size limit): report and bench name the
+    file and go on."""
+    suite, out = tiny_suite(tmp_path, seeds=[0]), tmp_path / "out"
+    assert bench(suite, out) == 0
+    path = out / "cells" / "quadratic" / "sync" / "s0" / "seed0" / "metrics.csv"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:3]) + "\0" * 200_000 + "\n" + "".join(lines[3:]))
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    assert f"{path} is corrupt (field larger than field limit" in capsys.readouterr().err
+    assert bench(suite, out) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"recomputing {path.parent}: {path} is corrupt" in said and "ran 1 cells (2 already done" in said
 
 
 def test_a_status_claiming_done_without_its_fields_is_not_done(tmp_path):

@@ -380,6 +380,52 @@ def test_sigterm_to_one_pool_worker_stops_the_grid_naming_its_cell_and_writes_th
     assert all(json.loads(p.read_text())["status"] == "done" for p in out.glob("cells/**/status.json"))
 
 
+@pytest.mark.slow
+def test_a_worker_killed_by_sigkill_ends_the_grid_in_one_line_with_the_summary_and_the_rerun_resumes(tmp_path):
+    """The out-of-memory killer's SIGKILL leaves no result: one line naming the likely cause and the fix, exit 1,
+    the summary of the stored cells, no traceback."""
+    suite = tiny_suite(tmp_path, steps=4000, seeds=[0, 1, 2, 3])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out), "--workers", "2",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    deadline, worker = time.time() + 180, None
+    while time.time() < deadline and worker is None:
+        for record in out.glob("cells/*/*/*/*/.claim"):
+            if not (record.parent / "status.json").exists() and record.read_text().strip():
+                worker = json.loads(record.read_text())["pid"]
+                break
+        time.sleep(0.05)
+    assert worker is not None, "no cell in flight"
+    os.kill(worker, signal.SIGKILL)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout[-3000:]
+    said = squash(stdout)
+    assert "gacbench bench: a worker process died while running cells" in said and "rerun the same command" in said
+    assert "Traceback" not in stdout
+    done = len(list(out.glob("cells/**/status.json")))
+    assert len(json.loads((out / "summary.json").read_text())["cells"]) == done
+
+
+def test_a_signal_while_the_summary_is_written_ends_in_one_line_naming_gacbench_report(tmp_path, monkeypatch, capsys):
+    from gacbench.bench import executors, runner
+
+    suite = tiny_suite(tmp_path, steps=5, seeds=[0])
+    out = tmp_path / "out"
+    assert main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1"]) == 0
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(runner, "_write_summary", interrupted)
+    monkeypatch.setattr(executors, "_stop_requested", None)
+    assert main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1"]) == 130
+    said = squash(capsys.readouterr().out)
+    assert f"stopped by SIGINT while writing the summary; the cells are stored: `gacbench report {out}`" in said
+    monkeypatch.setattr(executors, "_stop_requested", None)
+
+
 def test_a_stop_whose_raise_python_drops_in_a_finalizer_is_raised_again_and_the_grid_checks_it(tmp_path):
     """The signal handler's GridInterrupted, raised while the main thread runs a ``__del__`` (a profiler's, a
     tensor's), is dropped by Python; the grid must stop all the same: at once, and before its next cell."""

@@ -202,7 +202,10 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
         return f"{path} is empty"
     if not text.endswith("\n"):
         return f"{path} is truncated (its last line is cut off)"
-    rows = list(csv.reader(text.splitlines()))
+    try:
+        rows = list(csv.reader(text.splitlines()))
+    except csv.Error as exc:  # a field past the csv module's limit (a block of NULs), a stray quote
+        return f"{path} is corrupt ({_short(exc)})"
     header, body = rows[0], [r for r in rows[1:] if r]
     if "step" not in header:
         return f"{path} has no 'step' column in its header"

@@ -51,6 +51,10 @@ from gacbench.objectives import objective_class
 from gacbench.usage import UsageError
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended without a result (killed, most often by the out-of-memory killer)."""
+
+
 class GridInterrupted(BaseException):
     """SIGINT or SIGTERM reached the runner, or one of its worker processes (``where`` names which; a
     BaseException, so that no cell records it as its own failure)."""
@@ -326,10 +330,10 @@ def run_pool(deps: Dependencies, root: Path, workers: int, threads: int, display
                     codes = {p.exitcode for p in processes.values()}
                     if -signal.SIGTERM in codes and -signal.SIGKILL not in codes:  # the pool ends the rest with it
                         raise GridInterrupted(signal.SIGTERM, "a worker process") from None
-                    raise RuntimeError(
+                    raise WorkerDied(
                         f"a worker process died while running cells ({exc}); most often the system ran out of memory "
                         "and killed it. The cells finished so far are stored: rerun the same command to resume, with "
-                        "fewer --workers if memory is short") from exc
+                        "fewer --workers if memory is short") from None
                 except Exception:
                     raise
                 except BaseException as exc:  # a SystemExit in the worker's cell, e.g. Lightning's on SIGTERM

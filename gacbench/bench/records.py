@@ -35,12 +35,16 @@ def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     if not path.exists():
         return series
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or -1))
-            for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    series[key].append((step, float(value)))
+    try:
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                step = int(float(row.get("step") or -1))
+                for key, value in row.items():
+                    if key != "step" and value not in ("", None):
+                        series[key].append((step, float(value)))
+    except (csv.Error, ValueError) as exc:
+        raise ValueError(f"{path} is corrupt ({exc}); delete its cell directory and rerun the grid to recompute "
+                         "it") from None
     return series
 
 

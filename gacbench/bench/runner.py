@@ -62,6 +62,7 @@ from gacbench.bench.cell import (
     stored_done_cells,
     stored_done_files,
     stored_environment,
+    stored_state,
     summary_lock,
     write_json,
 )
@@ -69,6 +70,7 @@ from gacbench.bench.executors import (  # noqa: F401  (reference_calibration re-
     Dependencies,
     Display,
     GridInterrupted,
+    WorkerDied,
     check_stop,
     reference_calibration,
     report_failed,
@@ -381,6 +383,10 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
     rerun = {cell_dir(root, c) for v in other.values() for c in v} if rerun_other_versions else set()
     pending = [c for c in cells if cell_dir(root, c) in rerun or not is_done(root, c)]
     pending = order_cells(pending)  # reference cells first within their engine group, then the longest
+    for c in pending:  # a cell whose stored files claim a finished run they do not hold: say why it runs again
+        _, problem = stored_state(root, c)
+        if problem is not None:
+            console.print(f"[yellow]recomputing[/] {cell_dir(root, c)}: {problem}", highlight=False, soft_wrap=True)
     done_before = len(cells) - len(pending)
     deps = Dependencies(pending, root)
     used = 1 if executor == "local" and workers == 1 else min(workers, len(pending))
@@ -419,7 +425,26 @@ def main(args, started: dict[str, Any] | None = None) -> int:
     """``gacbench bench``. ``started``: when the process started (:func:`gacbench.bench.timing.process_start`;
     default: read from /proc, else this module's import). ``timing.json`` is written twice: by the grid with
     the start-up figures, which the report copies into ``summary.json``, and after the report with the figures
-    from the process's start to the written report (:func:`gacbench.bench.timing.outside_fields`)."""
+    from the process's start to the written report (:func:`gacbench.bench.timing.outside_fields`).
+
+    SIGINT and SIGTERM end it with one line and exit status 128 + the signal in every phase: while the cells
+    run (the summary of the stored cells is written, :func:`_run`), and before them or while the summary is
+    written (the line says where it stopped and what to run)."""
+    restore = _stop_on_signals()
+    phase = ["before any cell ran"]
+    try:
+        return _run(args, started, phase)
+    except GridInterrupted as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"gacbench bench: stopped by {name} {phase[0]}; {phase[1] if len(phase) > 1 else 'nothing was run'}",
+              flush=True)
+        return 128 + stop.signum
+    finally:
+        restore()
+
+
+def _run(args, started: dict[str, Any] | None, phase: list[str]) -> int:
+    """The body of :func:`main`; ``phase`` holds where a signal outside the grid stops it, and what to run."""
     started = started or process_start(_IMPORTED_AT, "runner-import")
     console = Console()
     suite = load_suite(args.suite)
@@ -450,7 +475,6 @@ def main(args, started: dict[str, Any] | None = None) -> int:
     if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, sync_cell(c)) for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
                       "recovered shares cannot be computed")
-    restore = _stop_on_signals()
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
                           rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads,
@@ -463,11 +487,14 @@ def main(args, started: dict[str, Any] | None = None) -> int:
               f"stored, the cells in flight will be recomputed; resume with: {resume_command(args)}", flush=True)
         _write_summary(out, cells, suite.get("families"))
         return 128 + stop.signum
+    except WorkerDied as exc:  # killed (most often by the out-of-memory killer): the stored cells stay
+        print(f"gacbench bench: {exc}", flush=True)
+        _write_summary(out, cells, suite.get("families"))
+        return 1
     except Exception as exc:
         _raise_if_disk_full(exc)
         raise
-    finally:
-        restore()
+    phase[:] = ["while writing the summary", f"the cells are stored: `gacbench report {out}` writes it"]
     report = _write_summary(out, cells, suite.get("families"))
     if timing["ran"]:  # the run from its process's start to here: after summary.json, so only in timing.json
         timing = outside_fields(timing, time.time())
