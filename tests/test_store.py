@@ -381,7 +381,7 @@ def test_sigterm_to_one_pool_worker_stops_the_grid_naming_its_cell_and_writes_th
 
 
 @pytest.mark.slow
-def test_a_worker_killed_by_sigkill_ends_the_grid_in_one_line_with_the_summary_and_the_rerun_resumes(tmp_path):
+def test_a_worker_killed_by_sigkill_ends_the_grid_in_one_line_with_the_summary(tmp_path):
     """The out-of-memory killer's SIGKILL leaves no result: one line naming the likely cause and the fix, exit 1,
     the summary of the stored cells, no traceback."""
     suite = tiny_suite(tmp_path, steps=4000, seeds=[0, 1, 2, 3])
