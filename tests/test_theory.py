@@ -58,6 +58,10 @@ def test_derived_bounds_match_their_claims():
     assert bounds.check_claim(bounds.sgd_bound_claim, sp.Integer(0))
     assert bounds.check_claim(bounds.gac_bound_claim, bounds.delta)
     assert all(bounds.check_gac_geometry().values())
+    # derived from the rule: another kept fraction fails them (and is not the code's rule)
+    half = bounds.check_gac_geometry(lambda c, c_low, shrink: sp.Rational(1, 2))
+    assert not any(half[k] for k in ("descent_shrink", "norm_shrink", "component_is_c_low", "cosine_is_c_low",
+                                      "removed_fraction", "rule_is_the_code"))
 
 
 def test_a_broken_bound_fails_its_check():

@@ -7,7 +7,9 @@ G = (1/T) sum_t E||grad f(theta_t)||^2 (which bounds min_t E||grad f(theta_t)||^
 Theorem (result 2, delayed SGD). If L eta + L^2 eta^2 s^2 <= 1, then
     G <= 2 Delta / (eta T) + (L eta + L^2 eta^2 s^2) sigma^2.
 Theorem (result 3, GAC). If every applied gradient satisfies ||g_t - g~_t|| <= delta ||g_t|| with
-delta < 1 (GAC: delta = c_high - c_low while no step reaches c_high; in general delta = max_t k_t c_t)
+delta < 1 (GAC with shrink="component": delta = c_high - c_low while no step reaches c_high; with
+shrink="cosine" the removed fraction is larger, up to c_high - c_low sqrt((1 - c_high^2) / (1 - c_low^2)); in
+general delta = max_t k_t c_t)
 and ||g~_t|| <= ||g_t|| (GAC only removes a component: the proof's step 4 keeps its form), and
 L eta + L^2 eta^2 s^2 <= 1 - delta, then
     G <= [2 Delta / (eta T) + (delta + L eta + L^2 eta^2 s^2) sigma^2] / (1 - delta).
@@ -139,26 +141,56 @@ def check_eta_max(points: tuple[tuple[float, float, float], ...] = ETA_MAX_POINT
 
 
 # -- GAC's per-step guarantees (sympy, in the plane of u and g's orthogonal part) ------------------
-def check_gac_geometry() -> dict[str, bool]:
-    """g = c n u + w, |u| = 1, <w, u> = 0, |w|^2 = n^2 (1 - c^2). Returns each guarantee's check."""
-    c, cl, ch, n = sp.symbols("c c_low c_high n", positive=True)
-    w2 = n**2 * (1 - c**2)
-    # shrink ("component"): g~ = c_low n u + w
-    inner_shrink = cl * c * n**2 + w2  # <g~, g>
-    norm_shrink = cl**2 * n**2 + w2
-    # both terms of the difference are > 0 for c_low < c < c_high
-    ok_descent = sp.simplify(inner_shrink - (1 - ch**2) * n**2 - n**2 * ((ch - c) * (ch + c) + cl * c)) == 0
-    ok_norm = sp.simplify(n**2 - norm_shrink - n**2 * (c - cl) * (c + cl)) == 0  # > 0 for c > c_low
-    ok_component = sp.simplify(cl * n - (1 - (1 - cl / c)) * c * n) == 0  # <g~, u> = c_low n
-    # shrink ("cosine"): aligned part a = c_low n sqrt(1-c^2)/sqrt(1-c_low^2) gives cos(g~, u) = c_low
-    cl_c = sp.symbols("c_l", positive=True)
-    a = cl_c * n * sp.sqrt(1 - c**2) / sp.sqrt(1 - cl_c**2)
-    at_a_point = (a / sp.sqrt(a**2 + w2)).subs({c: sp.Rational(1, 4), cl_c: sp.Rational(1, 20)})
-    ok_cosine = sp.simplify(at_a_point - sp.Rational(1, 20)) == 0 and sp.simplify((a**2 / (a**2 + w2)) - cl_c**2) == 0
-    # full projection: g~ = w
-    ok_project = sp.simplify(w2 - (1 - c**2) * n**2) == 0
-    # removed fraction: |g - g~| = (c - c_low) n in the shrink regime, c n under projection
-    eps = sp.Symbol("eps", positive=True)
-    ok_removed = sp.simplify(sp.sqrt(((c - cl) * n) ** 2) - (c - cl) * n).subs(c, cl + eps) == 0
+def gac_kept_fraction(c, c_low, shrink: str = "component"):
+    """The rule's kept fraction of the aligned component in the shrink regime (c_low < c < c_high), symbolic:
+    ``component`` keeps c_low / c, ``cosine`` keeps (c_low / c) sqrt((1 - c^2) / (1 - c_low^2))
+    (docs/design.md; :func:`gacbench.functional.alignment.gac_decision` is its numeric form)."""
+    if shrink == "cosine":
+        return (c_low / c) * sp.sqrt((1 - c**2) / (1 - c_low**2))
+    return c_low / c
+
+
+def check_gac_geometry(kept: Callable = gac_kept_fraction) -> dict[str, bool]:
+    """GAC's per-step guarantees, derived from the rule. In the orthonormal basis (u, w^) of the plane of r and g,
+    g = (c n, sqrt(1 - c^2) n) with c = cos(g, r), n = ||g||; the rule gives g~ = g - (1 - k) <g, u> u with k
+    ``kept(c, c_low, shrink)`` when shrinking and k = 0 when projecting. Each guarantee is an identity in c,
+    c_low, n (the shrink regime substituted as c = c_low + eps, eps > 0, where a root needs its sign); a rule
+    other than the one stated (``kept``) fails them. ``rule_is_the_code``: the numeric rule
+    (:func:`gac_decision`) removes 1 - k at points of the shrink regime and all of it when projecting."""
+    from gacbench.functional.alignment import gac_decision
+
+    c, cl, n, eps = sp.symbols("c c_low n eps", positive=True)
+    u = sp.Matrix([1, 0])
+    g = sp.Matrix([c * n, sp.sqrt(1 - c**2) * n])
+
+    def applied(k):
+        return g - (1 - k) * g.dot(u) * u
+
+    def zero(expr, shrinking: bool = True) -> bool:
+        expr = expr.subs(c, cl + eps) if shrinking else expr
+        return sp.simplify(expr) == 0
+
+    shrunk, projected = applied(kept(c, cl, "component")), applied(0)
+    norm = lambda v: sp.sqrt(v.dot(v))  # noqa: E731
+    # shrink ("component"): <g~, g> = n^2 (1 - c^2 + c_low c) > 0, ||g||^2 - ||g~||^2 = n^2 (c^2 - c_low^2) > 0
+    ok_descent = zero(shrunk.dot(g) - n**2 * (1 - c**2 + cl * c))
+    ok_norm = zero(n**2 - shrunk.dot(shrunk) - n**2 * (c - cl) * (c + cl))
+    ok_component = zero(shrunk.dot(u) - cl * n)
+    # shrink ("cosine"): cos(g~, u) = c_low exactly
+    cosine = applied(kept(c, cl, "cosine"))
+    ok_cosine = zero(cosine.dot(u) / norm(cosine) - cl)
+    # projection: <g~, u> = 0 and <g~, g> = ||g~||^2 = (1 - c^2) n^2
+    ok_project = (zero(projected.dot(u), False) and zero(projected.dot(g) - projected.dot(projected), False)
+                  and zero(projected.dot(projected) - (1 - c**2) * n**2, False))
+    # removed part: ||g - g~|| = (c - c_low) n when shrinking, c n when projecting
+    ok_removed = zero(norm(g - shrunk) - (c - cl) * n) and zero(norm(g - projected) - c * n, False)
+    # the numeric rule is this one: the fraction it removes at points of the shrink regime, and under projection
+    points = [(0.1, 0.05, 0.3), (0.29, 0.05, 0.3), (0.4, 0.1, 0.6)]
+    ok_code = all(
+        math.isclose(gac_decision(cv, lo, hi, shrink=mode).coef,
+                     1.0 - float(kept(sp.Float(cv), sp.Float(lo), mode)), rel_tol=1e-12)
+        for cv, lo, hi in points for mode in ("component", "cosine"))
+    ok_code = ok_code and gac_decision(0.5, 0.05, 0.3).coef == 1.0
     return {"descent_shrink": ok_descent, "norm_shrink": ok_norm, "component_is_c_low": ok_component,
-            "cosine_is_c_low": bool(ok_cosine), "projection": ok_project, "removed_fraction": bool(ok_removed)}
+            "cosine_is_c_low": ok_cosine, "projection": ok_project, "removed_fraction": ok_removed,
+            "rule_is_the_code": ok_code}

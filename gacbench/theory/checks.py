@@ -111,10 +111,11 @@ def check_delayed_quadratic(svals: range = range(0, 33)) -> CheckResult:
 
 # -- result 2 -----------------------------------------------------------------------------------
 # GAC's theorem needs |g - g~| <= delta |g| at every step. Below c_high the removed fraction is
-# c - c_low <= c_high - c_low, which sets the step size (eta = (1 - delta) / (2 L (s + 1))); the
-# bound is then evaluated with the measured maximum fraction. The runs start near the optimum
-# (noise-dominated, as on-policy RL); a run whose measured fraction is too large for its step size
-# is reported as outside the theorem's assumption, not counted as a violation.
+# c - c_low <= c_high - c_low (shrink="component", the default these runs use), which sets the step
+# size (eta = (1 - delta) / (2 L (s + 1))); the bound is then evaluated with the measured maximum
+# fraction. The runs start near the optimum (noise-dominated, as on-policy RL); a run whose measured
+# fraction is too large for its step size is reported as outside the theorem's assumption, not counted
+# as a violation.
 GAC_C_LOW, GAC_C_HIGH = 0.05, 0.5
 GAC_DELTA = GAC_C_HIGH - GAC_C_LOW
 
