@@ -206,6 +206,27 @@ def test_a_status_claiming_done_without_its_fields_is_not_done(tmp_path):
     assert run_cell(cell, tmp_path)["final"] is not None  # recomputed
 
 
+def test_a_diverged_cell_s_status_is_strict_json_and_the_cell_is_reused_and_counted(tmp_path):
+    import math
+
+    from gacbench.bench.cell import run_cell, stored_done
+    from gacbench.bench.groups import capped_final
+
+    cell = {"task": "q", "objective": "quadratic", "params": {"lr": 20.0}, "steps": 60, "method": "stale",
+            "staleness": 2, "seed": 0}
+    ran = run_cell(cell, tmp_path)
+    assert ran["status"] == "done" and ran["diverged"] and not math.isfinite(ran["final"])
+
+    def refuse(name):
+        raise ValueError(f"{name} in status.json")
+
+    text = (cell_dir(tmp_path, cell) / "status.json").read_text()
+    stored = json.loads(text, parse_constant=refuse)  # no NaN / Infinity
+    assert stored["final"] is None and stored["diverged"]
+    reused = stored_done(tmp_path, cell)
+    assert reused is not None and capped_final(reused) == reused["initial"]  # counted at its start, as diverged
+
+
 def test_a_subset_rerun_keeps_the_summary_of_the_whole_directory(tmp_path, capsys):
     suite, out = tiny_suite(tmp_path), tmp_path / "out"
     assert bench(suite, out) == 0

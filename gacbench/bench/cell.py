@@ -460,7 +460,7 @@ def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_o
     ended_at = started_at + (time.perf_counter() - t_start)
     status.update({"cell": cell, "seconds": time.perf_counter() - t0, "worker_pid": os.getpid(), "rss_mb": rss_mb(),
                    "started_at": started_at, "ended_at": ended_at, "time": cell_parts(parts, ended_at - started_at)})
-    write_json(status_path, status)
+    write_json(status_path, json_safe(status))  # strict JSON: a diverged run's non-finite final is null
     return status
 
 
