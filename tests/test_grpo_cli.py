@@ -368,6 +368,10 @@ def test_an_async_run_has_its_own_directory_and_its_summary_says_async(tiny_llm_
     assert rollout["lag_mean"] == pytest.approx(sum(k * n for k, n in enumerate(hist)) / 64)
     assert rollout["lag_mean"] == pytest.approx(sum(lags) / len(lags))  # every step has 16 samples
     assert rollout["lag_max"] == max(lag_max) <= 3 and rollout["dropped"] == 0
+    for r in rows:  # each version's reward in the batch: their sample-weighted mean is the batch's reward/mean
+        parts = [(float(r[f"stale/lag_hist/{k}"]), float(r[f"reward/lag/{k}"])) for k in range(4)
+                 if float(r[f"stale/lag_hist/{k}"] or 0) > 0]
+        assert sum(n * v for n, v in parts) / sum(n for n, _ in parts) == pytest.approx(float(r["reward/mean"]))
 
 
 @pytest.mark.slow

@@ -237,6 +237,13 @@ def test_the_training_reward_is_filed_under_the_policy_version_that_earned_it():
     sync = {"reward/mean": [(t, float(t)) for t in range(3)], "eval/policy_reward": [(0, 0.5), (2, 0.7)]}
     assert by_version(sync) == {"reward/mean": {0: 0.0, 1: 1.0, 2: 2.0}, "eval/policy_reward": {0: 0.5, 2: 0.7}}
 
+    # asynchronous batches that mix versions 3 and 4 (mean lag 0.5, 1.5, 2.5 at steps 4, 5, 6): each version's
+    # reward under its own version, never the mixed mean under a rounded lag
+    mixed = {"reward/mean": [(4, 0.3), (5, 0.3), (6, 0.3)], "stale/lag": [(4, 0.5), (5, 1.5), (6, 2.5)],
+             "reward/lag/0": [(4, 0.4)], "reward/lag/1": [(4, 0.2), (5, 0.4)], "reward/lag/2": [(5, 0.2), (6, 0.4)],
+             "reward/lag/3": [(6, 0.2)]}
+    assert by_version(mixed) == {"reward/mean": {3: pytest.approx(0.2), 4: pytest.approx(0.4)}}
+
 
 def _versioned(method, s, seed, rewards, lag):
     rec = report_cell("t", method, s, seed, 0.0, reward=float(np.mean(rewards[-2:])))

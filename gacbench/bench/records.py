@@ -130,11 +130,21 @@ def by_version(series: dict[str, list[tuple[int, float]]]) -> dict[str, dict[int
     """A rollout cell's rewards indexed by the policy version that earned them: ``reward/mean`` at step t was
     sampled from theta_{t - lag}, lag the ``stale/lag`` logged at t (0 where none is logged: a synchronous run), so
     it is filed under version t - lag (the mean where several steps share a version, as the first s steps of a
-    stale run all sample theta_0); and, where the cell logs it, ``eval/policy_reward`` at step t under version t
-    (theta_t's own reward). {name: {version: value}}."""
+    stale run all sample theta_0); a step whose batch mixes versions (asynchronous rollouts: a fractional mean
+    lag) is filed by its ``reward/lag/K`` rewards, each under version t - K; and, where the cell logs it,
+    ``eval/policy_reward`` at step t under version t (theta_t's own reward). {name: {version: value}}."""
     lag = {step: v for step, v in series.get("stale/lag", [])}
+    per_lag: dict[int, dict[int, float]] = defaultdict(dict)
+    for name, points in series.items():
+        if name.startswith("reward/lag/") and name.rsplit("/", 1)[1].isdigit():
+            for step, value in points:
+                per_lag[step][int(name.rsplit("/", 1)[1])] = value
     acc: dict[int, list[float]] = defaultdict(list)
     for step, value in series.get("reward/mean", []):
+        if step in per_lag:
+            for k, v in per_lag[step].items():
+                acc[step - k].append(v)
+            continue
         acc[step - int(round(lag.get(step, 0.0)))].append(value)
     out = {"reward/mean": {v: float(np.mean(xs)) for v, xs in sorted(acc.items())}}
     if series.get(POLICY_REWARD):

@@ -228,6 +228,10 @@ class AsyncGRPOSource:
             self.lag_counts[k] += c
         p = self.producer
         hist = {f"stale/lag_hist/{k}": float(n) for k, n in enumerate(counts)}
+        # the reward of each policy version in the batch: a batch that mixes versions has a fractional mean lag,
+        # and its reward/mean belongs to no single version (gacbench.bench.records.by_version reads these)
+        rewards = data["rewards"].reshape(-1).float().cpu()
+        hist.update({f"reward/lag/{k}": float(rewards[lag == k].mean()) for k, n in enumerate(counts) if n})
         self._metrics = {"stale/lag_max": float(lag.max()), **hist,
                          "async/dropped": float(p.step_drops), "async/dropped_total": float(self.total("dropped")),
                          "async/regenerated_total": float(self.total("dropped") + self.total("restart_regenerated")
