@@ -210,7 +210,7 @@ class KillWorkerAt(pl.Callback):
 
 def test_a_dead_rollout_worker_stops_the_run_with_the_fix(tiny_llm_dir):
     m = module(tiny_llm_dir, steps=6, max_staleness=1)
-    with pytest.raises(RuntimeError, match=r"rollout worker 0 \(pid \d+\) died while generating step \d+ .*"
+    with pytest.raises(RuntimeError, match=r"rollout worker 0 \(pid \d+\) died holding step \d+ chunk \d+.*"
                                            r"resume from the last checkpoint.*worker_restarts > 0"):
         make_trainer([KillWorkerAt(2)], max_steps=6).fit(m)
     assert m.rollout_source.producer.closed

@@ -496,7 +496,8 @@ class AsyncRolloutProducer:
     def _worker_died(self, w: _Worker, job: RolloutJob, exc: Exception) -> None:
         lost = [job] + [self._inflight.pop(r)[0] for r in w.outstanding if r in self._inflight]
         w.outstanding.clear()
-        where = f"rollout worker {w.index} (pid {w.pid}) died while generating step {job.step} chunk {job.chunk}"
+        held = ", ".join(f"step {j.step} chunk {j.chunk}" for j in sorted(lost, key=lambda j: (j.step, j.chunk)))
+        where = f"rollout worker {w.index} (pid {w.pid}) died holding {held}"
         if self.restarts_left <= 0:
             raise RuntimeError(f"{where}: {_cause(exc)}. The run stops; resume from the last checkpoint (ckpt_path), "
                                "or set rollout.worker_restarts > 0 to restart dead workers automatically") from None
