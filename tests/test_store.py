@@ -348,23 +348,29 @@ def test_a_signal_stops_the_grid_promptly_writes_the_summary_and_the_rerun_resum
     assert kept == {p: p.stat().st_mtime_ns for p in kept}
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_pool_worker_stops_the_grid_naming_its_cell_and_writes_the_summary(tmp_path):
-    # the worker's fit turns SIGTERM into Lightning's SIGTERMException (a SystemExit): not the cell's failure, and
-    # not a silent exit 0 of the runner
+def grid_with_a_cell_in_flight(tmp_path: Path, timeout: float = 180) -> tuple[subprocess.Popen, Path, int]:
+    """A grid of 8 long cells on 2 pool workers, started in a child process: (the runner, --out, the pid of a
+    worker running a cell, read from the cell's claim)."""
     suite = tiny_suite(tmp_path, steps=4000, seeds=[0, 1, 2, 3])
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out), "--workers", "2",
            "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
-    deadline, worker = time.time() + 180, None
-    while time.time() < deadline and worker is None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
         for record in out.glob("cells/*/*/*/*/.claim"):
             if not (record.parent / "status.json").exists() and record.read_text().strip():
-                worker = json.loads(record.read_text())["pid"]
-                break
+                return proc, out, json.loads(record.read_text())["pid"]
         time.sleep(0.05)
-    assert worker is not None, "no cell in flight"
+    proc.kill()
+    raise AssertionError("no cell in flight")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_pool_worker_stops_the_grid_naming_its_cell_and_writes_the_summary(tmp_path):
+    # the worker's fit turns SIGTERM into Lightning's SIGTERMException (a SystemExit): not the cell's failure, and
+    # not a silent exit 0 of the runner
+    proc, out, worker = grid_with_a_cell_in_flight(tmp_path)
     time.sleep(1.0)  # most likely inside the cell's fit by now (a cell of 4000 steps runs for several seconds)
     os.kill(worker, signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
@@ -384,19 +390,7 @@ def test_sigterm_to_one_pool_worker_stops_the_grid_naming_its_cell_and_writes_th
 def test_a_worker_killed_by_sigkill_ends_the_grid_in_one_line_with_the_summary(tmp_path):
     """The out-of-memory killer's SIGKILL leaves no result: one line naming the likely cause and the fix, exit 1,
     the summary of the stored cells, no traceback."""
-    suite = tiny_suite(tmp_path, steps=4000, seeds=[0, 1, 2, 3])
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "gacbench.cli", "bench", "--suite", str(suite), "--out", str(out), "--workers", "2",
-           "--threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
-    deadline, worker = time.time() + 180, None
-    while time.time() < deadline and worker is None:
-        for record in out.glob("cells/*/*/*/*/.claim"):
-            if not (record.parent / "status.json").exists() and record.read_text().strip():
-                worker = json.loads(record.read_text())["pid"]
-                break
-        time.sleep(0.05)
-    assert worker is not None, "no cell in flight"
+    proc, out, worker = grid_with_a_cell_in_flight(tmp_path)
     os.kill(worker, signal.SIGKILL)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, stdout[-3000:]
