@@ -6,7 +6,8 @@ training_step returned, the gradients after DDP's all-reduce (before GAC), GAC's
 
 METHOD ``mis``: the loss is MIS's (sequence level, threshold 2), and rank 0 lowers the engine log-prob of the
 first completion token of every other rollout by 1 (rho = e^1 > 2): those sequences are rejected on rank 0
-only, so the ranks keep different numbers of tokens and sequences.
+only, so the ranks keep different numbers of tokens and sequences. ``gspo``: GSPO's loss, which aggregates
+seq-mean-token-mean whatever the module's aggregation.
 """
 
 import os
@@ -20,7 +21,7 @@ from conftest import TINY_TASK, make_trainer  # noqa: E402
 
 from gacbench import GAC  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
-from gacbench.stabilizers import MIS  # noqa: E402
+from gacbench.stabilizers import GSPO, MIS  # noqa: E402
 
 STEPS = 2
 
@@ -66,7 +67,7 @@ if __name__ == "__main__":
     out_dir, model_dir, agg = sys.argv[1:4]
     method = sys.argv[4] if len(sys.argv) > 4 else "none"
     rec, gac = Record(reject=method == "mis"), GAC(c_low=0.05, c_high=0.3, warmup=0)
-    callbacks = [rec, gac] + ([MIS()] if method == "mis" else [])
+    callbacks = [rec, gac] + {"mis": [MIS()], "gspo": [GSPO()]}.get(method, [])
     trainer = make_trainer(callbacks, max_steps=STEPS, strategy="ddp", devices=2, accelerator="cpu",
                            use_distributed_sampler=False)
     module = GRPOModule(**settings(model_dir, agg))

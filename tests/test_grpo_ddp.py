@@ -22,17 +22,18 @@ from grpo_ddp_script import STEPS, settings  # noqa: E402
 from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars  # noqa: E402
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
 from gacbench.rollout.engines import Rollout  # noqa: E402
-from gacbench.stabilizers import MIS  # noqa: E402
+from gacbench.stabilizers import GSPO, MIS  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("agg,method", [("token-mean", "none"), ("seq-mean-token-mean", "none"), ("token-mean", "mis"),
-                                        ("seq-mean-token-mean", "mis")])
+                                        ("seq-mean-token-mean", "mis"), ("token-mean", "gspo")])
 def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny_llm_dir, tmp_path, agg, method):
     """With ``mis`` the ranks reject different numbers of tokens and sequences (grpo_ddp_script.py): the loss over
-    the kept tokens of both ranks is still the single process's."""
+    the kept tokens of both ranks is still the single process's. ``gspo`` aggregates over sequences while the
+    module's token-mean scales the ranks by their tokens."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_ddp_script.py"), str(tmp_path), tiny_llm_dir, agg,
                            method],
@@ -45,7 +46,7 @@ def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny
 
     # the single-process reference replays the global batches (rank 0's prompts, then rank 1's) from the same start
     m = GRPOModule(**settings(tiny_llm_dir, agg))
-    m.loss_stabilizer = MIS() if method == "mis" else None
+    m.loss_stabilizer = {"mis": MIS(), "gspo": GSPO()}.get(method)
     opt = torch.optim.AdamW(m.policy.parameters(), lr=m.lr, weight_decay=0.0)
     grads = []
     for t in range(STEPS):

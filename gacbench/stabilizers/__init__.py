@@ -8,6 +8,7 @@ from gacbench.stabilizers.base import (
     LossStabilizer,
     PolicyBatch,
     Stabilizer,
+    across_ranks,
     agg_count,
     agg_loss,
     clipped_surrogate,
@@ -25,9 +26,9 @@ from gacbench.stabilizers.vcpo import VCPO, ess_lr_scale, ess_ratio, opob_advant
 
 __all__ = [
     "AGG_MODES", "BAPO", "CISPO", "DecoupledPPO", "DualClipPPO", "GSPO", "IcePop", "LossStabilizer", "M2PO",
-    "M2POThreshold", "MIS", "PolicyBatch", "Stabilizer", "StalenessLR", "TIS", "TISEngine", "VCPO", "agg_count",
-    "agg_loss", "bapo_bounds", "bapo_search", "cispo_loss", "clipped_surrogate", "decoupled_ppo_loss", "dual_clip_loss",
-    "ess_lr_scale", "ess_ratio", "find_loss_stabilizer", "gspo_loss", "icepop_loss", "m2po_mask", "m2po_mask_areal",
-    "m2po_official_bounds", "mis_loss", "opob_advantages", "over_kept_tokens", "policy_loss", "resolve_loss_stabilizer",
-    "staleness_lr_scale", "tis_engine_loss",
+    "M2POThreshold", "MIS", "PolicyBatch", "Stabilizer", "StalenessLR", "TIS", "TISEngine", "VCPO", "across_ranks",
+    "agg_count", "agg_loss", "bapo_bounds", "bapo_search", "cispo_loss", "clipped_surrogate", "decoupled_ppo_loss",
+    "dual_clip_loss", "ess_lr_scale", "ess_ratio", "find_loss_stabilizer", "gspo_loss", "icepop_loss", "m2po_mask",
+    "m2po_mask_areal", "m2po_official_bounds", "mis_loss", "opob_advantages", "over_kept_tokens", "policy_loss",
+    "resolve_loss_stabilizer", "staleness_lr_scale", "tis_engine_loss",
 ]

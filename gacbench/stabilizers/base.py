@@ -141,7 +141,7 @@ def agg_count(mask: Tensor, mode: str) -> Tensor:
     mask = mask.bool()
     if mode == "token-mean":
         return mask.sum()
-    return mask.any(-1).sum() if mask.dim() > 1 else mask.sum()
+    return mask.any(-1).sum() if mask.dim() > 1 else mask.any().to(torch.int64)  # a 1-D mask: one sequence
 
 
 def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
@@ -167,21 +167,28 @@ def agg_loss(per_token: Tensor, mask: Tensor, mode: str = "token-mean") -> Tenso
     raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
 
 
-def over_kept_tokens(loss: Tensor, kept: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """A loss aggregated over ``kept``, a part of the batch's ``mask`` (the tokens a rejection leaves), made right
-    across data-parallel ranks. The GRPO module scales each rank's loss by its share of the ``mask``'s count
-    (``gacbench.llm.data_parallel``); this multiplies it by (c(kept) / c(mask)) on this rank times (C(mask) /
-    C(kept)) over all ranks (c: :func:`agg_count`), so that the ranks' averaged gradient is that of the loss
-    over every rank's kept tokens, as one process holding the whole batch computes it. One all-reduce of two
-    numbers; ``loss`` unchanged on one process."""
+def across_ranks(loss: Tensor, used: Tensor, used_mode: str, mask: Tensor, mode: str) -> Tensor:
+    """A loss aggregated with ``used_mode`` over ``used`` (a part of the batch's ``mask``, or all of it), made right
+    across data-parallel ranks. The GRPO module scales each rank's loss by that rank's share of what the module's
+    aggregation ``mode`` counts over ``mask`` (``gacbench.llm.data_parallel``); this multiplies it by
+    (c_used / c_mask) on this rank times (C_mask / C_used) over all ranks (c, C: :func:`agg_count` under each
+    mode), so that the ranks' averaged gradient is that of the loss over every rank's ``used`` tokens, as one
+    process holding the whole batch computes it. One all-reduce of two numbers; ``loss`` unchanged on one
+    process."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return loss
-    local = torch.stack([agg_count(kept, mode), agg_count(mask, mode)]).to(torch.float64)
+    local = torch.stack([agg_count(used, used_mode), agg_count(mask, mode)]).to(torch.float64)
     total = global_sum(local)
     if float(local[0]) == 0.0 or float(total[0]) == 0.0:
         return loss  # nothing kept on this rank: its loss is 0 already
     factor = (local[0] / local[1].clamp_min(1.0)) * (total[1] / total[0])
     return loss * factor.to(loss.dtype)
+
+
+def over_kept_tokens(loss: Tensor, kept: Tensor, mask: Tensor, mode: str) -> Tensor:
+    """A loss aggregated with the module's ``mode`` over ``kept``, the tokens a rejection leaves of ``mask``, made
+    right across data-parallel ranks (:func:`across_ranks`)."""
+    return across_ranks(loss, kept, mode, mask, mode)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from torch import Tensor
 from gacbench.stabilizers.base import (
     LossStabilizer,
     PolicyBatch,
+    across_ranks,
     agg_loss,
     check_positive,
     clipped_surrogate,
@@ -41,6 +42,7 @@ def gspo_loss(batch: PolicyBatch, clip_low: float = 3e-4, clip_high: float = 4e-
     s_tok = torch.exp(log_s.detach() + logp - logp.detach())
     per_token, clipped = surrogate_terms(s_tok, sanitize(batch.adv, m), 1.0 - clip_low, 1.0 + clip_high)
     loss = agg_loss(per_token, m, "seq-mean-token-mean")
+    loss = across_ranks(loss, m, "seq-mean-token-mean", m, batch.agg)  # under DDP: the method's own aggregation
     s = torch.exp(log_s.detach()).expand_as(log_r)
     metrics = {"pg/clipfrac": masked_mean(clipped.float(), m), "gspo/seq_ratio_mean": masked_mean(s, m),
                "gspo/clip_low": clip_low, "gspo/clip_high": clip_high, **ratio_metrics(torch.exp(log_r), m)}
