@@ -185,6 +185,21 @@ def test_gradient_references_do_not_depend_on_the_order(reference, kernels):
         torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
 
 
+def test_fused_adamw_leaves_the_step_to_the_optimizer_before_a_callback_that_scales_the_learning_rate():
+    """A learning-rate scale applied in a later callback's on_before_optimizer_step must reach the shrunk and
+    projected steps too: listed before it, the fused path leaves those steps to the optimizer."""
+    from gacbench.stabilizers import StalenessLR
+
+    runs = []
+    for kernels in ("eager", "fused-adamw"):
+        gac = GAC(c_low=0.0, c_high=0.3, kernels=kernels)
+        model = UserRegressor(optimizer="adamw")
+        make_trainer([StalenessSimulator(4), gac, StalenessLR()], max_steps=12).fit(model)
+        assert gac.changed > 0
+        runs.append(flat_params(model))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+
+
 class RawGradients(pl.Callback):
     """Listed before GAC: the raw gradient of every step, as float64."""
 

@@ -265,11 +265,13 @@ class GAC(Callback):
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
         check_no_replicated_shards(self._params, "GAC")
         # fixed for the fit as well: whether the reference may alias p.grad on kept steps, and whether the
-        # fused-adamw path may take the optimizer's step inside this hook (not when a later callback swaps the
-        # parameters back to theta_t in the same hook: the step would be taken from its stale iterate)
+        # fused-adamw path may take the optimizer's step inside this hook: not when a callback listed after GAC
+        # has an on_before_optimizer_step, which would run after that step (a simulator putting theta_t back
+        # over the step taken from its stale iterate, a learning-rate scale the step did not use, a monitor
+        # finding p.grad None)
         self._alias = gradients_stay_put(trainer, pl_module, self)
         later = trainer.callbacks[trainer.callbacks.index(self) + 1 :] if self in trainer.callbacks else []
-        self._may_fuse = not any(getattr(cb, "swaps_parameters", False) for cb in later)
+        self._may_fuse = not any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in later)
         self.transform.names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "GAC", self.transform.names)
         if self.step_transform is not None:
