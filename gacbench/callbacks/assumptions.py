@@ -8,10 +8,11 @@ Every ``every`` optimizer steps, at the current parameters theta_t and before th
   on the *same* batch, so the batch noise cancels where it does not depend on theta; the running
   maximum is logged. For a quadratic the secant lies in [mu, L] exactly.
 - eta_eff, the step actually taken as an SGD step size: ||theta_t - theta_{t-1}|| / ||g_{t-1}||, g_{t-1} the
-  gradient the optimizer received at step t - 1 (``p.grad`` when this callback's ``on_before_optimizer_step``
-  runs: the delayed gradient under StalenessSimulator, after any gradient-side callback listed before it). It
-  equals the learning rate for SGD, noisy or stale; for Adam it is the preconditioned step's scale, the number
-  to set against eta_max (an SGD step size) when the optimizer is not SGD;
+  gradient the optimizer applied at step t - 1 (``p.grad`` right after that step: the delayed gradient under
+  StalenessSimulator, after clipping and any gradient-side callback). It equals the learning rate for SGD, noisy,
+  stale or clipped; for Adam it is the preconditioned step's scale, the number to set against eta_max (an SGD
+  step size) when the optimizer is not SGD; a step whose gradient was taken by the optimizer's fused path
+  (``GAC(kernels="fused-adamw")`` sets ``p.grad`` to None) has none;
 - the realised staleness (the logged ``stale/lag`` in ``trainer.callback_metrics``: StalenessSimulator
   logs it, and so does a stale-rollout module in its training_step; 0 when nothing logs it), its
   running maximum s, and eta_max, the largest step with L eta + L^2 eta^2 s^2 <= 1 - delta
@@ -64,7 +65,8 @@ class AssumptionMonitor(Callback):
         self.s_max = 0
         self._prev_batch: Any = None
         self._prev_theta: list[torch.Tensor] | None = None
-        self._applied_norm: float | None = None  # ||g|| received by the optimizer at the step before a measurement
+        self._applied_norm: float | None = None  # ||g|| the optimizer applied at the step before a measurement
+        self._applied_at = -1  # the global step after which it was read
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -141,7 +143,15 @@ class AssumptionMonitor(Callback):
         lag = trainer.callback_metrics.get("stale/lag")
         if lag is not None:
             self.s_max = max(self.s_max, int(lag))
-        if (trainer.global_step + 1) % self.every == 0:  # the step before a measurement: eta_eff's denominator
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: Any, batch_idx: int) -> None:
+        # the step before a measurement has just been taken: p.grad holds the gradient the optimizer applied
+        # (after clipping and every gradient-side callback; the next batch's backward has not run), eta_eff's
+        # denominator. Under accumulation only the micro-batch that stepped counts.
+        t = trainer.global_step
+        if t % self.every == 0 and t != self._applied_at:
+            self._applied_at = t
             grads = [p.grad for p in self._params if p.grad is not None]
             self._applied_norm = math.sqrt(float(sq_norm(grads))) if grads else None
 
