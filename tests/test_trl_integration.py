@@ -184,6 +184,8 @@ def test_a_resumed_trainer_refuses_gac_state_of_other_settings_or_another_step(t
     saved = tmp_path / "full" / "checkpoint-4"
     with pytest.raises(UsageError, match="resume with the same settings"):
         regress(tmp_path / "other", settings={**RESUMED, "c_high": 0.4}, resume=str(saved), args_resume=str(saved))
+    # the same settings written otherwise (a default given or left out) resume
+    regress(tmp_path / "same", settings={**RESUMED, "shrink": "component"}, resume=str(saved), args_resume=str(saved))
     shutil.copy(tmp_path / "full" / "checkpoint-8" / STATE_FILE, saved / STATE_FILE)
     with pytest.raises(UsageError, match="state at step 8, but training resumes at step 4"):
         regress(tmp_path / "moved", resume=str(saved), args_resume=str(saved))

@@ -475,6 +475,7 @@ def _run(args, started: dict[str, Any] | None, phase: list[str]) -> int:
     if not any(c["method"] == "sync" for c in cells) and not any(is_done(out, sync_cell(c)) for c in cells):
         console.print("[yellow]note[/]: no sync cell in this grid (sync needs staleness 0) or done in --out: the "
                       "recovered shares cannot be computed")
+    writing_summary = ["while writing the summary", f"the cells are stored: `gacbench report {out}` writes it"]
     try:
         timing = run_grid(cells, out, args.workers, args.executor, console,
                           rerun_other_versions=getattr(args, "rerun_other_versions", False), threads=threads,
@@ -485,16 +486,18 @@ def _run(args, started: dict[str, Any] | None, phase: list[str]) -> int:
         by = signal.Signals(stop.signum).name + (f" sent to {stop.where}" if stop.where else "")
         print(f"gacbench bench: stopped by {by}: {done} of {len(cells)} cells done and "
               f"stored, the cells in flight will be recomputed; resume with: {resume_command(args)}", flush=True)
+        phase[:] = writing_summary
         _write_summary(out, cells, suite.get("families"))
         return 128 + stop.signum
     except WorkerDied as exc:  # killed (most often by the out-of-memory killer): the stored cells stay
         print(f"gacbench bench: {exc}", flush=True)
+        phase[:] = writing_summary
         _write_summary(out, cells, suite.get("families"))
         return 1
     except Exception as exc:
         _raise_if_disk_full(exc)
         raise
-    phase[:] = ["while writing the summary", f"the cells are stored: `gacbench report {out}` writes it"]
+    phase[:] = writing_summary
     report = _write_summary(out, cells, suite.get("families"))
     if timing["ran"]:  # the run from its process's start to here: after summary.json, so only in timing.json
         timing = outside_fields(timing, time.time())

@@ -506,8 +506,8 @@ class GACTransform:
         if not isinstance(state, Mapping) or set(state) not in ({"has_ref", "ref"}, {"has_ref", "ref", "ref_sq"}):
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
-                "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref', 'ref' and "
-                f"'ref_sq'; got {found}. The checkpoint was written by a different version of gacbench: resume "
+                "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref' and 'ref' (and "
+                f"'ref_sq'); got {found}. The checkpoint was written by a different version of gacbench: resume "
                 "from one written by this version."
             )
         flat, has_ref = state["ref"], bool(state["has_ref"])

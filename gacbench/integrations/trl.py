@@ -141,7 +141,7 @@ class GACCallback(TrainerCallback):
         if saved.get("global_step") != step:
             raise UsageError(f"GACCallback: {path} holds GAC's state at step {saved.get('global_step')}, but training "
                              f"resumes at step {step}; resume from the checkpoint that file belongs to")
-        if saved.get("settings") != self.settings:
+        if not isinstance(saved.get("settings"), dict) or GACSettings.pick(saved["settings"]) != self.config:
             raise UsageError(f"GACCallback: {path} was written with the settings {saved.get('settings')}, and this "
                              f"callback has {self.settings}; resume with the same settings (or start a new run)")
         self.gac.load_state_dict(saved["gac"])
