@@ -14,8 +14,8 @@ and the loss is scaled so that one optimizer step equals the single-process step
   seq-mean modes: ``gacbench.stabilizers.base.agg_count``) and C that count over all ranks (one all-reduce of
   a scalar per step, as verl normalises by the global token count), so that the average of the ranks'
   gradients is the gradient of the global aggregate. A loss that aggregates over fewer tokens than the
-  batch's mask (MIS's and M2PO's AReaL-variant rejection) corrects this to its own kept tokens
-  (``over_kept_tokens``).
+  batch's mask (MIS's and M2PO's AReaL-variant rejection: ``over_kept_tokens``) or in another mode than the
+  module's (GSPO's seq-mean-token-mean) corrects this to its own count (``across_ranks``).
 - Loss-side stabilizers whose loss uses batch-level statistics (M2PO's masks and bounds, BAPO's bound search,
   VCPO's ESS) compute those statistics over all ranks' tokens (one all-gather or all-reduce), as one process
   holding the whole batch would.

@@ -577,7 +577,7 @@ class GRPOModule(Objective):
         loss, metrics = self.policy_loss(data, lag)
         self._consumed = {k: v for k, v in self._consumed.items() if k == self.global_step - 1}
         self._consumed[self.global_step] = (_loader_item(batch), data)
-        loss = data_parallel_loss(self, loss, data["packed"]["mask"])  # DDP with token-mean: the global token count
+        loss = data_parallel_loss(self, loss, data["packed"]["mask"])  # under DDP: the count of all ranks
         metrics.update({"stale/lag": float(lag), "reward/mean": data["rewards"].mean(), **self._times,
                         # generated tokens per response of the batch trained on, its eos included where generated
                         "response/tokens_mean": data["packed"]["mask"].sum(-1).float().mean(),
