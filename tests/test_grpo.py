@@ -571,3 +571,28 @@ def test_the_policy_batch_carries_each_sequences_lag(model_dir, monkeypatch):
     # an asynchronous batch's own lags win over the step's
     lags = GRPOModule._batch_lag({"sample_lag": torch.arange(B)}, 3, B, "cpu")
     assert lags.tolist() == [float(i) for i in range(B)]
+
+
+def test_a_reward_that_returns_an_int_or_a_bool_trains_as_its_float(model_dir):
+    """A reward written as ``int(c == a)`` or ``c == a`` gives the same rewards and advantages as ``float(c == a)``."""
+    from gacbench.rollout.engines import Rollout
+
+    m = module(model_dir, group=2)
+    problems = m.task.batch("train", 0, 1)
+    groups = [[Rollout([1], [5], [-0.1], 0), Rollout([1], [6], [-0.2], 0)]]
+    answer = m.reward  # each kind compares a completion's text with the first completion's
+    first = None
+    out = []
+    for kind in (float, int, bool):
+        def reward(text, gold, kind=kind):
+            nonlocal first
+            first = text if first is None else first
+            return kind(text == first)
+
+        m.reward = reward
+        data = m.batch_from_groups(problems, groups)
+        assert data["rewards"].dtype == torch.float32
+        out.append((data["rewards"].tolist(), data["adv"].tolist()))
+        first = None
+    m.reward = answer
+    assert out[0] == out[1] == out[2] and out[0][0] == [[1.0, 0.0]]

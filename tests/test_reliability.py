@@ -206,6 +206,19 @@ def test_a_status_claiming_done_without_its_fields_is_not_done(tmp_path):
     assert run_cell(cell, tmp_path)["final"] is not None  # recomputed
 
 
+def test_a_quadratic_started_at_its_optimum_settles_at_the_noise_floor_without_diverging(tmp_path):
+    """From theta* (init_scale 0) SGD settles at a gap of order lr sigma2 above a start of 0: not a divergence; an
+    exploding run still is."""
+    from gacbench.bench.cell import run_cell
+
+    cell = {"task": "q", "objective": "quadratic", "params": {"init_scale": 0.0}, "steps": 100, "method": "stale",
+            "staleness": 2, "seed": 0}
+    ran = run_cell(cell, tmp_path)
+    assert ran["status"] == "done" and ran["initial"] == 0.0 and ran["final"] > 0.0 and not ran["diverged"]
+    exploding = {**cell, "params": {"init_scale": 0.0, "lr": 20.0}, "steps": 60}
+    assert run_cell(exploding, tmp_path / "exploding")["diverged"]
+
+
 def test_a_diverged_cell_s_status_is_strict_json_and_the_cell_is_reused_and_counted(tmp_path):
     import math
 

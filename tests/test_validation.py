@@ -94,6 +94,8 @@ def test_the_grpo_constructor_runs_the_runners_check_before_loading_anything(mon
     ("bandit", "advantage", "gae", "SoftmaxBandit: advantage='gae': unknown advantage estimator 'gae'"),
     ("sequence", "vocab", 1, "SequencePolicy: vocab=1 must be an integer >= 2"),
     ("sequence", "clip_high", math.inf, "SequencePolicy: clip_high=inf must be a finite number"),
+    ("sequence", "clip_low", 1.5, "SequencePolicy: clip_low=1.5 must be a finite number in [0, 1)"),
+    ("bandit", "clip_high", -0.3, "SoftmaxBandit: clip_high=-0.3 must be a finite number >= 0"),
 ])
 def test_each_synthetic_objective_and_the_runner_refuse_the_same_settings(name, key, value, message):
     cls = objective_class(name)

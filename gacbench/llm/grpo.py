@@ -731,8 +731,9 @@ class GRPOModule(Objective):
         flat: list[Rollout] = [x for g in groups for x in g]
         self._tokens += sum(len(x.completion_ids) for x in flat)
         special = frozenset(self.tok.all_special_ids)
-        rewards = torch.tensor([[self.reward(completion_text(self.tok, x.completion_ids, special), p.answer)
-                                 for x in g] for g, p in zip(groups, problems)])
+        # float32 whatever the reward function returns (an int or a bool, e.g. ``int(c == a)``, is a number too)
+        rewards = torch.tensor([[float(self.reward(completion_text(self.tok, x.completion_ids, special), p.answer))
+                                 for x in g] for g, p in zip(groups, problems)], dtype=torch.float32)
         packed = self._pack(flat)
         engine_lp = torch.zeros(packed["mask"].shape)
         for i, x in enumerate(flat):

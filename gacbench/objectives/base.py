@@ -82,7 +82,8 @@ def check_finite(owner: str, params: Mapping[str, Any], prefix: str = "") -> Non
 
 def check_policy_settings(owner: str, params: Mapping[str, Any]) -> None:
     """The settings the rollout objectives (the bandit, the sequence policy) share: ``staleness`` >= 0, ``group`` >= 2,
-    ``prompts`` and ``contexts`` >= 1, ``advantage`` a registered estimator."""
+    ``prompts`` and ``contexts`` >= 1, ``advantage`` a registered estimator, ``clip_low`` in [0, 1) and ``clip_high``
+    >= 0 (the policy loss's clip range)."""
     from gacbench.rollout.advantages import advantage_fn
 
     if "staleness" in params:
@@ -94,6 +95,10 @@ def check_policy_settings(owner: str, params: Mapping[str, Any]) -> None:
             check_range(owner, key, params[key], 1, integer=True)
     if "advantage" in params:
         check_lookup(owner, "advantage", params["advantage"], advantage_fn)
+    if "clip_low" in params:  # the clip range PolicyBatch takes: [1 - clip_low, 1 + clip_high]
+        check_range(owner, "clip_low", params["clip_low"], 0, 1, hi_open=True)
+    if "clip_high" in params:
+        check_range(owner, "clip_high", params["clip_high"], 0)
 
 
 def given_settings(local: Mapping[str, Any]) -> dict[str, Any]:

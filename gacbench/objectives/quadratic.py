@@ -61,6 +61,11 @@ class NoisyQuadratic(Objective):
         return 0.5 * (self.eigs * delta * delta).sum()
 
     @torch.no_grad()
+    def diverged(self, initial: float, final: float) -> bool:
+        """As every objective's, with the start's gap taken at least sigma2: a run started at or near the optimum
+        (``init_scale`` ~ 0) settles at SGD's noise floor, a gap of order lr sigma2, which is not a divergence."""
+        return super().diverged(max(initial, self.sigma2), final)
+
     def metric(self) -> float:
         return float(self.gap())
 
