@@ -77,6 +77,12 @@ def _never_writes_gradients(optimizer: torch.optim.Optimizer) -> bool:
     return step is torch.optim.SGD.step and not any(g.get("nesterov", False) for g in optimizer.param_groups)
 
 
+def listed_after(trainer: "pl.Trainer", callback: Callback) -> list[Callback]:
+    """The trainer's callbacks listed after ``callback`` (whose hooks Lightning calls after its own)."""
+    cbs = trainer.callbacks
+    return cbs[cbs.index(callback) + 1 :] if callback in cbs else []
+
+
 def gradients_stay_put(trainer: "pl.Trainer", pl_module: "pl.LightningModule", gac: Callback) -> bool:
     """Whether nothing writes ``p.grad`` in place between GAC's ``on_before_optimizer_step`` and the next
     ``zero_grad``, so that on a kept step GAC's reference may be ``p.grad`` itself (no copy): no clipping after
@@ -86,9 +92,8 @@ def gradients_stay_put(trainer: "pl.Trainer", pl_module: "pl.LightningModule", g
     if clips_after_hook(trainer, pl_module) or is_overridden("on_before_optimizer_step", pl_module,
                                                              pl.LightningModule):
         return False
-    later = trainer.callbacks[trainer.callbacks.index(gac) + 1 :] if gac in trainer.callbacks else []
     if any(is_overridden("on_before_optimizer_step", cb, Callback) and not getattr(cb, "keeps_gradients", False)
-           for cb in later):
+           for cb in listed_after(trainer, gac)):
         return False
     return all(_never_writes_gradients(opt) for opt in trainer.optimizers)
 
@@ -249,8 +254,7 @@ class GAC(Callback):
         """``reference="update"`` reads theta_t in ``on_before_optimizer_step``: a callback listed after GAC
         that declares ``swaps_parameters`` has not yet put theta_t back at that point, so GAC would read its
         stale iterate and build its reference from the wrong parameters."""
-        later = trainer.callbacks[trainer.callbacks.index(self) + 1 :] if self in trainer.callbacks else []
-        for cb in later:
+        for cb in listed_after(trainer, self):
             if getattr(cb, "swaps_parameters", False):
                 name = type(cb).__name__
                 raise ValueError(
@@ -270,8 +274,8 @@ class GAC(Callback):
         # over the step taken from its stale iterate, a learning-rate scale the step did not use, a monitor
         # finding p.grad None)
         self._alias = gradients_stay_put(trainer, pl_module, self)
-        later = trainer.callbacks[trainer.callbacks.index(self) + 1 :] if self in trainer.callbacks else []
-        self._may_fuse = not any(is_overridden("on_before_optimizer_step", cb, Callback) for cb in later)
+        self._may_fuse = not any(is_overridden("on_before_optimizer_step", cb, Callback)
+                                 for cb in listed_after(trainer, self))
         self.transform.names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "GAC", self.transform.names)
         if self.step_transform is not None:
