@@ -96,6 +96,10 @@ def test_the_grpo_constructor_runs_the_runners_check_before_loading_anything(mon
     ("sequence", "clip_high", math.inf, "SequencePolicy: clip_high=inf must be a finite number"),
     ("sequence", "clip_low", 1.5, "SequencePolicy: clip_low=1.5 must be a finite number in [0, 1)"),
     ("bandit", "clip_high", -0.3, "SoftmaxBandit: clip_high=-0.3 must be a finite number >= 0"),
+    ("quadratic", "seed", 1.5, "NoisyQuadratic: seed=1.5 must be an integer (it seeds torch's generator)"),
+    ("mlp", "seed", "7", "MLPClassifier: seed='7' must be an integer"),
+    ("sequence", "seed", True, "SequencePolicy: seed=True must be an integer"),
+    ("sequence", "shared_bias", "no", "SequencePolicy: shared_bias='no' must be true or false"),
 ])
 def test_each_synthetic_objective_and_the_runner_refuse_the_same_settings(name, key, value, message):
     cls = objective_class(name)

@@ -53,6 +53,13 @@ def check_range(owner: str, key: str, value: Any, lo: float | None = None, hi: f
     raise SettingError(f"{owner}: {key}={value!r} must be {kind}{bound}{f' ({why})' if why else ''}", key, value)
 
 
+def check_bool(owner: str, key: str, value: Any) -> None:
+    """Raise :class:`SettingError` unless ``value`` is True or False (a switch given as a string, "no" or "0", would
+    otherwise read as true or fail deep inside torch)."""
+    if not isinstance(value, bool):
+        raise SettingError(f"{owner}: {key}={value!r} must be true or false", key, value)
+
+
 def check_name(owner: str, key: str, value: Any, names: Any, what: str) -> None:
     """Raise :class:`SettingError` unless ``value`` is one of ``names`` (a registry's keys); ``what`` names them."""
     if value not in names:
@@ -134,10 +141,13 @@ class Objective(pl.LightningModule):
         accepted, for any of the constructor arguments ``params`` that the constructor would refuse; keys this
         objective does not know are left to the caller. Cheap (no data, model or engine is built): the bench runner
         calls it for every task before running any cell, and each constructor calls its own class's, so the two
-        cannot disagree. Here: every number finite, ``lr`` > 0, ``steps`` and ``eval_every`` >= 1, ``optimizer``
-        one of :data:`OPTIMIZERS`; subclasses add their own checks after ``super().check_settings(params)``."""
+        cannot disagree. Here: every number finite, ``seed`` an integer, ``lr`` > 0, ``steps`` and ``eval_every``
+        >= 1, ``optimizer`` one of :data:`OPTIMIZERS`; subclasses add their own checks after
+        ``super().check_settings(params)``."""
         owner = cls.__name__
         check_finite(owner, params)
+        if "seed" in params:
+            check_range(owner, "seed", params["seed"], integer=True, why="it seeds torch's generator")
         for key in ("steps", "eval_every"):
             if key in params:
                 check_range(owner, key, params[key], 1, integer=True)

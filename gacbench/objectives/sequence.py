@@ -41,6 +41,7 @@ import torch
 
 from gacbench.objectives.base import (
     Objective,
+    check_bool,
     check_policy_settings,
     check_range,
     given_settings,
@@ -87,6 +88,8 @@ class SequencePolicy(Objective):
         (:func:`~gacbench.objectives.base.check_policy_settings`) and the checks of every objective."""
         super().check_settings(params)
         check_policy_settings(cls.__name__, params)
+        if "shared_bias" in params:
+            check_bool(cls.__name__, "shared_bias", params["shared_bias"])
         for key, lo in (("dim", 1), ("length", 1), ("vocab", 2)):
             if key in params:
                 check_range(cls.__name__, key, params[key], lo, integer=True)
