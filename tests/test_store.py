@@ -1,6 +1,7 @@
 """The cell store and the grid runner under stress: concurrent runners, provenance, signals, a full disk,
 settings mixed in one directory, and the done check."""
 
+import csv
 import errno
 import json
 import os
@@ -582,3 +583,24 @@ def test_a_metrics_csv_without_exactly_its_last_steps_row_is_not_done(tmp_path):
     assert stored_done(tmp_path, CELL) is None
     assert run_cell(CELL, tmp_path).get("reused") is None  # recomputed
     assert last in steps_of(path)
+
+
+def test_a_metrics_csv_without_the_drift_after_the_last_step_is_not_done(tmp_path):
+    status = run_cell(CELL, tmp_path)
+    path = cell_dir(tmp_path, CELL) / "metrics.csv"
+    n = status["steps_run"]
+    rows = list(csv.DictReader(path.open()))
+    drift_at = [int(float(r["step"])) for r in rows if r["param/drift"] != ""]
+    assert max(drift_at) == n  # DriftMonitor's update after the last step is logged at the number of steps taken
+    lines = path.read_text().splitlines(keepends=True)
+    header = lines[0].rstrip("\n").split(",")
+    at, col = header.index("step"), header.index("param/drift")
+    # that update's row dropped; the final evaluation's rows at step n stay, so step n still has rows
+    kept = [line for line in lines[1:] if not (int(float(line.split(",")[at])) == n and line.split(",")[col] != "")]
+    assert len(kept) == len(lines) - 2 and n in {int(float(line.split(",")[at])) for line in kept}
+    path.write_text(lines[0] + "".join(kept))
+    assert metrics_problem(path, n) == (f"{path} has no param/drift at step {n} (DriftMonitor's update after the "
+                                        f"last of the {n} steps the run took)")
+    assert stored_done(tmp_path, CELL) is None
+    assert run_cell(CELL, tmp_path).get("reused") is None  # recomputed
+    assert n in {int(float(r["step"])) for r in csv.DictReader(path.open()) if r["param/drift"] != ""}

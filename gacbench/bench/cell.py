@@ -185,11 +185,18 @@ def _short(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200] or type(exc).__name__
 
 
+#: DriftMonitor's column: logged after every optimizer step, at the number of steps taken
+DRIFT = "param/drift"
+
+
 def metrics_problem(path: Path, steps_run: Any) -> str | None:
     """Why ``path`` (a finished cell's metrics.csv) is incomplete, or None: it must exist, end with a
     newline, have a header with a ``step`` column, rows with as many fields as the header, numbers
-    only, and a row for the last step the run took (``steps_run - 1``: every step is logged; the rows
-    logged after training, at step ``steps_run``, do not count for it)."""
+    only, a row for the last step the run took (``steps_run - 1``: every step is logged; the rows
+    logged after training, at step ``steps_run``, do not count for it) and, where the file has a
+    ``param/drift`` column, DriftMonitor's update after that step, logged at step ``steps_run``: the
+    summaries read the drift as its last value, so without that row they would quietly report the drift
+    one step earlier."""
     import csv
 
     if not path.is_file():
@@ -212,6 +219,8 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
     at = header.index("step")
     last = -1
     steps: set[int] = set()
+    drift = header.index(DRIFT) if DRIFT in header else None
+    drift_steps: set[int] = set()
     for i, row in enumerate(body, start=2):
         if len(row) != len(header):
             return f"{path} is truncated (line {i} has {len(row)} of {len(header)} fields)"
@@ -224,12 +233,17 @@ def metrics_problem(path: Path, steps_run: Any) -> str | None:
             return f"{path} is corrupt (line {i} holds a value that is not a number)"
         last = max(last, step)
         steps.add(step)
+        if drift is not None and row[drift] != "":
+            drift_steps.add(step)
     need = int(steps_run) - 1 if isinstance(steps_run, (int, float)) and not isinstance(steps_run, bool) else 0
     if last < need:
         return (f"{path} is truncated (its last row is step {last}, the run took {int(steps_run)} steps)" if body
                 else f"{path} has a header but no rows")
     if need >= 0 and need not in steps:  # rows logged after the last step (the final eval) do not stand in for it
         return f"{path} has no row for step {need}, the last of the {int(steps_run)} steps the run took"
+    if drift is not None and need >= 0 and need + 1 not in drift_steps:
+        return (f"{path} has no {DRIFT} at step {need + 1} (DriftMonitor's update after the last of the "
+                f"{int(steps_run)} steps the run took)")
     return None
 
 
