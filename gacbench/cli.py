@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "stored runs")
     p.add_argument("dir", help="a directory written by gacbench bench")
     p.add_argument("--suite", default=None, help="the suite whose multiplicity families (its families: key) adjust "
-                   "the p-values; default: the default families (docs/bench.md)")
+                   "the p-values; default: the families that built DIR's summary.json (declared_families), else the "
+                   "default families (docs/bench.md)")
 
     p = sub.add_parser("power", help="how many seeds a target recovered share needs to be detectable, from a pilot "
                        "grid's paired seed noise and gap")

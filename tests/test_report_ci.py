@@ -18,7 +18,7 @@ from gacbench.bench.report import (
     degrade_threshold,
     group_records,
     markdown,
-    mean_bootstrap_ci,
+    mean_t_interval,
     paired_difference,
     recovered_shares,
     regime_points,
@@ -33,7 +33,28 @@ from gacbench.usage import UsageError
 def test_equal_seeds_give_a_zero_width_interval():
     sync, stale, method = np.full(4, 1.0), np.full(4, 5.0), np.full(4, 2.0)
     assert share_bootstrap_ci(sync, stale, method) == pytest.approx((0.75, 0.75))
-    assert mean_bootstrap_ci(np.full(3, 0.2)) == pytest.approx((0.2, 0.2))
+    assert mean_t_interval(np.full(3, 0.2)) == pytest.approx((0.2, 0.2))
+
+
+def test_the_interval_of_a_mean_is_the_t_interval_by_hand():
+    # 1, 2, 3: mean 2, sd 1, t_{0.975, 2} = 4.302653 -> 2 +- 4.302653 / sqrt(3)
+    low, high = mean_t_interval(np.array([1.0, 2.0, 3.0]))
+    assert (low, high) == pytest.approx((2.0 - 2.484138, 2.0 + 2.484138), abs=1e-6)
+    # two seeds: t_{0.975, 1} = 12.7062 times sd / sqrt(2), far wider than the range [0.1, 0.2] a percentile
+    # bootstrap of two seeds gives (which covers about half the time)
+    assert mean_t_interval(np.array([0.1, 0.2])) == pytest.approx((0.15 - 0.635310, 0.15 + 0.635310), abs=1e-6)
+    assert all(math.isnan(v) for v in mean_t_interval(np.array([0.3])))
+    assert mean_t_interval(np.array([1.0, math.nan, 2.0, 3.0])) == pytest.approx((low, high))  # NaN left out
+    d = np.random.default_rng(0).normal(0.0, 1.0, 7)
+    t = paired_difference(d, np.zeros(7))
+    assert mean_t_interval(d) == pytest.approx((t["ci_low"], t["ci_high"]))
+
+
+def test_the_interval_of_a_mean_covers_at_its_level_on_few_seeds():
+    rng = np.random.default_rng(1)
+    for n in (2, 3, 5):
+        hits = sum(lo <= 0.0 <= hi for lo, hi in (mean_t_interval(rng.normal(0.0, 1.0, n)) for _ in range(4000)))
+        assert 0.935 <= hits / 4000 <= 0.965, (n, hits)
 
 
 def test_share_interval_on_a_hand_checkable_case():
@@ -174,6 +195,13 @@ def test_ablation_shares_against_a_hand_computation():
                   recovered_shares(groups, "reward_last", cells=cells + abl))
     table = md[md.index("## Threshold ablation"):]
     assert "in the training reward" in table and "| 0.25 [0.25, 0.25] | +0.05 " in table
+    assert "| 0.16 ± 0.0082 |" in table  # the ablation point's training reward, mean ± sd over its three seeds
+    one = [a for a in abl if a["seed"] == 0]  # a single seed of the ablation point: its mean, no "± 0"
+    groups = group_records(cells + one)
+    md = markdown(cells + one, groups, recovered_shares(groups, cells=cells + one), Path("x"),
+                  recovered_shares(groups, "reward_last", cells=cells + one))
+    table = md[md.index("## Threshold ablation"):]
+    assert "| 0.15 (n = 1) |" in table and "± 0 " not in table
 
 
 def test_a_stored_ablation_grid_gets_shares_and_figure_5(tmp_path):
@@ -216,7 +244,9 @@ def test_regime_points_by_hand():
     p = points[("small", 1e-3, 8)]
     assert p["gap"] == pytest.approx(((0.3 - 0.4) + (0.32 - 0.41)) / 2)
     assert p["n"] == 2 and p["stale_degraded_frac"] == 0.5 and p["sync_healthy"] is True
-    assert p["gap_ci_low"] == pytest.approx(-0.1) and p["gap_ci_high"] == pytest.approx(-0.09)
+    # differences -0.1 and -0.09: mean -0.095 +- t_{0.975, 1} * sd / sqrt(2) = 12.7062 * 0.0070711 / 1.41421
+    assert p["gap_ci_low"] == pytest.approx(-0.095 - 0.063531, abs=1e-6)
+    assert p["gap_ci_high"] == pytest.approx(-0.095 + 0.063531, abs=1e-6)
     # one learning rate only: not a regime map
     assert regime_points(cells, [dict(s, params={"lr": 1e-4}) for s in specs]) == []
 
@@ -417,3 +447,24 @@ def test_one_methods_short_run_leaves_the_version_window_of_every_comparison_and
         assert a["seeds"][key] == b["seeds"][key]
     assert b["seeds"][("arith", "m2po", s)][2] == pytest.approx(0.3 + 0.002)  # its version 0
     assert b["seeds"][("arith", "m2po", s)][0] == a["seeds"][("arith", "m2po", s)][0]
+
+
+def test_stale_worse_needs_the_gaps_t_interval_below_zero_not_only_every_seed():
+    """Three seeds all below sync (the range a percentile bootstrap of three seeds gives lies below 0) whose
+    t-interval still crosses 0: not 'stale worse'; a consistent gap is."""
+    from gacbench.bench.regime import regime_points
+
+    cells, specs = [], []
+    for task, lr, gaps in (("q-lr0.05", 0.05, (-0.1, -0.01, -0.001)), ("q-lr0.2", 0.2, (-0.1, -0.11, -0.12))):
+        for seed in range(3):
+            for method, s, reward in (("sync", 0, 0.5), ("stale", 16, 0.5 + gaps[seed])):
+                specs.append({"task": task, "objective": "quadratic", "params": {"lr": lr}, "method": method,
+                              "staleness": s, "seed": seed})
+                cells.append({"task": task, "method": method, "staleness": s, "seed": seed, "status": "done",
+                              "ablation": False, "metric": "reward", "higher_is_better": True, "initial": 0.0,
+                              "final": reward, "diverged": False, "cos_median": 0.0, "cos_abs_q90": 0.1,
+                              "reward_first": 0.0, "reward_last": reward, "assume_eta_max": 0.01,
+                              "assume_L": 1.0, "assume_eta_eff": 0.5})
+    points = {p["lr"]: p for p in regime_points(cells, specs)}
+    assert points[0.05]["gap_ci_low"] < 0 < points[0.05]["gap_ci_high"] and points[0.05]["stale_worse"] is False
+    assert points[0.2]["gap_ci_high"] < 0 and points[0.2]["stale_worse"] is True

@@ -98,6 +98,8 @@ def test_sign_flip_p_enumerates_every_assignment():
     assert sign_flip_p(d) == pytest.approx(expected)
     assert sign_flip_p(np.array([1.0, 2.0, 3.0])) == pytest.approx(0.25)  # the smallest p three seeds can give
     assert math.isnan(sign_flip_p(np.zeros(3))) and math.isnan(sign_flip_p(np.ones(1)))
+    assert math.isnan(sign_flip_p(np.array([1.0, math.nan, 2.0])))  # as the t-test's p: no p with a missing pair
+    assert math.isnan(paired_difference(np.array([1.0, math.nan, 2.0]), np.zeros(3))["p_signflip"])
     assert paired_difference(np.array([1.0, 2.0, 3.0]), np.zeros(3))["p_signflip"] == pytest.approx(0.25)
 
 
@@ -331,3 +333,30 @@ def test_an_adjusted_p_near_alpha_is_printed_on_its_side_of_it():
 
     assert (fmt_p(0.0496), fmt_p(0.0504), fmt_p(0.012345), fmt_p(0.31), fmt_p(None)) == (
         "0.0496", "0.0504", "0.012", "0.31", "—")
+
+
+def test_a_report_rebuilt_without_its_suite_adjusts_the_families_that_built_it(tmp_path, capsys):
+    from conftest import bench, quadratic_suite
+
+    from gacbench.cli import main
+
+    declared = {"one family for everything": {"test": "vs_stale", "per": []}}
+    suite = quadratic_suite(tmp_path, staleness=[0, 2, 4], seeds=[0, 1], families=declared)
+    out = tmp_path / "out"
+    assert bench(suite, out) == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert first["declared_families"] == declared
+    names = {f["name"] for f in first["families"] if f["test"] == "vs_stale"}
+    assert names == {"one family for everything"}
+    assert main(["report", str(out)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["families"] == first["families"] and again["recovered"] == first["recovered"]
+    # an older summary that records none: the defaults, said on standard error; --suite still picks a suite's
+    again.pop("declared_families")
+    (out / "summary.json").write_text(json.dumps(again))
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    assert "records no multiplicity families; adjusting with the default ones" in capsys.readouterr().err
+    assert {f["name"] for f in json.loads((out / "summary.json").read_text())["families"]} != names
+    assert main(["report", str(out), "--suite", str(suite)]) == 0
+    assert json.loads((out / "summary.json").read_text())["families"] == first["families"]

@@ -486,7 +486,7 @@ def beyond_figure(cv: Canvas, rows: list[dict]) -> None:
 
 def law_figure(cv: Canvas, law: list[dict]) -> None:
     """The staleness x learning-rate law: the regime map's stale - sync gap against s * lr (log axis), mean and
-    95% bootstrap interval over seeds, one colour per model (``law``: :func:`~gacbench.bench.regime.law_points`);
+    95% t-interval over seeds, one colour per model (``law``: :func:`~gacbench.bench.regime.law_points`);
     an open marker where the sync run at that lr is not healthy, i.e. beyond the healthy-sync limit
     (``fig_law.png``)."""
     plt = cv.plt
@@ -516,7 +516,7 @@ def law_figure(cv: Canvas, law: list[dict]) -> None:
     measures = {entry["measure"] for entry in law}
     ax.set_ylabel("stale − sync, reward (< 0: stale worse)" if measures == {"reward_last"}
                   else "stale − sync, each model's measure (< 0: stale worse; a loss negated)")
-    ax.set_title("Gap against s · lr per model (95% bootstrap over seeds; open: sync unhealthy at that lr)",
+    ax.set_title("Gap against s · lr per model (95% t-interval over seeds; open: sync unhealthy at that lr)",
                  fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), borderaxespad=0.0, frameon=False)
     cv.save(fig, "fig_law.png", outside=True)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from gacbench.bench.groups import capped_final, nanmean, per_seed
-from gacbench.bench.stats import CI_LEVEL, mean_bootstrap_ci, paired_difference
+from gacbench.bench.stats import CI_LEVEL, mean_t_interval, paired_difference
 
 
 def _model_label(objective: str | None, params: dict) -> str:
@@ -26,7 +26,7 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
     """The regime map: for every task of an objective whose tasks span two or more learning rates (``params.lr``),
     per staleness s > 0 of ``stale``: the stale - sync gap on the training reward (last 20% of steps; the final
     metric where no reward is logged, negated where lower is better, so that < 0 is always "stale worse"), paired
-    over seeds, with its 95% bootstrap interval; median c_t and
+    over seeds, with its 95% t-interval (:func:`~gacbench.bench.stats.mean_t_interval`); median c_t and
     q0.9(|c_t|) of sync and stale; the share of seeds whose training reward degraded (fell more than
     the degradation threshold below its own running maximum, smoothed over DEGRADE_WINDOW steps:
     :func:`degrade_threshold`); and whether sync training
@@ -65,7 +65,7 @@ def regime_points(cells: list[dict], specs: list[dict]) -> list[dict]:
             common = sorted(set(sync_seeds) & set(stale_seeds))
             # oriented so that < 0 is always "stale worse": a final loss (lower is better) is negated
             d = (1.0 if higher else -1.0) * np.array([stale_seeds[k] - sync_seeds[k] for k in common])
-            low, high = mean_bootstrap_ci(d)
+            low, high = mean_t_interval(d)
             drops = [c.get("reward_drop") for c in stale if c.get("reward_drop") is not None]
             points.append({
                 "task": task, "model": _model_label(*params[task]), "lr": float(params[task][1]["lr"]),

@@ -79,7 +79,7 @@ never counted as finished; the next ``gacbench bench`` into ``DIR`` recomputes i
   (:mod:`gacbench.bench.timing`), and here only when a later ``gacbench report`` reads them.
 
 This module builds the report; each job has its module: :mod:`~gacbench.bench.records` (each stored cell's
-record), :mod:`~gacbench.bench.groups` (cells averaged over seeds), :mod:`~gacbench.bench.stats` (bootstrap,
+record), :mod:`~gacbench.bench.groups` (cells averaged over seeds), :mod:`~gacbench.bench.stats` (intervals,
 paired tests, recovered shares), :mod:`~gacbench.bench.beyond` (the shares beyond the on-policy effect and the
 regime checks), :mod:`~gacbench.bench.regime` (the regime map), :mod:`~gacbench.bench.tables`
 (summary.md), :mod:`~gacbench.bench.figures` (one function per figure) and :mod:`~gacbench.bench.versions` (the
@@ -121,7 +121,7 @@ from gacbench.bench.stats import (  # noqa: F401  (re-exported)
     apply_families,
     headline_shares,
     holm_adjust,
-    mean_bootstrap_ci,
+    mean_t_interval,
     on_policy_controls,
     paired_difference,
     recovered_shares,
@@ -136,7 +136,7 @@ from gacbench.bench.versions import (
     start_points_differ,
     version_key,
 )
-from gacbench.jsonio import write_text
+from gacbench.jsonio import read_json, write_text
 
 _json_safe = json_safe  # NaN and infinities become null: summary.json stays valid JSON for every parser
 
@@ -213,6 +213,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
         tests += [("ablation", "final", summary["ablation_recovered"]),
                   ("ablation", "reward_last", summary["ablation_recovered_reward"])]
     summary["families"] = apply_families(tests, families)
+    summary["declared_families"] = families  # what `gacbench report DIR` without --suite adjusts with again
     by_version = {(r["task"], r["method"], r["staleness"]): r for r in aligned}
     for r in reward_shares:  # the version-aligned reading beside the training reward's
         a = by_version.get((r["task"], r["method"], r["staleness"]))
@@ -249,6 +250,35 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
             "summary": summary, "incomplete": incomplete}
 
 
+def recorded_families(root: Path) -> dict[str, dict] | None:
+    """The multiplicity families that built ``root``'s summary.json (its ``declared_families``: the suite's
+    ``families``, or null for the defaults), so that a report rebuilt without ``--suite`` adjusts the same families
+    and gives the same verdicts. None (the defaults) where there is no summary.json or it records none (a summary
+    written before it was recorded: the note on standard error says so). Raises a UsageError naming the file
+    when the recorded families are not valid ones."""
+    import sys
+
+    from gacbench.bench.validate import check_families
+    from gacbench.usage import UsageError
+
+    path = root / "summary.json"
+    try:
+        summary = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or "declared_families" not in summary:
+        print(f"gacbench report: {path} records no multiplicity families; adjusting with the default ones (pass "
+              "--suite NAME to use that suite's families)", file=sys.stderr)
+        return None
+    declared = summary["declared_families"]
+    if declared is None:
+        return None
+    try:
+        return check_families(str(path), declared)
+    except UsageError as exc:
+        raise UsageError(f"{exc}; or pass --suite NAME to use that suite's families") from None
+
+
 def main(args) -> int:
     import sys
 
@@ -258,11 +288,12 @@ def main(args) -> int:
     if not (root / "cells").is_dir():
         raise UsageError(f"{root} holds no benchmark cells (expected the folder {root / 'cells'}); "
                          f"run gacbench bench --out {root} first")
-    families = None
     if getattr(args, "suite", None):
         from gacbench.bench.validate import load_suite
 
         families = load_suite(args.suite).get("families")
+    else:
+        families = recorded_families(root)
     rep = build_report(root, families=families)
     for line in rep["incomplete"]:
         print(f"gacbench report: incomplete cell: {line}", file=sys.stderr)

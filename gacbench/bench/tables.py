@@ -16,7 +16,7 @@ from gacbench.bench.stats import (
     CI_LEVEL,
     ablation_key,
     ablation_share_rows,
-    mean_bootstrap_ci,
+    mean_t_interval,
     significant,
 )
 
@@ -298,8 +298,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in abl:
             r = rows.get((g["task"], g["method"]), {})
-            reward = (f"{fmt(g['reward_last_mean'], 3)} ± {fmt(g['reward_last_std'], 2)}"
-                      if "reward_last_mean" in g else "—")
+            reward = mean_sd(g["reward_last_mean"], g["reward_last_std"], g["n"], 3) if "reward_last_mean" in g else "—"
             share = "—" if r.get("share") is None or math.isnan(r["share"]) else (
                 f"{r['share']:.2f} {fmt_share_ci(r)}")
             diff = "—" if r.get("vs_stale_diff") is None else (
@@ -547,14 +546,14 @@ def table1_staleness(groups: list[dict]) -> int | None:
 
 def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
     """Paper Table 1: per task the final metric (and training reward) of sync and every method at one
-    staleness, with 95% bootstrap intervals over seeds, and each GAC method's margin over the strongest
+    staleness, with 95% t-intervals over seeds, and each GAC method's margin over the strongest
     non-GAC stale method."""
     s_star = table1_staleness(groups)
     if s_star is None:
         return []
     finals, rewards = per_seed(cells, "final"), per_seed(cells, "reward_last")
     lines = ["", f"## Table 1: final metric under staleness s = {s_star} (synchronous reference at s = 0)", "",
-             f"Mean over seeds [{CI_LEVEL:.0%} percentile bootstrap over seeds]. Δ: a GAC method's mean minus the "
+             f"Mean over seeds [{CI_LEVEL:.0%} t-interval over seeds]. Δ: a GAC method's mean minus the "
              "strongest non-GAC stale method's (stale and the loss-side baselines), > 0 = GAC better (on the final "
              "metric, sign-adjusted for lower-is-better metrics). − stale: every method's mean minus stale's at the "
              "same s, > 0 = better than stale (final metric, sign-adjusted)."]
@@ -578,10 +577,10 @@ def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
             key = (task, g["method"], g["staleness"])
             f = np.array(list(finals.get(key, {}).values()))
             cells_row = (f"| {g['method']} | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
-                         f"{fmt_ci(*mean_bootstrap_ci(f), 4)} | ")
+                         f"{fmt_ci(*mean_t_interval(f), 4)} | ")
             if rewarded:
                 r = np.array(list(rewards.get(key, {}).values()))
-                cells_row += f"{fmt(g['reward_last_mean'], 4)} | {fmt_ci(*mean_bootstrap_ci(r), 4)} | "
+                cells_row += f"{fmt(g['reward_last_mean'], 4)} | {fmt_ci(*mean_t_interval(r), 4)} | "
             delta = "–"
             if best is not None and _is_gac(g["method"]) and g["staleness"] == s_star:
                 delta = f"{sign * (g['final_mean'] - best['final_mean']):+.3g} (vs {best['method']})"
@@ -641,7 +640,7 @@ def _regime_section(points: list[dict]) -> list[str]:
         return []
     lines = ["", "## Regime map: stale − sync per (model, learning rate, staleness)", "",
              f"Gap: stale − sync on the training reward of the last 20% of steps (the final metric where no reward is "
-             f"logged, negated where lower is better), paired over seeds, mean [{CI_LEVEL:.0%} bootstrap]; < 0 = "
+             f"logged, negated where lower is better), paired over seeds, mean [{CI_LEVEL:.0%} t-interval]; < 0 = "
              f"stale worse. c_t: median and "
              f"q0.9(|c_t|) after the warm-up, means over seeds. Degraded: share of stale seeds whose reward "
              f"(smoothed over {DEGRADE_WINDOW} steps) ends below its own running maximum by more than {DEGRADE_MARGIN} "
@@ -693,7 +692,7 @@ def _law_section(law: list[dict]) -> list[str]:
              "the points fall on one monotone curve (ρ < 0 on a reward: stale loses more as s · lr grows). It is "
              "given over the points whose sync run is healthy (below the healthy-sync limit, where the gap compares "
              "stale with a sync run that learns), then over every point. Gap as above, mean "
-             f"[{CI_LEVEL:.0%} bootstrap]; fig_law.png plots them (open markers: sync unhealthy).", ""]
+             f"[{CI_LEVEL:.0%} t-interval]; fig_law.png plots them (open markers: sync unhealthy).", ""]
 
     def corr(rho: float | None, p: float | None, n: int) -> str:
         if rho is None or math.isnan(rho):
