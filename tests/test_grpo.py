@@ -2,6 +2,8 @@
 weight sync every step, loss-side and gradient-side stabilizers, exact resume, errors."""
 
 import functools
+import math
+import re
 
 import pytest
 
@@ -596,3 +598,52 @@ def test_a_reward_that_returns_an_int_or_a_bool_trains_as_its_float(model_dir):
         first = None
     m.reward = answer
     assert out[0] == out[1] == out[2] and out[0][0] == [[1.0, 0.0]]
+
+
+def test_a_reward_that_is_not_a_finite_number_is_refused_where_it_is_scored(model_dir):
+    """A NaN or a None from a reward is named with the completion and the answer when the batch is built, before it
+    reaches the advantages, the loss and the weights."""
+    from gacbench.rollout.engines import Rollout
+
+    m = module(model_dir, group=2)
+    problems = m.task.batch("train", 0, 1)
+    groups = [[Rollout([1], [5], [-0.1], 0), Rollout([1], [6], [-0.2], 0)]]
+    kept = m.reward
+    for bad, shown in ((math.nan, "nan"), (None, "None"), ("1.0x", "'1.0x'")):
+        m.reward = lambda text, gold, bad=bad: bad
+        with pytest.raises(ValueError, match=rf"returned {re.escape(shown)} for the completion .* \(answer "
+                                             rf"'{re.escape(problems[0].answer)}'\); a reward must return a finite"):
+            m.batch_from_groups(problems, groups)
+    m.reward = kept
+
+
+def test_the_greedy_eval_ends_and_samples_as_the_engines_do(model_dir):
+    """eval/acc's greedy completions end at every end token of the checkpoint's generation config (as the rollout
+    engines do), and the checkpoint's sampling settings do not change them."""
+    from gacbench.llm.model import load
+    from gacbench.llm.task import ArithmeticTask, final_line_reward
+    from gacbench.llm.warmstart import greedy_accuracy
+    from gacbench.rollout.engines import HFEngine
+
+    model, tok = load(str(model_dir))
+    with torch.no_grad():  # the model now ends its answers with <bos> (id 1) where it wrote <eos> (id 2)
+        for w in {id(p): p for p in (model.get_input_embeddings().weight,
+                                     model.get_output_embeddings().weight)}.values():
+            w[[1, 2]] = w[[2, 1]].clone()
+    model.generation_config.eos_token_id = [2, 1]
+    problems = ArithmeticTask(seed=0).batch("eval", 0, 32)
+    seen = []
+
+    def reward(text, answer):
+        seen.append(text)
+        return final_line_reward(text, answer)
+
+    acc = greedy_accuracy(model, tok, problems, max_tokens=6, reward=reward)
+    bos = tok.convert_ids_to_tokens(1)
+    assert not any(bos in text for text in seen), seen[:4]  # nothing after the end token is scored
+    assert HFEngine(model, tok.eos_token_id, tok.pad_token_id).eos_ids == [2, 1]
+    assert acc == sum(final_line_reward(t, p.answer) for t, p in zip(seen, problems)) / len(problems)
+    model.generation_config.repetition_penalty = 1.5  # a checkpoint's sampling setting: not applied
+    again = []
+    greedy_accuracy(model, tok, problems, max_tokens=6, reward=lambda t, a: again.append(t) or 0.0)
+    assert again == seen

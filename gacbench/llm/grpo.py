@@ -49,7 +49,7 @@ from gacbench.callbacks._common import log_metrics
 from gacbench.functional.collective import release_process_group_at_exit
 from gacbench.llm.data_parallel import data_parallel_loss, rank_share
 from gacbench.llm.model import completion_text, load
-from gacbench.llm.tasks import TaskConfig, reward_fn, task_factory
+from gacbench.llm.tasks import TaskConfig, reward_fn, score, task_factory
 from gacbench.objectives.base import Objective, given_settings
 from gacbench.provenance import weights_sha256
 from gacbench.rollout.advantages import advantage_fn
@@ -537,7 +537,7 @@ class GRPOModule(Objective):
         prompts = [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
         groups = self.engine.generate(prompts, n=pe.samples, max_tokens=r.max_tokens, seed=POLICY_EVAL_SEED)
         special = frozenset(self.tok.all_special_ids)
-        rewards = torch.tensor([[self.reward(completion_text(self.tok, x.completion_ids, special), p.answer)
+        rewards = torch.tensor([[score(self.reward, completion_text(self.tok, x.completion_ids, special), p.answer)
                                  for x in g] for g, p in zip(groups, problems)], dtype=torch.float64)
         var = rewards.var(dim=1, unbiased=True) if pe.samples > 1 else torch.zeros(len(problems))
         se = float(var.sum().div(pe.samples).sqrt() / len(problems))
@@ -732,7 +732,7 @@ class GRPOModule(Objective):
         self._tokens += sum(len(x.completion_ids) for x in flat)
         special = frozenset(self.tok.all_special_ids)
         # float32 whatever the reward function returns (an int or a bool, e.g. ``int(c == a)``, is a number too)
-        rewards = torch.tensor([[float(self.reward(completion_text(self.tok, x.completion_ids, special), p.answer))
+        rewards = torch.tensor([[score(self.reward, completion_text(self.tok, x.completion_ids, special), p.answer)
                                  for x in g] for g, p in zip(groups, problems)], dtype=torch.float32)
         packed = self._pack(flat)
         engine_lp = torch.zeros(packed["mask"].shape)

@@ -25,6 +25,7 @@ JSONL/Parquet file, :class:`~gacbench.llm.datasets.MathDataset`); rewards ``exac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -157,6 +158,22 @@ def task_factory(name: str) -> TaskFactory:
 def build_task(cfg: TaskConfig, seed: int) -> Any:
     check_task_settings(cfg)
     return task_factory(cfg.name)(cfg, seed)
+
+
+def score(reward: Callable[[str, str], Any], completion: str, answer: str) -> float:
+    """``reward(completion, answer)`` as a float (an int or a bool is a number too), or a ValueError naming the
+    reward, the completion, the answer and the fix when it is not a finite number: a NaN would reach the
+    advantages, the loss and then the weights, and the run would stop a step later blaming the rollout engine."""
+    value = reward(completion, answer)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not math.isfinite(out):
+        name = next((k for k, fn in REWARDS.items() if fn is reward), getattr(reward, "__name__", repr(reward)))
+        raise ValueError(f"reward {name!r} returned {value!r} for the completion {completion!r} (answer {answer!r}); "
+                         "a reward must return a finite number (e.g. 0.0 for a completion it cannot score)")
+    return out
 
 
 def reward_fn(name: str) -> Callable[[str, str], float]:

@@ -26,7 +26,7 @@ from gacbench.llm.model import (
     tiny_config,
 )
 from gacbench.llm.task import ArithmeticTask, Problem, exact_reward
-from gacbench.llm.tasks import TaskConfig, build_task, task_factory
+from gacbench.llm.tasks import TaskConfig, build_task, score, task_factory
 
 
 def sft_batch(tok, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +51,15 @@ def sft_batch(tok, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]
 def greedy_accuracy(model, tok, problems: list[Problem], max_tokens: int = 8, batch_size: int = 64,
                     reward=exact_reward) -> float:
     """pass@1 with greedy decoding: the share of problems whose completion earns reward 1 (batched,
-    prompts left-padded so that every row's completion starts at the same column)."""
+    prompts left-padded so that every row's completion starts at the same column). A completion ends where a
+    rollout engine's does, at the tokenizer's end token or any end token of the checkpoint's generation config,
+    and the checkpoint's sampling settings (``repetition_penalty``, ...) are not applied, as the engines apply
+    none (:class:`~gacbench.rollout.engines.HFEngine`)."""
+    from gacbench.rollout.engines import end_token_ids, plain_generation_config
+
     model.eval()
+    ends = end_token_ids(model, tok.eos_token_id)
+    config = plain_generation_config(model, ends, tok.pad_token_id)
     correct = 0.0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
@@ -63,10 +70,14 @@ def greedy_accuracy(model, tok, problems: list[Problem], max_tokens: int = 8, ba
         for i, r in enumerate(rows):
             ids[i, width - len(r):] = torch.tensor(r)
             attention[i, width - len(r):] = 1
-        out = model.generate(ids, attention_mask=attention, do_sample=False, max_new_tokens=max_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        for p, row in zip(chunk, out[:, width:]):
-            correct += reward(completion_text(tok, row), p.answer)
+        kept, model.generation_config = model.generation_config, config  # generate fills unset fields from it
+        try:
+            out = model.generate(ids, attention_mask=attention, do_sample=False, max_new_tokens=max_tokens)
+        finally:
+            model.generation_config = kept
+        for p, row in zip(chunk, out[:, width:].tolist()):
+            end = next((k for k, t in enumerate(row) if t in ends), len(row))
+            correct += score(reward, completion_text(tok, row[: end + 1]), p.answer)
     return correct / max(1, len(problems))
 
 

@@ -252,6 +252,24 @@ def release_engines(name: str | None = None) -> None:
 
 
 # -- hf ------------------------------------------------------------------------------------------------
+def end_token_ids(model, eos_token_id: int) -> list[int]:
+    """The tokens a completion ends at: the tokenizer's ``eos_token_id`` first, then every other end token of the
+    checkpoint's generation config (a Qwen3 checkpoint lists two), as vLLM stops at both."""
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    own = [] if own is None else [own] if isinstance(own, int) else list(own)
+    return [eos_token_id, *(i for i in own if i != eos_token_id)]
+
+
+def plain_generation_config(model, eos_ids: list[int], pad_token_id: int):
+    """A generation config holding the token ids alone, so that the sampling settings a checkpoint's
+    ``generation_config.json`` carries (``repetition_penalty``, ``min_p``, ``no_repeat_ngram_size``, ...) change
+    nothing that ``generate`` is asked for explicitly."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_token_id,
+                            bos_token_id=getattr(model.config, "bos_token_id", None))
+
+
 class HFEngine:
     """transformers ``generate`` on a private copy of the policy (so generation never sees half-updated
     trainer weights). One call generates every prompt x n sample as one batch, prompts left-padded with an
@@ -271,15 +289,10 @@ class HFEngine:
     sync_method = "copy"
 
     def __init__(self, model, eos_token_id: int, pad_token_id: int) -> None:
-        from transformers import GenerationConfig
-
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        own = [] if own is None else [own] if isinstance(own, int) else list(own)
-        self.eos_ids = [eos_token_id, *(i for i in own if i != eos_token_id)]
+        self.eos_ids = end_token_ids(model, eos_token_id)
         self.pad = pad_token_id
-        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=pad_token_id,
-                                                        bos_token_id=getattr(model.config, "bos_token_id", None))
+        self.model.generation_config = plain_generation_config(model, self.eos_ids, pad_token_id)
         self.version = 0
         self._targets = self.model.state_dict()  # name -> the engine's tensor (shares its storage)
         self._keep_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
