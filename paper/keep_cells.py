@@ -8,8 +8,11 @@ grids/SUITE`` there reuses them and runs only the cells still missing, and ``bas
 regenerates the published tables and figures from them exactly.
 
 Only finished cells are staged (``gacbench.bench.cell``'s own test: status done and every file complete); a
-cell in flight or failed is left out, so that the next run recomputes it. Summaries and figures stay out
-(``.gitignore``): only a complete grid is published, by ``paper/make.sh`` into ``paper/SUITE``.
+cell in flight or failed is left out, so that the next run recomputes it. The store's ``timing.json`` (the last
+run that executed cells: its wall time, step share and workers) is staged too where it exists: the summary's
+timing section reads it, and a later run that finds every cell done writes none, so without it a summary rebuilt
+from a new clone would lose that section. Summaries and figures stay out (``.gitignore``): only a complete grid is
+published, by ``paper/make.sh`` into ``paper/SUITE``.
 
     python paper/keep_cells.py grids/llm-headline [grids/llm-length ...]   # stage, print a count per store
     python paper/keep_cells.py --list grids/llm-headline                    # print the files, stage nothing
@@ -26,6 +29,8 @@ from gacbench.bench.cell import stored_done_cells
 
 #: the files of a finished cell that the summary and a resumed grid read
 CELL_FILES = ("config.json", "status.json", "metrics.csv")
+#: the store's own files that a rebuilt summary reads (the timing of the last run that executed cells)
+STORE_FILES = ("timing.json",)
 
 
 def finished_cells(store: Path) -> list[Path]:
@@ -45,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{store} holds no cells/ directory: pass a grid's --out directory, e.g. grids/llm-headline")
         cells = finished_cells(store)
         files = [str(d / name) for d in cells for name in CELL_FILES]
+        files += [str(store / name) for name in STORE_FILES if (store / name).is_file()]
         if args.list:
             print("\n".join(files))
             continue
         for i in range(0, len(files), 500):  # keep each command line short
             subprocess.run(["git", "add", "-f", "--", *files[i:i + 500]], check=True)
-        print(f"{store}: {len(cells)} finished cells staged", file=sys.stderr)
+        timing = " and its timing.json" if (store / "timing.json").is_file() else ""
+        print(f"{store}: {len(cells)} finished cells{timing} staged", file=sys.stderr)
     return 0
 
 

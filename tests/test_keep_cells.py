@@ -75,6 +75,10 @@ def test_staged_cells_resume_in_a_clone_even_where_the_store_is_ignored(tmp_path
     staged = sorted(git("diff", "--cached", "--name-only").split())
     rel = made["done"].relative_to(repo).as_posix()
     assert staged == sorted(f"{rel}/{n}" for n in ("config.json", "metrics.csv", "status.json"))
+    # the store's timing.json (the last run that executed cells), which the summary's timing section reads
+    write_json(made["store"] / "timing.json", {"ran": 2, "wall_s": 3.0})
+    assert _keep_cells().main(["grids/suite"]) == 0
+    assert "grids/suite/timing.json" in git("diff", "--cached", "--name-only").split()
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "cells")
     clone = tmp_path / "clone"
     git("clone", "-q", str(repo), str(clone), cwd=tmp_path)
