@@ -172,7 +172,7 @@ def test_overhead_cuda_without_cuda_is_one_line(capsys):
     (["async-bench", "--steps", "3", "--max-staleness", "1", "--engine", "hf", "--prompts", "0"],
      "rollout.prompts=0 must be an integer >= 1"),
     (["async-bench", "--steps", "3", "--max-staleness", "1", "--engine", "hf", "--workers", "0"],
-     "rollout.workers, rollout.worker_threads and rollout.chunks must be >= 1"),
+     "GRPOModule: rollout.workers=0 must be >= 1"),
     (["step-profile", "--engine", "hf", "--group", "1"], "rollout.group=1 must be an integer >= 2"),
 ])
 def test_llm_commands_refuse_bad_input_in_one_line(argv, cause, capsys):
@@ -196,3 +196,14 @@ def test_a_setting_an_objective_refuses_is_a_usage_error():
     from gacbench.usage import UsageError
 
     assert issubclass(SettingError, UsageError) and issubclass(SettingError, ValueError)
+
+
+def test_the_quadratics_metric_reads_its_gap_without_a_warning():
+    """``gacbench demo`` prints the noisy quadratic's metric; reading it raises no torch warning mid-output."""
+    import warnings
+
+    from gacbench.objectives.quadratic import NoisyQuadratic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert NoisyQuadratic(dim=4, kappa=2.0).metric() > 0

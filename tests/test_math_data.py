@@ -112,6 +112,9 @@ GOOD = json.dumps({"problem": "What is 1+1?", "answer": "2"})
      r"line 3: no prompt field .*'prompt', 'problem' or 'question'"),
 
     (json.dumps({"problem": "What is 2+2?"}), r"line 3: no answer .*add an 'answer' field"),
+    (json.dumps({"problem": "What is 2+2?", "answer": None}), r"line 3: no answer \('answer' is null; fields"),
+    (json.dumps({"problem": "What is 2+2?", "solution": 4}),
+     r"line 3: the 'solution' field is int, not text; give it as a string ending with \\boxed"),
     (json.dumps({"problem": "What is 2+2?", "solution": "It is 4."}),
      r"line 3: no \\boxed\{\.\.\.\} .*add an 'answer' field or end the solution with \\boxed"),
     (json.dumps({"problem": "What is 2+2?", "answer": "  "}), r"line 3: the answer is empty"),
@@ -129,7 +132,7 @@ def test_malformed_rows(tmp_path, bad, match):
 
 
 def test_file_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(FileNotFoundError, match="no such file: .*; give task.path an existing .jsonl or .parquet"):
         MathDataset(tmp_path / "missing.jsonl")
     with pytest.raises(FileNotFoundError, match="is a folder; give the dataset's .jsonl or .parquet file"):
         MathDataset(tmp_path)

@@ -84,9 +84,9 @@ def resolve_mode(rollout, staleness: int) -> int:
     if r.admission == "drop" and staleness == 0:
         raise ValueError("GRPOModule: rollout.admission 'drop' needs max_staleness >= 1 (at 0 every rollout generated "
                          "ahead would be dropped); use admission 'wait'")
-    if r.workers < 1 or r.worker_threads < 1 or r.chunks < 1 or r.worker_restarts < 0:
-        raise ValueError("GRPOModule: rollout.workers, rollout.worker_threads and rollout.chunks must be >= 1, "
-                         "rollout.worker_restarts >= 0")
+    for key, lo in (("workers", 1), ("worker_threads", 1), ("chunks", 1), ("worker_restarts", 0)):
+        if getattr(r, key) < lo:
+            raise ValueError(f"GRPOModule: rollout.{key}={getattr(r, key)} must be >= {lo}")
     if r.trainer_threads is not None and r.trainer_threads < 1:
         raise ValueError(f"GRPOModule: rollout.trainer_threads={r.trainer_threads} must be >= 1 (or null: the cores "
                          "the workers leave)")

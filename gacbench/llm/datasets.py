@@ -57,7 +57,8 @@ def _read_rows(path: Path) -> tuple[str, list[tuple[int, Any]]]:
     if path.is_dir():
         raise FileNotFoundError(f"MathDataset: {path} is a folder; give the dataset's .jsonl or .parquet file")
     if not path.is_file():
-        raise FileNotFoundError(f"MathDataset: no such file: {path}")
+        raise FileNotFoundError(f"MathDataset: no such file: {path}; give task.path an existing .jsonl or .parquet "
+                                "file (one problem per line or row)")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         rows = []
@@ -166,9 +167,15 @@ class MathDataset:
             if answer is None:
                 raise ValueError(f"{where}: no \\boxed{{...}} (or unbalanced braces) in the solution; add an "
                                  f"'answer' field or end the solution with \\boxed{{...}}")
+        elif "solution" in row and row["solution"] is not None:
+            raise ValueError(f"{where}: the 'solution' field is {type(row['solution']).__name__}, not text; give it "
+                             "as a string ending with \\boxed{...}, or add an 'answer' field")
         else:
-            raise ValueError(f"{where}: no answer (neither an 'answer' nor a 'solution' field; fields: "
-                             f"{sorted(row)}); add an 'answer' field or a solution ending with \\boxed{{...}}")
+            held = [k for k in ("answer", "solution") if k in row]
+            what = (f"{' and '.join(repr(k) for k in held)} {'is' if len(held) == 1 else 'are'} null" if held
+                    else "neither an 'answer' nor a 'solution' field")
+            raise ValueError(f"{where}: no answer ({what}; fields: {sorted(row)}); add an 'answer' field or a "
+                             f"solution ending with \\boxed{{...}}")
         if not answer:
             raise ValueError(f"{where}: the answer is empty; give a non-empty answer")
         return text, answer

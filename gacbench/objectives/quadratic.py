@@ -67,7 +67,7 @@ class NoisyQuadratic(Objective):
         return super().diverged(max(initial, self.sigma2), final)
 
     def metric(self) -> float:
-        return float(self.gap())
+        return float(self.gap().detach())
 
     def loss_on(self, batch) -> torch.Tensor:
         """The step's loss as a pure function of the batch (no side effects): f(theta) + <xi, theta>."""
