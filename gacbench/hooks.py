@@ -29,8 +29,8 @@ from gacbench.functional.alignment import (
     ACTION_NAMES,
     KEEP,
     SKIP,
-    cosine_from_scalars,
     full_vector_scalars,
+    reference_cosine,
 )
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
@@ -261,7 +261,8 @@ class GACHook(_StepHook):
         self.changed += d.changed
         self.skipped += d.action == SKIP
         self.action = ACTION_NAMES[d.action]
-        if not math.isnan(d.cos):
+        measured = not math.isnan(d.cos) or out.zero_ref  # NaN against a zero reference: counted as skipped
+        if measured:
             self.values.append(d.cos)
         self.metrics = {
             "grad/norm": math.sqrt(out.grad_sq),
@@ -269,7 +270,7 @@ class GACHook(_StepHook):
             "align/skip": float(d.action == SKIP),
             "gac/coef": d.coef,
         }
-        if not math.isnan(d.cos):
+        if measured:
             self.metrics[self.cos_key] = d.cos
 
     def _bad_gradient(self, g_sq: float, action: str) -> None:
@@ -343,7 +344,7 @@ class AlignmentMonitorHook(_StepHook):
             self.values.append(float("nan"))
             return
         if self.has_prev:
-            c = cosine_from_scalars(scalars)
+            c = reference_cosine(scalars)  # NaN against a zero reference: no c_t, counted as skipped
             self.metrics["align/cos"] = c
             self.values.append(c)
         self.has_prev = keep_reference(prev, grads, self.who)

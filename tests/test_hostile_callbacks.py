@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gacbench import StalenessSimulator
+from gacbench.functional.alignment import KEEP, PROJECT
 from gacbench.functional.buffer import FlatBuffer
 from gacbench.functional.gac import GACTransform
 from gacbench.functional.step_gac import StepGAC
@@ -363,6 +364,56 @@ def test_a_float16_reference_that_overflows_is_not_kept():
     assert math.isfinite(out.cos) and out.cos == pytest.approx(_cos([torch.tensor([1.0, 2.0, 3.0, 5.0])],
                                                                     [torch.tensor([1.0, 2.0, 3.0, 4.0])]), rel=1e-3)
     assert len(mon.values) == 1 and mon.values[0] == pytest.approx(out.cos, rel=1e-3)
+
+
+def test_a_reference_rounded_to_zero_gives_no_cosine():
+    """buffer_dtype="float16" and a gradient of 1e-10 (below float16's smallest value, 6e-8): the stored reference is
+    zero. A zero reference has no direction: the next c_t is NaN (counted as skipped), not 0, for the monitor hook
+    and for GAC, which keeps the gradient; the step after it is measured against the usable gradient."""
+    params = [nn.Parameter(torch.zeros(4))]
+    opt = torch.optim.SGD(params, lr=0.0)
+    mon = attach_alignment_monitor(opt, buffer_dtype="float16", warmup=0)
+    gac = attach_gac(opt, buffer_dtype="float16", kernels="eager", warmup=0, c_low=0.05, c_high=0.3)
+    grads = [torch.full((4,), 1e-10), torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([4.0, -3.0, 2.0, -1.0])]
+    for g in grads:
+        params[0].grad = g.clone()
+        opt.step()
+        if g is grads[1]:
+            assert math.isnan(mon.metrics["align/cos"]) and math.isnan(gac.metrics["align/cos"])
+            assert gac.action == "keep" and torch.equal(params[0].grad, grads[1])
+    assert math.isnan(mon.values[0]) and mon.values[1] == 0.0  # <g_3, g_2> = 4 - 6 + 6 - 4 = 0
+    assert math.isnan(gac.values[0]) and gac.values[1] == 0.0
+    assert mon.summary()["skipped"] == gac.summary()["skipped"] == 1
+
+
+def test_gac_callback_update_reference_of_parameters_that_did_not_move_gives_no_cosine():
+    """GAC(reference="update") in Lightning with SGD at lr 0: theta_{t-1} - theta_t is zero at every step, so no
+    step has a c_t: the trace holds NaN (counted as skipped), never 0, and no gradient is changed."""
+    from gacbench import GAC
+
+    seq = [_grads(t) for t in range(4)]
+    gac = GAC(reference="update", warmup=0, kernels="eager")
+    make_trainer([gac], max_steps=len(seq)).fit(ScriptedGradients(seq))
+    assert len(gac.trace.values) == 3 and all(math.isnan(v) for v in gac.trace.values)
+    assert gac.changed == 0 and gac.trace.summary()["skipped"] == 3
+
+
+def test_step_gac_against_a_zero_applied_step_gives_no_cosine():
+    """StepGAC (target="step"): Delta_2 = 2 Delta_1 is projected onto nothing (Delta~_2 = 0 exactly, with these
+    small integers), so the reference of step 3 is zero: c^Delta_3 is NaN (``zero_ref``), not 0, and the step is
+    kept."""
+    p = nn.Parameter(torch.zeros(3))
+    gac = StepGAC(0.05, 0.3)
+    gac.start([p])
+    outs = []
+    for delta in ([1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 1.0, 1.0]):
+        with torch.no_grad():
+            p.add_(torch.tensor(delta))  # the optimizer's step
+        outs.append(gac.step([p]))
+    assert math.isnan(outs[0].cos) and not outs[0].zero_ref
+    assert outs[1].cos == pytest.approx(1.0, rel=1e-15) and outs[1].decision.action == PROJECT and not outs[1].zero_ref
+    assert math.isnan(outs[2].cos) and outs[2].zero_ref and outs[2].decision.action == KEEP
+    assert torch.equal(p.detach(), torch.tensor([1.0, 3.0, 1.0]))
 
 
 # -- GAC attached twice -------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from gacbench.callbacks._common import (
     parameter_names,
     save_tensor,
 )
-from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars
+from gacbench.functional.alignment import alignment_scalars, reference_cosine
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.step_gac import StepGAC
 
@@ -112,7 +112,7 @@ class AlignmentMonitor(Callback):
 
     def _after_step(self, trainer: "pl.Trainer") -> None:
         out = self._steps.step(self._params, lambda s: agree(trainer, s, is_sharded(trainer)))
-        if out is not None and not math.isnan(out.cos):
+        if out is not None and (not math.isnan(out.cos) or out.zero_ref):
             log_metrics(trainer, {"align/step_cos": out.cos})
 
     @override
@@ -138,7 +138,7 @@ class AlignmentMonitor(Callback):
             metrics["align/cos"] = float("nan")
             self.trace.append(float("nan"))
         elif self.has_prev:
-            metrics["align/cos"] = c = cosine_from_scalars(scalars)
+            metrics["align/cos"] = c = reference_cosine(scalars)  # NaN against a zero reference
             self.trace.append(c)
         log_metrics(trainer, metrics)
         if usable:

@@ -200,6 +200,17 @@ def cosine_from_scalars(scalars: Tensor) -> float:
     return g_r / denom if denom > 0.0 else g_r / math.sqrt(gg) / math.sqrt(rr)  # the product can underflow
 
 
+def reference_cosine(scalars: Tensor) -> float:
+    """c_t = cos(g, r) from ``alignment_scalars`` where r is a reference to measure against: NaN (no c_t) when
+    ||r|| = 0. A zero reference (``reference="update"`` after a step that did not move the parameters; a reference
+    rounded to zero in a narrow ``buffer_dtype``) has no direction: the step is treated as one with a zero
+    gradient (no c_t, counted as ``skipped`` in the summary), not as an orthogonal one (c = 0) that is always
+    kept. Otherwise :func:`cosine_from_scalars`."""
+    if float(scalars[2]) == 0.0:
+        return float("nan")
+    return cosine_from_scalars(scalars)
+
+
 def cosine(xs: TensorList, ys: TensorList) -> float:
     """Cosine similarity of two lists of tensors read as flat vectors."""
     return cosine_from_scalars(alignment_scalars(xs, ys))

@@ -26,9 +26,9 @@ from gacbench.functional.alignment import (
     SKIP,
     GACDecision,
     alignment_scalars,
-    cosine_from_scalars,
     gac_decision,
     project_,
+    reference_cosine,
     validate_thresholds,
 )
 from gacbench.functional.buffer import check_dense_gradients, check_parameters, exact_dtype
@@ -101,8 +101,9 @@ def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float)
 class GACStep:
     """What one call of ``GACTransform.step`` saw and did.
 
-    ``cos`` is NaN on the first step (no reference yet); ``bad`` marks a zero or non-finite
-    gradient (``zero`` tells which), which the transform leaves untouched, without moving its
+    ``cos`` is NaN on the first step (no reference yet) and where the reference is zero (``zero_ref``: the
+    step has no c_t, like a step with a zero gradient, and keeps its gradient); ``bad`` marks a zero or
+    non-finite gradient (``zero`` tells which), which the transform leaves untouched, without moving its
     reference, for the caller to handle.
     """
 
@@ -111,6 +112,7 @@ class GACStep:
     bad: bool = False
     zero: bool = False
     stepped: bool = False  # kernels="fused-adamw": the optimizer step was taken by GAC
+    zero_ref: bool = False  # a reference of norm 0: no c_t (NaN, counted as skipped), the gradient kept
 
     @property
     def cos(self) -> float:
@@ -127,12 +129,16 @@ class GACState:
     ``ref_sq``: the local ||r||^2 (0-d float64) when it is known without a pass over r, else None.
     ``saved``: a flat reference restored before the parameters were known (shape (numel,));
     it is copied into ``ref`` when ``ref`` is allocated.
+    ``held``: ``reference="update"`` only: ``ref`` holds the update theta_{t-1} - theta_t itself, kept across a
+    step that was skipped (its gradient skipped by the rule, or zero or non-finite), instead of the parameters
+    theta_{t-1} it is otherwise taken from.
     """
 
     ref: list[Tensor] | None = None
     has_ref: bool = False
     ref_sq: Tensor | None = None
     saved: Tensor | None = None
+    held: bool = False
 
     def clone(self) -> "GACState":
         """A deep copy (tensors cloned), e.g. to restore the same state before every timed run."""
@@ -141,6 +147,7 @@ class GACState:
             has_ref=self.has_ref,
             ref_sq=None if self.ref_sq is None else self.ref_sq.clone(),
             saved=None if self.saved is None else self.saved.clone(),
+            held=self.held,
         )
 
 
@@ -248,7 +255,7 @@ class GACTransform:
         check_dense_gradients(params, "GAC", self.names)
         st = self.state
         ref = self._buffer(params)
-        if self.reference == "update" and st.has_ref:
+        if self.reference == "update" and st.has_ref and not st.held:
             torch._foreach_sub_(ref, [local(p.detach()) for p in params])  # r = theta_{t-1} - theta_t
             st.ref_sq = None
         # The rule reads the full vectors: a parameter without a gradient this step (a branch not taken) has
@@ -275,10 +282,13 @@ class GACTransform:
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
             if self.reference == "update":
-                self._store_params(params)
+                # the update r stays the reference (as the other references stay), unless there is none yet
+                st.held = st.has_ref
+                if not st.held:
+                    self._store_params(params)
             return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True, zero=g_sq == 0.0)
 
-        c = cosine_from_scalars(scalars) if st.has_ref else float("nan")
+        c = reference_cosine(scalars) if st.has_ref else float("nan")  # NaN for a zero reference: no c_t
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
@@ -289,8 +299,9 @@ class GACTransform:
                     fast)
         if skipped:
             self.skip(params)
+        zero_ref = st.has_ref and r_sq == 0.0
         st.has_ref = self._reference_fits(g)
-        return GACStep(decision, g_sq)
+        return GACStep(decision, g_sq, zero_ref=zero_ref)
 
     def _reference_fits(self, g: list[Tensor]) -> bool:
         """Whether the reference just stored is finite. Only a ``buffer_dtype`` of narrower range than a gradient
@@ -459,7 +470,11 @@ class GACTransform:
         st = self.state
         st.ref_sq = None
         if self.reference == "update":
-            self._store_params(params)
+            # a skipped step leaves the parameters where they are: theta_{t+1} - theta_t would be zero, so the
+            # update r stays the reference, as "applied" keeps its reference across a skip
+            st.held = skipped and st.has_ref
+            if not st.held:
+                self._store_params(params)
             return
         if self.reference == "applied":
             if skipped and st.has_ref:
@@ -486,7 +501,7 @@ class GACTransform:
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The state as ``{"has_ref": bool, "ref": flat tensor (numel,) or None, "ref_sq": 0-d float64 tensor or
-        None}`` (tensors copied).
+        None, "held": bool}`` (tensors copied; ``held``: see :class:`GACState`).
 
         ``ref`` is None before the parameters are first seen (unless a restored one is waiting). ``ref_sq`` is
         the cached ||r||^2 when there is one: a resumed step then reads the same value (and takes the same kernel
@@ -499,16 +514,17 @@ class GACTransform:
         else:
             flat = None if st.saved is None else st.saved.clone()
         ref_sq = None if st.ref_sq is None else st.ref_sq.detach().to("cpu", torch.float64).clone()
-        return {"has_ref": st.has_ref, "ref": flat, "ref_sq": ref_sq}
+        return {"has_ref": st.has_ref, "ref": flat, "ref_sq": ref_sq, "held": st.held}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; before the parameters are known the reference waits in ``state.saved``."""
-        if not isinstance(state, Mapping) or set(state) not in ({"has_ref", "ref"}, {"has_ref", "ref", "ref_sq"}):
+        if not isinstance(state, Mapping) or not {"has_ref", "ref"} <= set(state) <= {"has_ref", "ref", "ref_sq",
+                                                                                   "held"}:
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
                 "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref' and 'ref' (and "
-                f"'ref_sq'); got {found}. The checkpoint was written by a different version of gacbench: resume "
-                "from one written by this version."
+                f"'ref_sq', 'held'); got {found}. The checkpoint was written by a different version of gacbench: "
+                "resume from one written by this version."
             )
         flat, has_ref = state["ref"], bool(state["has_ref"])
         if has_ref and flat is None:
@@ -516,6 +532,7 @@ class GACTransform:
         st = self.state
         ref_sq = state.get("ref_sq")  # optional: without it ||r||^2 is summed again at the next step
         st.has_ref, st.ref_sq = has_ref, None if ref_sq is None else torch.as_tensor(ref_sq, dtype=torch.float64)
+        st.held = bool(state.get("held", False))  # absent: False
         if flat is None:
             return
         if st.ref is None:
