@@ -30,6 +30,7 @@ from gacbench.functional.alignment import (
     KEEP,
     SKIP,
     full_vector_scalars,
+    plain_number,
     reference_cosine,
 )
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
@@ -120,11 +121,13 @@ class _StepHook:
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, tol: float, distributed: bool | None) -> None:
         _check_optimizer(optimizer, self.who)
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise UsageError(f"{self.who}: warmup={warmup!r} must be a non-negative integer (steps excluded from "
-                             "the summary)")
-        if not (isinstance(tol, (int, float)) and 0.0 < tol < 1.0):
-            raise UsageError(f"{self.who}: tol={tol!r} must be in (0, 1); the paper uses 0.05")
+        given_warmup, given_tol = warmup, tol
+        warmup, tol = plain_number(warmup), plain_number(tol)  # a numpy scalar or 0-d tensor as its Python value
+        if not isinstance(warmup, int) or warmup < 0:
+            raise UsageError(f"{self.who}: warmup={given_warmup!r} must be a non-negative integer (steps excluded "
+                             "from the summary)")
+        if not (tol is not None and 0.0 < tol < 1.0):
+            raise UsageError(f"{self.who}: tol={given_tol!r} must be in (0, 1); the paper uses 0.05")
         if distributed not in (None, True, False):
             raise UsageError(f"{self.who}: distributed={distributed!r} must be None (automatic), True or False")
         if distributed and not _initialized():
@@ -224,7 +227,7 @@ class GACHook(_StepHook):
         self.run_steps, self._kernels_chosen = steps, False
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.action = ""
-        super().__init__(optimizer, warmup, tol, distributed)
+        super().__init__(optimizer, self.config.warmup, self.config.tol, distributed)
         _GAC_ATTACHED[optimizer] = weakref.ref(self)
 
     @property

@@ -507,6 +507,40 @@ def test_the_three_gac_front_ends_have_the_same_defaults():
     assert attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)).config == GACSettings()
 
 
+def test_a_setting_given_as_any_real_number_is_stored_as_a_python_number():
+    """A numpy scalar (float32, float64, int64) or a 0-d tensor is a number like any other: each front end takes it
+    and stores the Python float (warmup: int) it holds, so that a state saved with the settings loads with
+    torch.load(weights_only=True); a bool, a tensor with elements or an integer setting given as a float is
+    refused naming the setting."""
+    import io
+
+    import numpy as np
+
+    from gacbench import GAC
+    from gacbench.functional.settings import GACSettings
+
+    pytest.importorskip("transformers")
+    from gacbench.integrations.trl import GACCallback
+
+    given = dict(c_low=np.float32(0.05), c_high=torch.tensor(0.25, dtype=torch.float64), ema_decay=np.float64(0.5),
+                 warmup=np.int64(3), tol=torch.tensor(0.125))
+    want = GACSettings(c_low=float(np.float32(0.05)), c_high=0.25, ema_decay=0.5, warmup=3, tol=0.125)
+    hook = attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **given)
+    for config in (GACSettings(**given), GAC(**given).config, hook.config, GACCallback(**given).config):
+        assert config == want
+        assert {k: type(v) for k, v in config.as_dict().items() if k in given} == {
+            "c_low": float, "c_high": float, "ema_decay": float, "warmup": int, "tol": float}
+        buf = io.BytesIO()
+        torch.save(config.as_dict(), buf)
+        buf.seek(0)
+        assert torch.load(buf, weights_only=True) == config.as_dict()
+    assert hook.warmup == 3 and type(hook.tol) is float
+    for name, bad in (("c_low", np.bool_(True)), ("c_low", torch.tensor([0.05])), ("warmup", np.float64(3.0)),
+                      ("tol", torch.tensor(0.1j))):
+        with pytest.raises(ValueError, match=f"^GAC: {name}="):
+            GACSettings(**{name: bad})
+
+
 # -- sparse and complex parameters ---------------------------------------------------------------------------------
 class EmbeddingModel(pl.LightningModule):
     def __init__(self, sparse: bool = False, complex_weight: bool = False):

@@ -27,6 +27,7 @@ from gacbench.functional.alignment import (
     GACDecision,
     alignment_scalars,
     gac_decision,
+    plain_number,
     project_,
     reference_cosine,
     validate_thresholds,
@@ -182,15 +183,16 @@ class GACTransform:
         buffer_dtype: str | torch.dtype | None = None,
         kernels: str = "eager",
     ) -> None:
-        validate_thresholds(c_low, c_high)
+        c_low, c_high = validate_thresholds(c_low, c_high)
         check_choice("GAC", "kernels", kernels, KERNEL_CHOICES)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "reference", reference, REFERENCES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
-        if not (isinstance(ema_decay, (int, float)) and 0.0 <= ema_decay < 1.0):
+        decay = plain_number(ema_decay)
+        if not (decay is not None and 0.0 <= decay < 1.0):
             raise ValueError(f"GAC: ema_decay={ema_decay!r} must be in [0, 1)")
-        self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
-        self.reference, self.ema_decay = reference, float(ema_decay)
+        self.c_low, self.c_high, self.high_mode, self.shrink = c_low, c_high, high_mode, shrink
+        self.reference, self.ema_decay = reference, float(decay)
         self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
         self.requested_kernels = kernels
         self.kernels = "eager" if kernels == "auto" else kernels  # the path step() runs; see choose_kernels_for

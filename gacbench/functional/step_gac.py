@@ -86,10 +86,10 @@ class StepGAC:
 
     def __init__(self, c_low: float = 0.05, c_high: float = 0.3, high_mode: str = "project",
                  shrink: str = "component", apply: bool = True) -> None:
-        validate_thresholds(c_low, c_high)
+        c_low, c_high = validate_thresholds(c_low, c_high)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
-        self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
+        self.c_low, self.c_high, self.high_mode, self.shrink = c_low, c_high, high_mode, shrink
         self.apply = apply
         self.theta: FlatBuffer | None = None  # theta after the last step
         self.prev: FlatBuffer | None = None  # the previous applied step (local shards)
