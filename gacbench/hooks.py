@@ -214,6 +214,10 @@ class GACHook(_StepHook):
                                       on_bad_grad, on_zero_grad, warmup, tol, kernels)  # checked as the callback's
         except ValueError as e:
             raise UsageError(str(e)) from None
+        run_steps = plain_number(steps) if steps is not None else None
+        if steps is not None and not ((isinstance(run_steps, int) and run_steps > 0) or run_steps == math.inf):
+            raise UsageError(f"attach_gac: steps={steps!r} must be None (unknown), a positive integer (the run's "
+                             "optimizer steps, which kernels='auto' chooses from) or math.inf")
         self.transform = self.config.transform()
         _check_optimizer(optimizer, self.who)
         first = attached_gac(optimizer)
@@ -224,7 +228,7 @@ class GACHook(_StepHook):
         #: who attached this hook (named when a second attach is refused); GACCallback writes its own name here
         self.origin = "attach_gac(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")"
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
-        self.run_steps, self._kernels_chosen = steps, False
+        self.run_steps, self._kernels_chosen = run_steps, False
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.action = ""
         super().__init__(optimizer, self.config.warmup, self.config.tol, distributed)
@@ -323,7 +327,7 @@ class AlignmentMonitorHook(_StepHook):
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int = 50, tol: float = 0.05,
                  buffer_dtype: str | torch.dtype | None = None, distributed: bool | None = None) -> None:
         try:
-            dtype = parse_dtype("AlignmentMonitor", buffer_dtype)
+            dtype = parse_dtype(self.who, buffer_dtype)
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.has_prev = False

@@ -380,10 +380,19 @@ def test_remove_restores_the_plain_optimizer():
     (lambda o: attach_gac(torch.nn.Linear(2, 2)), "torch.optim.Optimizer"),
     (lambda o: attach_alignment_monitor(o, buffer_dtype="int8"), "buffer_dtype"),
     (lambda o: attach_gac(o, distributed=True), "not initialized"),
+    (lambda o: attach_gac(o, steps="x"), r"^attach_gac: steps='x' must be None \(unknown\), a positive integer"),
+    (lambda o: attach_gac(o, steps=-5), r"^attach_gac: steps=-5 must be None"),
+    (lambda o: attach_gac(o, buffer_dtype=5), r"^GAC: buffer_dtype=5 must be None, one of 'float32'"),
+    (lambda o: attach_alignment_monitor(o, buffer_dtype=torch.int32),
+     r"^attach_alignment_monitor: buffer_dtype=torch.int32 must be None, one of 'float32', 'bfloat16', 'float16', "
+     r"or a floating-point torch.dtype$"),
 ])
 def test_bad_settings_are_named(call, match):
-    with pytest.raises(UsageError, match=match):
-        call(regressor().configure_optimizers())
+    """Refused when attached (not at the first step), in one line naming the setting and the value."""
+    optimizer = regressor().configure_optimizers()
+    with pytest.raises(UsageError, match=match) as err:
+        call(optimizer)
+    assert "\n" not in str(err.value) and not optimizer._optimizer_step_pre_hooks
 
 
 def test_adding_parameters_after_attaching_is_refused():

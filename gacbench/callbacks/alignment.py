@@ -35,6 +35,7 @@ from gacbench.callbacks._common import (
 )
 from gacbench.functional.alignment import alignment_scalars, reference_cosine
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
+from gacbench.functional.gac import parse_dtype
 from gacbench.functional.step_gac import StepGAC
 
 
@@ -72,7 +73,7 @@ class AlignmentMonitor(Callback):
         self.step_cos = step_cos
         self.step_passive = not step_cos
         self._hook = None
-        self.buffer_dtype = buffer_dtype
+        self.buffer_dtype = parse_dtype("AlignmentMonitor", buffer_dtype)
         self.passive = False
         self._reset()
 

@@ -56,10 +56,15 @@ def check_choice(who: str, name: str, value: object, choices: Sequence[str]) -> 
 
 
 def parse_dtype(who: str, dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A ``buffer_dtype`` setting as a torch dtype (None stays None); ``ValueError`` naming ``who``, the value and
+    what is accepted unless it is one of the names or a floating-point torch.dtype."""
     if isinstance(dtype, str):
         check_choice(who, "buffer_dtype", dtype, tuple(_DTYPES))
         return _DTYPES[dtype]
-    return dtype
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point and not dtype.is_complex):
+        return dtype
+    raise ValueError(f"{who}: buffer_dtype={dtype!r} must be None, one of {', '.join(map(repr, _DTYPES))}, or a "
+                     "floating-point torch.dtype")
 
 
 def local(t: Tensor) -> Tensor:

@@ -50,11 +50,7 @@ class GACSettings:
         if not (ema_decay is not None and 0.0 <= ema_decay < 1.0):
             raise ValueError(f"GAC: ema_decay={self.ema_decay!r} must be in [0, 1)")
         check_choice("GAC", "shrink", self.shrink, SHRINK_MODES)
-        if self.buffer_dtype is not None and not isinstance(self.buffer_dtype, torch.dtype):
-            parse_dtype("GAC", self.buffer_dtype)  # a string: one of the names
-        elif self.buffer_dtype is not None and not self.buffer_dtype.is_floating_point:
-            raise ValueError(f"GAC: buffer_dtype={self.buffer_dtype} must be a floating-point dtype "
-                             "('float32', 'bfloat16' or 'float16')")
+        parse_dtype("GAC", self.buffer_dtype)
         check_choice("GAC", "on_bad_grad", self.on_bad_grad, ON_BAD_GRAD)
         check_choice("GAC", "on_zero_grad", self.on_zero_grad, ON_ZERO_GRAD)
         warmup = plain_number(self.warmup)
