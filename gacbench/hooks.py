@@ -3,10 +3,16 @@
 :func:`attach_gac` and :func:`attach_alignment_monitor` register a step pre-hook
 (``Optimizer.register_step_pre_hook``) that runs, inside every ``optimizer.step()``, the code the
 Lightning callbacks run in ``on_before_optimizer_step``: the same :class:`GACTransform` with the same
-settings, the same gradients (all the optimizer's parameters, in param-group order), the same metric
-names. A hook runs once per optimizer step, so under gradient accumulation it sees the accumulated
-gradient; it runs after whatever the training loop did before ``step()`` (``clip_grad_norm_``,
-``GradScaler.unscale_``), and not at all on a step a ``GradScaler`` skips for an overflow.
+settings, on all the optimizer's parameters (in param-group order), with the same metric names. A hook runs
+once per optimizer step, so under gradient accumulation it sees the accumulated gradient; it runs after
+whatever the training loop did before ``step()`` (``clip_grad_norm_``, ``GradScaler.unscale_``), and not at
+all on a step a ``GradScaler`` skips for an overflow.
+
+Clipping comes before the hook, GAC(clip(g)), where the Lightning callback acts before Lightning's clipping,
+clip(GAC(g)). Without clipping the two give the same parameters bit for bit. Clipping by the global norm
+rescales the gradient, so with the references "grad" and "applied" c_t and the decision are the same either
+way (under "ema" and "update" the reference differs); the step's length differs on the steps the clipping
+acts on, and ``grad/norm`` is the clipped norm here, the unclipped one in the callback (docs/integrations.md).
 
 ``optimizer.step(closure)`` is refused: step pre-hooks run before the closure computes the gradients,
 so a hook would read the previous step's. Lightning always steps with a closure: use the callbacks

@@ -7,7 +7,9 @@
 ``trainer.state.log_history`` and in the reporting integrations listed after it.
 
 The Trainer calls ``optimizer.step()`` without a closure, after its gradient clipping (``max_grad_norm``)
-and, under fp16, after the GradScaler's unscale: GAC sees the clipped, unscaled gradient.
+and, under fp16, after the GradScaler's unscale: GAC sees the clipped, unscaled gradient, GAC(clip(g)), where
+the Lightning callback acts before Lightning's clipping, clip(GAC(g)) (the same c_t under global-norm clipping
+for the references "grad" and "applied"; docs/integrations.md).
 
 At each checkpoint the callback writes the hooks' state (GAC's reference, counters and c_t trace) into the
 checkpoint folder the Trainer has just written (``STATE_FILE``, one file per process when there are several);
