@@ -122,6 +122,38 @@ def test_stale_snapshot_with_zero_learning_rate_leaves_a_mixed_model_unchanged()
     assert _same(list(model.parameters()), initial)
 
 
+def test_bf16_gac_with_a_parameter_without_gradient_keeps_the_float32_cosine():
+    """bfloat16 gradients, shrunk or projected at most steps (c_low 0.05, c_high 0.3), with and without a frozen
+    parameter (no gradient) in the optimizer: c_t is the cosine of the bfloat16 gradients given, computed in
+    float64, to float32 rounding (the reference is the raw gradient itself, never g~ + alpha r rebuilt in
+    bfloat16), and the two runs log the same c_t."""
+
+    def run(with_frozen: bool, n: int = 16, steps: int = 40):
+        gen = torch.Generator().manual_seed(0)
+        a = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+        params = [a] + ([nn.Parameter(torch.zeros(3), requires_grad=False)] if with_frozen else [])
+        opt = torch.optim.SGD(params, lr=0.0)
+        gac = attach_gac(opt, kernels="eager", warmup=0)
+        prev, errors = None, []
+        for t in range(steps):
+            g = torch.randn(n, generator=gen, dtype=torch.float64)
+            if prev is not None:  # aligned with the previous gradient: c_t mostly in (0.05, 1)
+                g = g + [0.6, -0.6, 0.3, 1.5][t % 4] * prev * (g.norm() / prev.norm())
+            g = g.to(torch.bfloat16).double()  # exactly the bfloat16 gradient given
+            a.grad = g.to(torch.bfloat16)
+            opt.step()
+            if prev is not None:
+                errors.append(abs(gac.metrics["align/cos"] - float(g @ prev / (g.norm() * prev.norm()))))
+            prev = g
+        return gac.values, max(errors), gac.changed
+
+    alone, err_alone, changed = run(False)
+    frozen, err_frozen, _ = run(True)
+    assert changed > 10
+    assert err_alone < 2e-7 and err_frozen < 2e-7
+    assert frozen == alone
+
+
 def test_gac_cosine_and_projection_on_mixed_dtypes_match_float64():
     """GAC's c_t against the previous gradient, and the projected gradient, on bfloat16 / float32 / float16
     parameters, against the rule written out in float64 (the gradients are exact there)."""

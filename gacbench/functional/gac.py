@@ -103,6 +103,20 @@ def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float)
             rb.copy_(out)  # the one rounding
 
 
+def _project_keeping_raw(g: list[Tensor], r: list[Tensor], alpha: float) -> None:
+    """g <- g - alpha r and r <- the raw g, tensor by tensor (one tensor-sized copy at a time): the same
+    element-wise operation as :func:`~gacbench.functional.alignment.project_` (and the swapping path), and the
+    raw gradient stored exactly (rounded once where ``r`` has a lower precision)."""
+    for gi, ri in zip(g, r):
+        raw = gi.clone()
+        rv = ri.view_as(gi)
+        if gi.dtype == ri.dtype:
+            torch._foreach_add_([gi], [rv], alpha=-alpha)
+        else:
+            gi.add_(rv, alpha=-alpha)  # r is upcast element by element
+        rv.copy_(raw)
+
+
 @dataclass(frozen=True)
 class GACStep:
     """What one call of ``GACTransform.step`` saw and did.
@@ -394,10 +408,16 @@ class GACTransform:
             # r holds the raw gradient: its norm is ||g||^2 unless it was rounded to a lower precision
             st.ref_sq = local_scalars[1] if all(gi.dtype == ri.dtype for gi, ri in zip(g, r)) else None
             return
-        if alpha:
-            project_(g, r, decision.coef, g_dot_r, r_sq)
         skipped = decision.action == SKIP
-        self._update_reference(params, live, g, r, alpha, skipped)
+        if alpha and self.reference == "grad":
+            # the raw gradient becomes the reference as it is: recovered afterwards as g~ + alpha r it would be
+            # rounded twice in the gradient's precision (a bfloat16 gradient: c_t off by ~1e-3)
+            _project_keeping_raw(g, r, alpha)
+            self._update_reference(params, live, g, r, 0.0, skipped, stored=True)
+        else:
+            if alpha:
+                project_(g, r, decision.coef, g_dot_r, r_sq)
+            self._update_reference(params, live, g, r, alpha, skipped)
         copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
         if copied and not alpha and all(gi.dtype == ri.dtype for gi, ri in zip(g, r)):
             # r is an exact copy of g (zero where a parameter has no gradient): its norm is ||g||^2
@@ -471,9 +491,11 @@ class GACTransform:
         torch._foreach_copy_(self.state.ref, [local(p.detach()) for p in params])
         self.state.ref_sq = None
 
-    def _update_reference(self, params, live, g, r, alpha: float, skipped: bool) -> None:
+    def _update_reference(self, params, live, g, r, alpha: float, skipped: bool, stored: bool = False) -> None:
         """Move the reference to step t. ``g`` already holds g_tilde = g_raw - alpha * r, so the raw
-        gradient is recovered as g_tilde + alpha * r without keeping a second copy of it."""
+        gradient is recovered as g_tilde + alpha * r without keeping a second copy of it. ``stored``: ``r`` (the
+        parameters with a gradient) already holds the raw gradient (reference ``"grad"``); only the part of the
+        parameters without one is set (zero)."""
         st = self.state
         st.ref_sq = None
         if self.reference == "update":
@@ -496,6 +518,8 @@ class GACTransform:
                 torch._foreach_mul_(dead_ref, a)
             else:
                 torch._foreach_zero_(dead_ref)  # not a multiplication by 0: an overflowed (inf) part would stay NaN
+        if stored:
+            return
         coef = a + b * alpha
         if coef == 0.0:  # then b == 1: the reference is exactly the gradient
             torch._foreach_copy_(r, g)
