@@ -3,10 +3,16 @@
 :func:`attach_gac` and :func:`attach_alignment_monitor` register a step pre-hook
 (``Optimizer.register_step_pre_hook``) that runs, inside every ``optimizer.step()``, the code the
 Lightning callbacks run in ``on_before_optimizer_step``: the same :class:`GACTransform` with the same
-settings, the same gradients (all the optimizer's parameters, in param-group order), the same metric
-names. A hook runs once per optimizer step, so under gradient accumulation it sees the accumulated
-gradient; it runs after whatever the training loop did before ``step()`` (``clip_grad_norm_``,
-``GradScaler.unscale_``), and not at all on a step a ``GradScaler`` skips for an overflow.
+settings, on all the optimizer's parameters (in param-group order), with the same metric names. A hook runs
+once per optimizer step, so under gradient accumulation it sees the accumulated gradient; it runs after
+whatever the training loop did before ``step()`` (``clip_grad_norm_``, ``GradScaler.unscale_``), and not at
+all on a step a ``GradScaler`` skips for an overflow.
+
+Clipping comes before the hook, GAC(clip(g)), where the Lightning callback acts before Lightning's clipping,
+clip(GAC(g)). Without clipping the two give the same parameters bit for bit. Clipping by the global norm
+rescales the gradient, so with the references "grad" and "applied" c_t and the decision are the same either
+way (under "ema" and "update" the reference differs); the step's length differs on the steps the clipping
+acts on, and ``grad/norm`` is the clipped norm here, the unclipped one in the callback (docs/integrations.md).
 
 ``optimizer.step(closure)`` is refused: step pre-hooks run before the closure computes the gradients,
 so a hook would read the previous step's. Lightning always steps with a closure: use the callbacks
@@ -29,8 +35,9 @@ from gacbench.functional.alignment import (
     ACTION_NAMES,
     KEEP,
     SKIP,
-    cosine_from_scalars,
     full_vector_scalars,
+    plain_number,
+    reference_cosine,
 )
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
@@ -120,11 +127,13 @@ class _StepHook:
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, tol: float, distributed: bool | None) -> None:
         _check_optimizer(optimizer, self.who)
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise UsageError(f"{self.who}: warmup={warmup!r} must be a non-negative integer (steps excluded from "
-                             "the summary)")
-        if not (isinstance(tol, (int, float)) and 0.0 < tol < 1.0):
-            raise UsageError(f"{self.who}: tol={tol!r} must be in (0, 1); the paper uses 0.05")
+        given_warmup, given_tol = warmup, tol
+        warmup, tol = plain_number(warmup), plain_number(tol)  # a numpy scalar or 0-d tensor as its Python value
+        if not isinstance(warmup, int) or warmup < 0:
+            raise UsageError(f"{self.who}: warmup={given_warmup!r} must be a non-negative integer (steps excluded "
+                             "from the summary)")
+        if not (tol is not None and 0.0 < tol < 1.0):
+            raise UsageError(f"{self.who}: tol={given_tol!r} must be in (0, 1); the paper uses 0.05")
         if distributed not in (None, True, False):
             raise UsageError(f"{self.who}: distributed={distributed!r} must be None (automatic), True or False")
         if distributed and not _initialized():
@@ -211,6 +220,10 @@ class GACHook(_StepHook):
                                       on_bad_grad, on_zero_grad, warmup, tol, kernels)  # checked as the callback's
         except ValueError as e:
             raise UsageError(str(e)) from None
+        run_steps = plain_number(steps) if steps is not None else None
+        if steps is not None and not ((isinstance(run_steps, int) and run_steps > 0) or run_steps == math.inf):
+            raise UsageError(f"attach_gac: steps={steps!r} must be None (unknown), a positive integer (the run's "
+                             "optimizer steps, which kernels='auto' chooses from) or math.inf")
         self.transform = self.config.transform()
         _check_optimizer(optimizer, self.who)
         first = attached_gac(optimizer)
@@ -221,10 +234,10 @@ class GACHook(_StepHook):
         #: who attached this hook (named when a second attach is refused); GACCallback writes its own name here
         self.origin = "attach_gac(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")"
         self.on_bad_grad, self.on_zero_grad = on_bad_grad, on_zero_grad
-        self.run_steps, self._kernels_chosen = steps, False
+        self.run_steps, self._kernels_chosen = run_steps, False
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.action = ""
-        super().__init__(optimizer, warmup, tol, distributed)
+        super().__init__(optimizer, self.config.warmup, self.config.tol, distributed)
         _GAC_ATTACHED[optimizer] = weakref.ref(self)
 
     @property
@@ -261,7 +274,8 @@ class GACHook(_StepHook):
         self.changed += d.changed
         self.skipped += d.action == SKIP
         self.action = ACTION_NAMES[d.action]
-        if not math.isnan(d.cos):
+        measured = not math.isnan(d.cos) or out.zero_ref  # NaN against a zero reference: counted as skipped
+        if measured:
             self.values.append(d.cos)
         self.metrics = {
             "grad/norm": math.sqrt(out.grad_sq),
@@ -269,7 +283,7 @@ class GACHook(_StepHook):
             "align/skip": float(d.action == SKIP),
             "gac/coef": d.coef,
         }
-        if not math.isnan(d.cos):
+        if measured:
             self.metrics[self.cos_key] = d.cos
 
     def _bad_gradient(self, g_sq: float, action: str) -> None:
@@ -319,7 +333,7 @@ class AlignmentMonitorHook(_StepHook):
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int = 50, tol: float = 0.05,
                  buffer_dtype: str | torch.dtype | None = None, distributed: bool | None = None) -> None:
         try:
-            dtype = parse_dtype("AlignmentMonitor", buffer_dtype)
+            dtype = parse_dtype(self.who, buffer_dtype)
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.has_prev = False
@@ -343,7 +357,7 @@ class AlignmentMonitorHook(_StepHook):
             self.values.append(float("nan"))
             return
         if self.has_prev:
-            c = cosine_from_scalars(scalars)
+            c = reference_cosine(scalars)  # NaN against a zero reference: no c_t, counted as skipped
             self.metrics["align/cos"] = c
             self.values.append(c)
         self.has_prev = keep_reference(prev, grads, self.who)

@@ -232,7 +232,7 @@ def test_transform_state_refuses_a_foreign_checkpoint():
     gac.step(params)
     with pytest.raises(ValueError, match="5 elements but the model has 3"):
         gac.load_state_dict({"has_ref": True, "ref": torch.zeros(5)})
-    with pytest.raises(ValueError, match="keys 'has_ref' and 'ref' \\(and 'ref_sq'\\)"):
+    with pytest.raises(ValueError, match="keys 'has_ref' and 'ref' \\(and 'ref_sq', 'held'\\)"):
         gac.load_state_dict({"ref": torch.zeros(3)})
 
 

@@ -280,6 +280,60 @@ def test_a_fused_optimizer_under_grad_scaler_needs_unscale_first():
     assert hook.steps == 1 and hook.metrics == {} and torch.equal(flat_params(model), before)
 
 
+def _scripted_steps(opt, param, grads, hook):
+    """One optimizer step per gradient; the hook's action and logged c_t of each."""
+    out = []
+    for g in grads:
+        param.grad = None if g is None else torch.tensor(g)
+        opt.step()
+        out.append((hook.action, hook.metrics.get(hook.cos_key)))
+    return out
+
+
+def test_update_reference_keeps_the_last_update_across_skipped_steps():
+    """reference="update", high_mode="skip", SGD at lr 1 from theta_0 = 0: a skipped step (by the rule or for a
+    zero gradient) leaves theta where it is, and the next c_t is measured against the last update that moved it
+    (theta_{t-1} - theta_t of the last step taken), never against the zero difference of the skipped step. By
+    hand: r = e_1 after step 1; steps 2, 3 and 4 are skipped; step 5 is kept (c = 0) and moves theta by -2 e_4,
+    which is the reference of step 6. The held update travels in state_dict."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=1.0)
+    gac = attach_gac(opt, reference="update", high_mode="skip", on_zero_grad="skip", warmup=0, kernels="eager")
+    with pytest.warns(UserWarning, match="its gradient is zero"):
+        first = _scripted_steps(opt, p, [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], gac)
+    assert first[0] == ("keep", None) and first[1] == ("skip", 1 / math.sqrt(2.0))  # <g, r> = 1, ||g|| = sqrt 2
+    assert first[2][0] == "skip" and math.isnan(first[2][1])  # the zero gradient: no c_t
+    saved, theta = gac.state_dict(), p.detach().clone()
+    assert saved["transform"]["held"] and torch.equal(saved["transform"]["ref"], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    later = [[3.0, 0.0, 4.0, 0.0], [0.0, 0.0, 0.0, 2.0], [0.0, 1.0, 0.0, 1.0]]
+    rest = _scripted_steps(opt, p, later, gac)
+    assert rest == [("skip", 3 / 5), ("keep", 0.0), ("skip", 2 / (math.sqrt(2.0) * 2.0))]
+    assert torch.equal(p.detach(), torch.tensor([-1.0, 0.0, 0.0, -2.0]))
+    assert gac.values[0] == 1 / math.sqrt(2.0) and math.isnan(gac.values[1])
+    assert gac.values[2:] == [3 / 5, 0.0, 2 / (math.sqrt(2.0) * 2.0)]
+    assert gac.summary()["n"] == 4 and gac.summary()["skipped"] == 1
+
+    q = torch.nn.Parameter(theta)  # resumed at the held update: the same steps and c_t
+    opt2 = torch.optim.SGD([q], lr=1.0)
+    again = attach_gac(opt2, reference="update", high_mode="skip", on_zero_grad="skip", warmup=0, kernels="eager")
+    again.load_state_dict(saved)
+    assert _scripted_steps(opt2, q, later, again) == rest and torch.equal(q.detach(), p.detach())
+
+
+def test_update_reference_of_parameters_that_did_not_move_gives_no_c_t():
+    """reference="update" with SGD at lr 0: theta never moves, so every reference theta_{t-1} - theta_t is zero.
+    A zero reference has no direction: c_t is NaN (counted as skipped, like a zero gradient), not 0, and the
+    gradient is kept."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.0)
+    gac = attach_gac(opt, reference="update", warmup=0, kernels="eager")
+    steps = _scripted_steps(opt, p, [[1.0, 2.0, 3.0]] * 4, gac)
+    assert steps[0] == ("keep", None)
+    assert all(action == "keep" and math.isnan(c) for action, c in steps[1:])
+    assert len(gac.values) == 3 and all(math.isnan(v) for v in gac.values)
+    assert gac.summary()["n"] == 0 and gac.summary()["skipped"] == 3 and gac.changed == 0
+
+
 def test_state_dict_resumes_exactly():
     full = regressor()
     opt = full.configure_optimizers()
@@ -326,10 +380,19 @@ def test_remove_restores_the_plain_optimizer():
     (lambda o: attach_gac(torch.nn.Linear(2, 2)), "torch.optim.Optimizer"),
     (lambda o: attach_alignment_monitor(o, buffer_dtype="int8"), "buffer_dtype"),
     (lambda o: attach_gac(o, distributed=True), "not initialized"),
+    (lambda o: attach_gac(o, steps="x"), r"^attach_gac: steps='x' must be None \(unknown\), a positive integer"),
+    (lambda o: attach_gac(o, steps=-5), r"^attach_gac: steps=-5 must be None"),
+    (lambda o: attach_gac(o, buffer_dtype=5), r"^GAC: buffer_dtype=5 must be None, one of 'float32'"),
+    (lambda o: attach_alignment_monitor(o, buffer_dtype=torch.int32),
+     r"^attach_alignment_monitor: buffer_dtype=torch.int32 must be None, one of 'float32', 'bfloat16', 'float16', "
+     r"or a floating-point torch.dtype$"),
 ])
 def test_bad_settings_are_named(call, match):
-    with pytest.raises(UsageError, match=match):
-        call(regressor().configure_optimizers())
+    """Refused when attached (not at the first step), in one line naming the setting and the value."""
+    optimizer = regressor().configure_optimizers()
+    with pytest.raises(UsageError, match=match) as err:
+        call(optimizer)
+    assert "\n" not in str(err.value) and not optimizer._optimizer_step_pre_hooks
 
 
 def test_adding_parameters_after_attaching_is_refused():

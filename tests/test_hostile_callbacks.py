@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gacbench import StalenessSimulator
+from gacbench.functional.alignment import KEEP, PROJECT
 from gacbench.functional.buffer import FlatBuffer
 from gacbench.functional.gac import GACTransform
 from gacbench.functional.step_gac import StepGAC
@@ -119,6 +120,38 @@ def test_stale_snapshot_with_zero_learning_rate_leaves_a_mixed_model_unchanged()
     initial = [p.detach().clone() for p in model.parameters()]
     make_trainer([StalenessSimulator(3)], max_steps=8).fit(model)
     assert _same(list(model.parameters()), initial)
+
+
+def test_bf16_gac_with_a_parameter_without_gradient_keeps_the_float32_cosine():
+    """bfloat16 gradients, shrunk or projected at most steps (c_low 0.05, c_high 0.3), with and without a frozen
+    parameter (no gradient) in the optimizer: c_t is the cosine of the bfloat16 gradients given, computed in
+    float64, to float32 rounding (the reference is the raw gradient itself, never g~ + alpha r rebuilt in
+    bfloat16), and the two runs log the same c_t."""
+
+    def run(with_frozen: bool, n: int = 16, steps: int = 40):
+        gen = torch.Generator().manual_seed(0)
+        a = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+        params = [a] + ([nn.Parameter(torch.zeros(3), requires_grad=False)] if with_frozen else [])
+        opt = torch.optim.SGD(params, lr=0.0)
+        gac = attach_gac(opt, kernels="eager", warmup=0)
+        prev, errors = None, []
+        for t in range(steps):
+            g = torch.randn(n, generator=gen, dtype=torch.float64)
+            if prev is not None:  # aligned with the previous gradient: c_t mostly in (0.05, 1)
+                g = g + [0.6, -0.6, 0.3, 1.5][t % 4] * prev * (g.norm() / prev.norm())
+            g = g.to(torch.bfloat16).double()  # exactly the bfloat16 gradient given
+            a.grad = g.to(torch.bfloat16)
+            opt.step()
+            if prev is not None:
+                errors.append(abs(gac.metrics["align/cos"] - float(g @ prev / (g.norm() * prev.norm()))))
+            prev = g
+        return gac.values, max(errors), gac.changed
+
+    alone, err_alone, changed = run(False)
+    frozen, err_frozen, _ = run(True)
+    assert changed > 10
+    assert err_alone < 2e-7 and err_frozen < 2e-7
+    assert frozen == alone
 
 
 def test_gac_cosine_and_projection_on_mixed_dtypes_match_float64():
@@ -365,6 +398,56 @@ def test_a_float16_reference_that_overflows_is_not_kept():
     assert len(mon.values) == 1 and mon.values[0] == pytest.approx(out.cos, rel=1e-3)
 
 
+def test_a_reference_rounded_to_zero_gives_no_cosine():
+    """buffer_dtype="float16" and a gradient of 1e-10 (below float16's smallest value, 6e-8): the stored reference is
+    zero. A zero reference has no direction: the next c_t is NaN (counted as skipped), not 0, for the monitor hook
+    and for GAC, which keeps the gradient; the step after it is measured against the usable gradient."""
+    params = [nn.Parameter(torch.zeros(4))]
+    opt = torch.optim.SGD(params, lr=0.0)
+    mon = attach_alignment_monitor(opt, buffer_dtype="float16", warmup=0)
+    gac = attach_gac(opt, buffer_dtype="float16", kernels="eager", warmup=0, c_low=0.05, c_high=0.3)
+    grads = [torch.full((4,), 1e-10), torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([4.0, -3.0, 2.0, -1.0])]
+    for g in grads:
+        params[0].grad = g.clone()
+        opt.step()
+        if g is grads[1]:
+            assert math.isnan(mon.metrics["align/cos"]) and math.isnan(gac.metrics["align/cos"])
+            assert gac.action == "keep" and torch.equal(params[0].grad, grads[1])
+    assert math.isnan(mon.values[0]) and mon.values[1] == 0.0  # <g_3, g_2> = 4 - 6 + 6 - 4 = 0
+    assert math.isnan(gac.values[0]) and gac.values[1] == 0.0
+    assert mon.summary()["skipped"] == gac.summary()["skipped"] == 1
+
+
+def test_gac_callback_update_reference_of_parameters_that_did_not_move_gives_no_cosine():
+    """GAC(reference="update") in Lightning with SGD at lr 0: theta_{t-1} - theta_t is zero at every step, so no
+    step has a c_t: the trace holds NaN (counted as skipped), never 0, and no gradient is changed."""
+    from gacbench import GAC
+
+    seq = [_grads(t) for t in range(4)]
+    gac = GAC(reference="update", warmup=0, kernels="eager")
+    make_trainer([gac], max_steps=len(seq)).fit(ScriptedGradients(seq))
+    assert len(gac.trace.values) == 3 and all(math.isnan(v) for v in gac.trace.values)
+    assert gac.changed == 0 and gac.trace.summary()["skipped"] == 3
+
+
+def test_step_gac_against_a_zero_applied_step_gives_no_cosine():
+    """StepGAC (target="step"): Delta_2 = 2 Delta_1 is projected onto nothing (Delta~_2 = 0 exactly, with these
+    small integers), so the reference of step 3 is zero: c^Delta_3 is NaN (``zero_ref``), not 0, and the step is
+    kept."""
+    p = nn.Parameter(torch.zeros(3))
+    gac = StepGAC(0.05, 0.3)
+    gac.start([p])
+    outs = []
+    for delta in ([1.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 1.0, 1.0]):
+        with torch.no_grad():
+            p.add_(torch.tensor(delta))  # the optimizer's step
+        outs.append(gac.step([p]))
+    assert math.isnan(outs[0].cos) and not outs[0].zero_ref
+    assert outs[1].cos == pytest.approx(1.0, rel=1e-15) and outs[1].decision.action == PROJECT and not outs[1].zero_ref
+    assert math.isnan(outs[2].cos) and outs[2].zero_ref and outs[2].decision.action == KEEP
+    assert torch.equal(p.detach(), torch.tensor([1.0, 3.0, 1.0]))
+
+
 # -- GAC attached twice -------------------------------------------------------------------------------------------
 def test_attach_gac_twice_on_one_optimizer_is_refused_naming_the_first():
     from gacbench.usage import UsageError
@@ -454,6 +537,40 @@ def test_the_three_gac_front_ends_have_the_same_defaults():
         assert {k: sig[k].default for k in defaults} == defaults
     assert GAC().config == GACSettings() == GACCallback().config
     assert attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)).config == GACSettings()
+
+
+def test_a_setting_given_as_any_real_number_is_stored_as_a_python_number():
+    """A numpy scalar (float32, float64, int64) or a 0-d tensor is a number like any other: each front end takes it
+    and stores the Python float (warmup: int) it holds, so that a state saved with the settings loads with
+    torch.load(weights_only=True); a bool, a tensor with elements or an integer setting given as a float is
+    refused naming the setting."""
+    import io
+
+    import numpy as np
+
+    from gacbench import GAC
+    from gacbench.functional.settings import GACSettings
+
+    pytest.importorskip("transformers")
+    from gacbench.integrations.trl import GACCallback
+
+    given = dict(c_low=np.float32(0.05), c_high=torch.tensor(0.25, dtype=torch.float64), ema_decay=np.float64(0.5),
+                 warmup=np.int64(3), tol=torch.tensor(0.125))
+    want = GACSettings(c_low=float(np.float32(0.05)), c_high=0.25, ema_decay=0.5, warmup=3, tol=0.125)
+    hook = attach_gac(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **given)
+    for config in (GACSettings(**given), GAC(**given).config, hook.config, GACCallback(**given).config):
+        assert config == want
+        assert {k: type(v) for k, v in config.as_dict().items() if k in given} == {
+            "c_low": float, "c_high": float, "ema_decay": float, "warmup": int, "tol": float}
+        buf = io.BytesIO()
+        torch.save(config.as_dict(), buf)
+        buf.seek(0)
+        assert torch.load(buf, weights_only=True) == config.as_dict()
+    assert hook.warmup == 3 and type(hook.tol) is float
+    for name, bad in (("c_low", np.bool_(True)), ("c_low", torch.tensor([0.05])), ("warmup", np.float64(3.0)),
+                      ("tol", torch.tensor(0.1j))):
+        with pytest.raises(ValueError, match=f"^GAC: {name}="):
+            GACSettings(**{name: bad})
 
 
 # -- sparse and complex parameters ---------------------------------------------------------------------------------

@@ -189,3 +189,24 @@ def test_a_resumed_trainer_refuses_gac_state_of_other_settings_or_another_step(t
     shutil.copy(tmp_path / "full" / "checkpoint-8" / STATE_FILE, saved / STATE_FILE)
     with pytest.raises(UsageError, match="state at step 8, but training resumes at step 4"):
         regress(tmp_path / "moved", resume=str(saved), args_resume=str(saved))
+
+
+def test_a_checkpoint_of_settings_given_as_numpy_numbers_resumes(tmp_path):
+    """Thresholds read from numpy (np.float64, np.int64) are stored as Python numbers: the state file loads with
+    torch.load(weights_only=True), the resumed run ends with the uninterrupted run's parameters bit for bit, and
+    that run is the one the same settings as Python floats give."""
+    import numpy as np
+
+    from gacbench.integrations.trl import STATE_FILE
+
+    numpy_settings = {**RESUMED, "c_low": np.float64(0.05), "c_high": np.float64(0.3), "warmup": np.int64(0)}
+    full, cb = regress(tmp_path / "full", settings=numpy_settings)
+    saved = tmp_path / "full" / "checkpoint-4"
+    state = torch.load(saved / STATE_FILE, weights_only=True)
+    assert state["settings"] == {**RESUMED, "c_low": 0.05, "c_high": 0.3, "warmup": 0}
+    assert [type(state["settings"][k]) for k in ("c_low", "c_high", "warmup")] == [float, float, int]
+    resumed, cb_resumed = regress(tmp_path / "resumed", settings=numpy_settings, resume=str(saved),
+                                  args_resume=str(saved))
+    plain, _ = regress(tmp_path / "plain")
+    assert torch.equal(resumed, full) and torch.equal(full, plain)
+    assert cb_resumed.gac.values == cb.gac.values

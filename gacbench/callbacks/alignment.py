@@ -33,8 +33,9 @@ from gacbench.callbacks._common import (
     parameter_names,
     save_tensor,
 )
-from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars
+from gacbench.functional.alignment import alignment_scalars, reference_cosine
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
+from gacbench.functional.gac import parse_dtype
 from gacbench.functional.step_gac import StepGAC
 
 
@@ -72,7 +73,7 @@ class AlignmentMonitor(Callback):
         self.step_cos = step_cos
         self.step_passive = not step_cos
         self._hook = None
-        self.buffer_dtype = buffer_dtype
+        self.buffer_dtype = parse_dtype("AlignmentMonitor", buffer_dtype)
         self.passive = False
         self._reset()
 
@@ -112,7 +113,7 @@ class AlignmentMonitor(Callback):
 
     def _after_step(self, trainer: "pl.Trainer") -> None:
         out = self._steps.step(self._params, lambda s: agree(trainer, s, is_sharded(trainer)))
-        if out is not None and not math.isnan(out.cos):
+        if out is not None and (not math.isnan(out.cos) or out.zero_ref):
             log_metrics(trainer, {"align/step_cos": out.cos})
 
     @override
@@ -138,7 +139,7 @@ class AlignmentMonitor(Callback):
             metrics["align/cos"] = float("nan")
             self.trace.append(float("nan"))
         elif self.has_prev:
-            metrics["align/cos"] = c = cosine_from_scalars(scalars)
+            metrics["align/cos"] = c = reference_cosine(scalars)  # NaN against a zero reference
             self.trace.append(c)
         log_metrics(trainer, metrics)
         if usable:

@@ -326,7 +326,7 @@ class GAC(Callback):
         self.skipped += d.action == SKIP
         metrics = {"align/proj_frac": self.changed / self.steps, "align/skip": float(d.action == SKIP),
                    "gac/coef": d.coef}
-        if not math.isnan(d.cos):
+        if not math.isnan(d.cos) or out.zero_ref:  # NaN against a zero reference: counted as skipped
             self.trace.append(d.cos)
             metrics["align/step_cos"] = d.cos
         log_metrics(trainer, metrics)
@@ -362,7 +362,8 @@ class GAC(Callback):
         d = out.decision
         self.changed += d.changed
         self.skipped += d.action == SKIP
-        if not math.isnan(d.cos):
+        measured = not math.isnan(d.cos) or out.zero_ref  # NaN against a zero reference: counted as skipped
+        if measured:
             self.trace.append(d.cos)
         metrics = {
             "grad/norm": math.sqrt(out.grad_sq),
@@ -370,7 +371,7 @@ class GAC(Callback):
             "align/skip": float(d.action == SKIP),
             "gac/coef": d.coef,
         }
-        if not math.isnan(d.cos):  # the first step has no reference yet
+        if measured:  # the first step has no reference yet
             metrics[self.cos_key] = d.cos
         log_metrics(trainer, metrics)
 

@@ -11,6 +11,7 @@ the previous gradient g_{t-1}), u = r / ||r||, g_par = <g, u> u, c = <g, r> / (|
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -200,21 +201,52 @@ def cosine_from_scalars(scalars: Tensor) -> float:
     return g_r / denom if denom > 0.0 else g_r / math.sqrt(gg) / math.sqrt(rr)  # the product can underflow
 
 
+def reference_cosine(scalars: Tensor) -> float:
+    """c_t = cos(g, r) from ``alignment_scalars`` where r is a reference to measure against: NaN (no c_t) when
+    ||r|| = 0. A zero reference (``reference="update"`` after a step that did not move the parameters; a reference
+    rounded to zero in a narrow ``buffer_dtype``) has no direction: the step is treated as one with a zero
+    gradient (no c_t, counted as ``skipped`` in the summary), not as an orthogonal one (c = 0) that is always
+    kept. Otherwise :func:`cosine_from_scalars`."""
+    if float(scalars[2]) == 0.0:
+        return float("nan")
+    return cosine_from_scalars(scalars)
+
+
 def cosine(xs: TensorList, ys: TensorList) -> float:
     """Cosine similarity of two lists of tensors read as flat vectors."""
     return cosine_from_scalars(alignment_scalars(xs, ys))
 
 
-def validate_thresholds(c_low: float, c_high: float) -> None:
-    """Raise ``ValueError`` naming the bad value unless 0 <= c_low < c_high <= 1."""
-    for name, value in (("c_low", c_low), ("c_high", c_high)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise ValueError(f"GAC: {name}={value!r} must be a finite number in [0, 1]")
+def plain_number(value: object) -> int | float | None:
+    """``value`` as a Python int or float when it is a real number: an int or float, any ``numbers.Real`` (numpy's
+    scalars), or a 0-d tensor or array of a real dtype (read with ``.item()``); None otherwise (a bool, text, a
+    complex number, a tensor with elements). Integers stay int; any other real becomes float. Settings are
+    stored as these, so that a checkpoint holding them loads with ``torch.load(weights_only=True)``."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item") and not isinstance(value, numbers.Number):
+        value = value.item()  # a 0-d tensor or array: its Python scalar
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def validate_thresholds(c_low: object, c_high: object) -> tuple[float, float]:
+    """Raise ``ValueError`` naming the bad value unless c_low and c_high are real numbers (see
+    :func:`plain_number`) with 0 <= c_low < c_high <= 1; return them as Python floats."""
+    given = {"c_low": c_low, "c_high": c_high}
+    plain = {}
+    for name, value in given.items():
+        x = plain_number(value)
+        if x is None or not math.isfinite(x):
+            raise ValueError(f"GAC: {name}={value!r} must be a finite number in [0, 1] (a real number: int, float, "
+                             "a numpy scalar or a 0-d tensor)")
+        plain[name] = float(x)
+    c_low, c_high = plain["c_low"], plain["c_high"]
     if not 0.0 <= c_low < c_high <= 1.0:
         raise ValueError(
             f"GAC: thresholds must satisfy 0 <= c_low < c_high <= 1, got c_low={c_low}, c_high={c_high}. "
             "The paper's defaults are c_low=0.05 (the on-policy range of |c_t|) and c_high=0.3."
         )
+    return c_low, c_high
 
 
 @dataclass(frozen=True)
@@ -299,7 +331,7 @@ def gac_project(
 
     For KEEP the returned tensors are the inputs themselves (bit-for-bit unchanged).
     """
-    validate_thresholds(c_low, c_high)
+    c_low, c_high = validate_thresholds(c_low, c_high)
     scalars = alignment_scalars(grads, ref)
     c = cosine_from_scalars(scalars)
     decision = gac_decision(c, c_low, c_high, high_mode, shrink)

@@ -26,9 +26,10 @@ from gacbench.functional.alignment import (
     SKIP,
     GACDecision,
     alignment_scalars,
-    cosine_from_scalars,
     gac_decision,
+    plain_number,
     project_,
+    reference_cosine,
     validate_thresholds,
 )
 from gacbench.functional.buffer import check_dense_gradients, check_parameters, exact_dtype
@@ -55,10 +56,15 @@ def check_choice(who: str, name: str, value: object, choices: Sequence[str]) -> 
 
 
 def parse_dtype(who: str, dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """A ``buffer_dtype`` setting as a torch dtype (None stays None); ``ValueError`` naming ``who``, the value and
+    what is accepted unless it is one of the names or a floating-point torch.dtype."""
     if isinstance(dtype, str):
         check_choice(who, "buffer_dtype", dtype, tuple(_DTYPES))
         return _DTYPES[dtype]
-    return dtype
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point and not dtype.is_complex):
+        return dtype
+    raise ValueError(f"{who}: buffer_dtype={dtype!r} must be None, one of {', '.join(map(repr, _DTYPES))}, or a "
+                     "floating-point torch.dtype")
 
 
 def local(t: Tensor) -> Tensor:
@@ -97,12 +103,27 @@ def _combine_rounding_once(r: list[Tensor], g: list[Tensor], a: float, b: float)
             rb.copy_(out)  # the one rounding
 
 
+def _project_keeping_raw(g: list[Tensor], r: list[Tensor], alpha: float) -> None:
+    """g <- g - alpha r and r <- the raw g, tensor by tensor (one tensor-sized copy at a time): the same
+    element-wise operation as :func:`~gacbench.functional.alignment.project_` (and the swapping path), and the
+    raw gradient stored exactly (rounded once where ``r`` has a lower precision)."""
+    for gi, ri in zip(g, r):
+        raw = gi.clone()
+        rv = ri.view_as(gi)
+        if gi.dtype == ri.dtype:
+            torch._foreach_add_([gi], [rv], alpha=-alpha)
+        else:
+            gi.add_(rv, alpha=-alpha)  # r is upcast element by element
+        rv.copy_(raw)
+
+
 @dataclass(frozen=True)
 class GACStep:
     """What one call of ``GACTransform.step`` saw and did.
 
-    ``cos`` is NaN on the first step (no reference yet); ``bad`` marks a zero or non-finite
-    gradient (``zero`` tells which), which the transform leaves untouched, without moving its
+    ``cos`` is NaN on the first step (no reference yet) and where the reference is zero (``zero_ref``: the
+    step has no c_t, like a step with a zero gradient, and keeps its gradient); ``bad`` marks a zero or
+    non-finite gradient (``zero`` tells which), which the transform leaves untouched, without moving its
     reference, for the caller to handle.
     """
 
@@ -111,6 +132,7 @@ class GACStep:
     bad: bool = False
     zero: bool = False
     stepped: bool = False  # kernels="fused-adamw": the optimizer step was taken by GAC
+    zero_ref: bool = False  # a reference of norm 0: no c_t (NaN, counted as skipped), the gradient kept
 
     @property
     def cos(self) -> float:
@@ -127,12 +149,16 @@ class GACState:
     ``ref_sq``: the local ||r||^2 (0-d float64) when it is known without a pass over r, else None.
     ``saved``: a flat reference restored before the parameters were known (shape (numel,));
     it is copied into ``ref`` when ``ref`` is allocated.
+    ``held``: ``reference="update"`` only: ``ref`` holds the update theta_{t-1} - theta_t itself, kept across a
+    step that was skipped (its gradient skipped by the rule, or zero or non-finite), instead of the parameters
+    theta_{t-1} it is otherwise taken from.
     """
 
     ref: list[Tensor] | None = None
     has_ref: bool = False
     ref_sq: Tensor | None = None
     saved: Tensor | None = None
+    held: bool = False
 
     def clone(self) -> "GACState":
         """A deep copy (tensors cloned), e.g. to restore the same state before every timed run."""
@@ -141,6 +167,7 @@ class GACState:
             has_ref=self.has_ref,
             ref_sq=None if self.ref_sq is None else self.ref_sq.clone(),
             saved=None if self.saved is None else self.saved.clone(),
+            held=self.held,
         )
 
 
@@ -175,15 +202,16 @@ class GACTransform:
         buffer_dtype: str | torch.dtype | None = None,
         kernels: str = "eager",
     ) -> None:
-        validate_thresholds(c_low, c_high)
+        c_low, c_high = validate_thresholds(c_low, c_high)
         check_choice("GAC", "kernels", kernels, KERNEL_CHOICES)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "reference", reference, REFERENCES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
-        if not (isinstance(ema_decay, (int, float)) and 0.0 <= ema_decay < 1.0):
+        decay = plain_number(ema_decay)
+        if not (decay is not None and 0.0 <= decay < 1.0):
             raise ValueError(f"GAC: ema_decay={ema_decay!r} must be in [0, 1)")
-        self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
-        self.reference, self.ema_decay = reference, float(ema_decay)
+        self.c_low, self.c_high, self.high_mode, self.shrink = c_low, c_high, high_mode, shrink
+        self.reference, self.ema_decay = reference, float(decay)
         self.buffer_dtype = parse_dtype("GAC", buffer_dtype)
         self.requested_kernels = kernels
         self.kernels = "eager" if kernels == "auto" else kernels  # the path step() runs; see choose_kernels_for
@@ -248,7 +276,7 @@ class GACTransform:
         check_dense_gradients(params, "GAC", self.names)
         st = self.state
         ref = self._buffer(params)
-        if self.reference == "update" and st.has_ref:
+        if self.reference == "update" and st.has_ref and not st.held:
             torch._foreach_sub_(ref, [local(p.detach()) for p in params])  # r = theta_{t-1} - theta_t
             st.ref_sq = None
         # The rule reads the full vectors: a parameter without a gradient this step (a branch not taken) has
@@ -275,10 +303,13 @@ class GACTransform:
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
             if self.reference == "update":
-                self._store_params(params)
+                # the update r stays the reference (as the other references stay), unless there is none yet
+                st.held = st.has_ref
+                if not st.held:
+                    self._store_params(params)
             return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True, zero=g_sq == 0.0)
 
-        c = cosine_from_scalars(scalars) if st.has_ref else float("nan")
+        c = reference_cosine(scalars) if st.has_ref else float("nan")  # NaN for a zero reference: no c_t
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
@@ -289,8 +320,9 @@ class GACTransform:
                     fast)
         if skipped:
             self.skip(params)
+        zero_ref = st.has_ref and r_sq == 0.0
         st.has_ref = self._reference_fits(g)
-        return GACStep(decision, g_sq)
+        return GACStep(decision, g_sq, zero_ref=zero_ref)
 
     def _reference_fits(self, g: list[Tensor]) -> bool:
         """Whether the reference just stored is finite. Only a ``buffer_dtype`` of narrower range than a gradient
@@ -376,10 +408,16 @@ class GACTransform:
             # r holds the raw gradient: its norm is ||g||^2 unless it was rounded to a lower precision
             st.ref_sq = local_scalars[1] if all(gi.dtype == ri.dtype for gi, ri in zip(g, r)) else None
             return
-        if alpha:
-            project_(g, r, decision.coef, g_dot_r, r_sq)
         skipped = decision.action == SKIP
-        self._update_reference(params, live, g, r, alpha, skipped)
+        if alpha and self.reference == "grad":
+            # the raw gradient becomes the reference as it is: recovered afterwards as g~ + alpha r it would be
+            # rounded twice in the gradient's precision (a bfloat16 gradient: c_t off by ~1e-3)
+            _project_keeping_raw(g, r, alpha)
+            self._update_reference(params, live, g, r, 0.0, skipped, stored=True)
+        else:
+            if alpha:
+                project_(g, r, decision.coef, g_dot_r, r_sq)
+            self._update_reference(params, live, g, r, alpha, skipped)
         copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
         if copied and not alpha and all(gi.dtype == ri.dtype for gi, ri in zip(g, r)):
             # r is an exact copy of g (zero where a parameter has no gradient): its norm is ||g||^2
@@ -453,13 +491,19 @@ class GACTransform:
         torch._foreach_copy_(self.state.ref, [local(p.detach()) for p in params])
         self.state.ref_sq = None
 
-    def _update_reference(self, params, live, g, r, alpha: float, skipped: bool) -> None:
+    def _update_reference(self, params, live, g, r, alpha: float, skipped: bool, stored: bool = False) -> None:
         """Move the reference to step t. ``g`` already holds g_tilde = g_raw - alpha * r, so the raw
-        gradient is recovered as g_tilde + alpha * r without keeping a second copy of it."""
+        gradient is recovered as g_tilde + alpha * r without keeping a second copy of it. ``stored``: ``r`` (the
+        parameters with a gradient) already holds the raw gradient (reference ``"grad"``); only the part of the
+        parameters without one is set (zero)."""
         st = self.state
         st.ref_sq = None
         if self.reference == "update":
-            self._store_params(params)
+            # a skipped step leaves the parameters where they are: theta_{t+1} - theta_t would be zero, so the
+            # update r stays the reference, as "applied" keeps its reference across a skip
+            st.held = skipped and st.has_ref
+            if not st.held:
+                self._store_params(params)
             return
         if self.reference == "applied":
             if skipped and st.has_ref:
@@ -474,6 +518,8 @@ class GACTransform:
                 torch._foreach_mul_(dead_ref, a)
             else:
                 torch._foreach_zero_(dead_ref)  # not a multiplication by 0: an overflowed (inf) part would stay NaN
+        if stored:
+            return
         coef = a + b * alpha
         if coef == 0.0:  # then b == 1: the reference is exactly the gradient
             torch._foreach_copy_(r, g)
@@ -486,7 +532,7 @@ class GACTransform:
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The state as ``{"has_ref": bool, "ref": flat tensor (numel,) or None, "ref_sq": 0-d float64 tensor or
-        None}`` (tensors copied).
+        None, "held": bool}`` (tensors copied; ``held``: see :class:`GACState`).
 
         ``ref`` is None before the parameters are first seen (unless a restored one is waiting). ``ref_sq`` is
         the cached ||r||^2 when there is one: a resumed step then reads the same value (and takes the same kernel
@@ -499,16 +545,17 @@ class GACTransform:
         else:
             flat = None if st.saved is None else st.saved.clone()
         ref_sq = None if st.ref_sq is None else st.ref_sq.detach().to("cpu", torch.float64).clone()
-        return {"has_ref": st.has_ref, "ref": flat, "ref_sq": ref_sq}
+        return {"has_ref": st.has_ref, "ref": flat, "ref_sq": ref_sq, "held": st.held}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``; before the parameters are known the reference waits in ``state.saved``."""
-        if not isinstance(state, Mapping) or set(state) not in ({"has_ref", "ref"}, {"has_ref", "ref", "ref_sq"}):
+        if not isinstance(state, Mapping) or not {"has_ref", "ref"} <= set(state) <= {"has_ref", "ref", "ref_sq",
+                                                                                   "held"}:
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
                 "GAC: expected the dict GACTransform.state_dict() returns, with keys 'has_ref' and 'ref' (and "
-                f"'ref_sq'); got {found}. The checkpoint was written by a different version of gacbench: resume "
-                "from one written by this version."
+                f"'ref_sq', 'held'); got {found}. The checkpoint was written by a different version of gacbench: "
+                "resume from one written by this version."
             )
         flat, has_ref = state["ref"], bool(state["has_ref"])
         if has_ref and flat is None:
@@ -516,6 +563,7 @@ class GACTransform:
         st = self.state
         ref_sq = state.get("ref_sq")  # optional: without it ||r||^2 is summed again at the next step
         st.has_ref, st.ref_sq = has_ref, None if ref_sq is None else torch.as_tensor(ref_sq, dtype=torch.float64)
+        st.held = bool(state.get("held", False))  # absent: False
         if flat is None:
             return
         if st.ref is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gacbench.functional.alignment import HIGH_MODES, SHRINK_MODES, validate_thresholds
+from gacbench.functional.alignment import HIGH_MODES, SHRINK_MODES, plain_number, validate_thresholds
 from gacbench.functional.gac import KERNEL_CHOICES, REFERENCES, GACTransform, check_choice, parse_dtype
 
 ON_BAD_GRAD = ("skip", "raise")
@@ -25,7 +25,9 @@ ON_ZERO_GRAD = ("pass",) + ON_BAD_GRAD
 @dataclass(frozen=True)
 class GACSettings:
     """The settings of GAC on the gradient (see :class:`gacbench.GAC` for what each does), checked when made:
-    a bad value raises ``ValueError`` naming the setting, the value and what it may be."""
+    a bad value raises ``ValueError`` naming the setting, the value and what it may be. A number may be given as
+    any real number (a numpy scalar, a 0-d tensor); it is stored as a Python float (``warmup``: int), so that
+    ``as_dict()`` and every state saved from it hold Python values only."""
 
     c_low: float = 0.05
     c_high: float = 0.3
@@ -41,25 +43,27 @@ class GACSettings:
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        validate_thresholds(self.c_low, self.c_high)
+        c_low, c_high = validate_thresholds(self.c_low, self.c_high)
         check_choice("GAC", "high_mode", self.high_mode, HIGH_MODES)
         check_choice("GAC", "reference", self.reference, REFERENCES)
-        if not (_number(self.ema_decay) and 0.0 <= self.ema_decay < 1.0):
+        ema_decay = _number(self.ema_decay)
+        if not (ema_decay is not None and 0.0 <= ema_decay < 1.0):
             raise ValueError(f"GAC: ema_decay={self.ema_decay!r} must be in [0, 1)")
         check_choice("GAC", "shrink", self.shrink, SHRINK_MODES)
-        if self.buffer_dtype is not None and not isinstance(self.buffer_dtype, torch.dtype):
-            parse_dtype("GAC", self.buffer_dtype)  # a string: one of the names
-        elif self.buffer_dtype is not None and not self.buffer_dtype.is_floating_point:
-            raise ValueError(f"GAC: buffer_dtype={self.buffer_dtype} must be a floating-point dtype "
-                             "('float32', 'bfloat16' or 'float16')")
+        parse_dtype("GAC", self.buffer_dtype)
         check_choice("GAC", "on_bad_grad", self.on_bad_grad, ON_BAD_GRAD)
         check_choice("GAC", "on_zero_grad", self.on_zero_grad, ON_ZERO_GRAD)
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+        warmup = plain_number(self.warmup)
+        if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"GAC: warmup={self.warmup!r} must be a non-negative integer (steps excluded from the "
                              "summary)")
-        if not (_number(self.tol) and 0.0 < self.tol < 1.0):
+        tol = _number(self.tol)
+        if not (tol is not None and 0.0 < tol < 1.0):
             raise ValueError(f"GAC: tol={self.tol!r} must be in (0, 1); the paper uses 0.05")
         check_choice("GAC", "kernels", self.kernels, KERNEL_CHOICES)
+        for name, value in (("c_low", c_low), ("c_high", c_high), ("ema_decay", float(ema_decay)),
+                            ("warmup", warmup), ("tol", float(tol))):
+            object.__setattr__(self, name, value)  # the plain Python value (the dataclass is frozen)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -79,8 +83,10 @@ class GACSettings:
                             self.buffer_dtype, self.kernels)
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _number(x: Any) -> int | float | None:
+    """x as a plain finite Python number (:func:`plain_number`), else None."""
+    value = plain_number(x)
+    return value if value is not None and math.isfinite(value) else None
 
 
 DEFAULTS = GACSettings()

@@ -44,8 +44,8 @@ from gacbench.functional.alignment import (
     SKIP,
     GACDecision,
     alignment_scalars,
-    cosine_from_scalars,
     gac_decision,
+    reference_cosine,
     validate_thresholds,
 )
 from gacbench.functional.buffer import FlatBuffer
@@ -58,12 +58,14 @@ def _identity(x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """One call of :meth:`StepGAC.step`: the decision (``cos`` NaN on the first step), ||Delta_t||^2, and
-    ``bad`` for a non-finite step (the parameters are then restored to theta_t)."""
+    """One call of :meth:`StepGAC.step`: the decision (``cos`` NaN on the first step, and against a zero
+    reference: ``zero_ref``, no c^Delta_t, counted as skipped, the step kept), ||Delta_t||^2, and ``bad`` for a
+    non-finite step (the parameters are then restored to theta_t)."""
 
     decision: GACDecision
     step_sq: float
     bad: bool = False
+    zero_ref: bool = False
 
     @property
     def cos(self) -> float:
@@ -84,10 +86,10 @@ class StepGAC:
 
     def __init__(self, c_low: float = 0.05, c_high: float = 0.3, high_mode: str = "project",
                  shrink: str = "component", apply: bool = True) -> None:
-        validate_thresholds(c_low, c_high)
+        c_low, c_high = validate_thresholds(c_low, c_high)
         check_choice("GAC", "high_mode", high_mode, HIGH_MODES)
         check_choice("GAC", "shrink", shrink, SHRINK_MODES)
-        self.c_low, self.c_high, self.high_mode, self.shrink = float(c_low), float(c_high), high_mode, shrink
+        self.c_low, self.c_high, self.high_mode, self.shrink = c_low, c_high, high_mode, shrink
         self.apply = apply
         self.theta: FlatBuffer | None = None  # theta after the last step
         self.prev: FlatBuffer | None = None  # the previous applied step (local shards)
@@ -161,7 +163,7 @@ class StepGAC:
             # a non-finite step is never a reference; applying, it never reaches the parameters (theta_t restored)
             (self.theta.copy_to if self.apply else self.theta.copy_from)(now)
             return StepOutcome(GACDecision(KEEP, 0.0, float("nan")), d_sq, bad=True)
-        c = cosine_from_scalars(scalars) if self.has_prev else float("nan")
+        c = reference_cosine(scalars) if self.has_prev else float("nan")  # NaN against a zero reference
         decision = (gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink) if self.apply
                     else GACDecision(KEEP, 0.0, c))
         if decision.action == SKIP:
@@ -178,8 +180,9 @@ class StepGAC:
                 else:
                     torch.sub(n, b, out=r)
                 b.copy_(n)
+        zero_ref = self.has_prev and r_sq == 0.0
         self.has_prev = True
-        return StepOutcome(decision, d_sq)
+        return StepOutcome(decision, d_sq, zero_ref=zero_ref)
 
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@
 ``trainer.state.log_history`` and in the reporting integrations listed after it.
 
 The Trainer calls ``optimizer.step()`` without a closure, after its gradient clipping (``max_grad_norm``)
-and, under fp16, after the GradScaler's unscale: GAC sees the clipped, unscaled gradient.
+and, under fp16, after the GradScaler's unscale: GAC sees the clipped, unscaled gradient, GAC(clip(g)), where
+the Lightning callback acts before Lightning's clipping, clip(GAC(g)) (the same c_t under global-norm clipping
+for the references "grad" and "applied"; docs/integrations.md).
 
 At each checkpoint the callback writes the hooks' state (GAC's reference, counters and c_t trace) into the
 checkpoint folder the Trainer has just written (``STATE_FILE``, one file per process when there are several);
@@ -24,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from gacbench.functional.alignment import ACTION_NAMES
+from gacbench.functional.alignment import ACTION_NAMES, plain_number
 from gacbench.functional.settings import GACSettings
 from gacbench.hooks import (
     AlignmentMonitorHook,
@@ -53,6 +55,13 @@ def state_file(args: Any) -> str:
 def checkpoint_folder(args: Any, step: int) -> str:
     """The folder the Trainer writes its checkpoint of ``step`` to (outside a hyperparameter search)."""
     return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
+def _plain_setting(name: str, value: Any) -> Any:
+    """``steps`` and ``distributed`` (checked by attach_gac) as Python values."""
+    if value is None:
+        return None
+    return bool(value) if name == "distributed" else plain_number(value)
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -87,8 +96,11 @@ class GACCallback(TrainerCallback):
 
     def __init__(self, **settings: Any) -> None:
         check_gac_settings(settings)
-        self.settings = settings
         self.config = GACSettings.pick(settings)  # the defaults and checks of GAC and attach_gac
+        # the settings as Python values (a numpy scalar or 0-d tensor as its float or int, as GACSettings stores
+        # it): the state file each checkpoint holds them in must load with torch.load(weights_only=True)
+        self.settings = {k: getattr(self.config, k) if k in GACSettings.names() else _plain_setting(k, v)
+                         for k, v in settings.items()}
         self.gac: GACHook | None = None
         self.monitor: AlignmentMonitorHook | None = None
         self.summary: dict[str, float] = {}
