@@ -328,3 +328,23 @@ def test_sync_seeds_that_end_apart_or_a_final_reward_that_is_not_positive_are_re
         table({0: full, 1: {v: full[v] for v in (40, 80)}})
     with pytest.raises(UsageError, match=r"sync's final reward on task 't' is -0.5: the targets are fractions"):
         table({0: {v: -0.5 for v in (40, 80)}})
+
+
+def test_a_method_whose_seed_stopped_early_says_where_its_curve_ends(capsys):
+    """A seed that stopped early ends the method's seed-mean curve at its last version: the row lists it and the
+    table says that 'never' means not by that version."""
+    from gacbench.bench.time_to_quality import Setting, print_table, time_to_quality
+
+    full = {v: 0.1 + 0.2 * v / 160 for v in (40, 80, 120, 160)}
+    slow = {v: 0.1 + 0.1 * v / 160 for v in (40, 80, 120, 160)}
+    runs = {("sync", 0): {0: full, 1: full}, ("stale", 16): {0: slow, 1: {40: 0.12, 80: 0.14}},
+            ("gac", 16): {0: slow, 1: slow}}
+    rows = time_to_quality({"t": {"measure": "eval/policy_reward", "runs": runs}}, [Setting(2.0, 1.0, 1)])
+    by = {r["method"]: r for r in rows}
+    assert by["stale"]["stopped_seeds"] == {"1": 80} and by["stale"]["versions"] == [40, 80]
+    assert by["gac"]["stopped_seeds"] == {} and by["sync"]["stopped_seeds"] == {}
+    print_table(rows)
+    out = capsys.readouterr().out
+    assert ("t: stale s=16: seed 1 at version 80 stopped before its other seeds (a non-finite loss ends a run); its "
+            "seed-mean curve ends at version 80, so 'never' means not by then") in out
+    assert "gac s=16: seed" not in out

@@ -8,7 +8,9 @@ For every (task, method, s) of a benchmark directory and every setting (G, T, n[
   reward of θ_v itself) where every done cell of the task logs it, else the training reward filed under the
   version that sampled it (step t of a run at lag s under version t - s: :func:`gacbench.bench.records.by_version`),
   smoothed by a moving mean over ``--smooth`` consecutive versions (placed at their mean version); between two
-  points the curve is linear. The mean is over the versions every seed has.
+  points the curve is linear. The mean is over the versions every seed has: where a method's seed stopped early
+  (a non-finite loss ends a run), its curve ends at that seed's last version, and the row says so
+  (``stopped_seeds``; a note under the table), since "never" there means "not by that version".
 - **the clock**: version v exists at the end of optimizer step v - 1 of the simulated schedule of the method's
   s (:func:`gacbench.bench.pipeline.simulate`, from time 0, the pipeline's fill included), linear in between.
 - **the targets**: fractions (``--targets``, default 1 and 0.9) of sync's final reward, the last point of
@@ -197,10 +199,15 @@ def time_to_quality(curves: dict[str, dict], settings: list[Setting], fractions=
                 step = steady_step_s(setting.gen_s, setting.train_s, setting.workers, s, setting.chunks)
                 if step is None:
                     step = mean_step_s(setting.gen_s, setting.train_s, setting.workers, s, setting.chunks)
+                ends = {seed: max(c) for seed, c in seeds.items()}
                 row = {"task": task, "measure": data["measure"], "method": method, "staleness": s,
                        "setting": {**asdict(setting), "chunks": setting.jobs}, "seeds": len(seeds),
                        "versions": [min(mean), max(mean)] if mean else None, "step_s": step,
-                       "last_version_s": sched.version_time(math.ceil(last)), "sync_final_reward": final, "targets": []}
+                       "last_version_s": sched.version_time(math.ceil(last)), "sync_final_reward": final, "targets": [],
+                       # seeds whose curve ends before the others' (a run stopped early): the seed-mean curve ends
+                       # at the first of them, so a target it does not reach is "never" only up to that version
+                       "stopped_seeds": {str(seed): end for seed, end in sorted(ends.items())
+                                         if end < max(ends.values())}}
                 for frac in fractions:
                     target = frac * final
                     version, first = first_crossing(mean, target)
@@ -252,6 +259,13 @@ def print_table(rows: list[dict]) -> None:
         cells = "  ".join(f"{_fmt_time({**t, 'n': r['seeds']}):34s}" for t in r["targets"])
         print(f"{r['method'][:16]:16s} {r['staleness']:3d} {r['step_s']:8.3f} {thru:>6s} "
               f"{r['last_version_s']:9.1f}  {cells}")
+    stopped = [r for r in rows if r["stopped_seeds"] and r is next(
+        x for x in rows if (x["task"], x["method"], x["staleness"]) == (r["task"], r["method"], r["staleness"]))]
+    for r in stopped:
+        listed = ", ".join(f"seed {seed} at version {end:g}" for seed, end in r["stopped_seeds"].items())
+        print(f"\n{r['task']}: {r['method']} s={r['staleness']}: {listed} stopped before its other seeds (a non-finite "
+              f"loss ends a run); its seed-mean curve ends at version {min(r['stopped_seeds'].values()):g}, so 'never' "
+              "means not by then")
     print("\ntimes: wall-clock seconds to the first version whose seed-mean reward reaches the target (x: sync's "
           "time / this time; [k/n lo-hi s]: seeds whose own curve reaches it and their times; <=: reached at the "
           "curve's first point). thru: sync's step time / this step time in steady state; end s: the time of the "
