@@ -51,6 +51,28 @@ def test_breakdown_lays_each_worker_on_the_grid_span():
     assert sum(total.values()) == pytest.approx(60.0)
 
 
+def test_a_worker_that_replaced_another_continues_its_line():
+    """Two workers; worker 1 died after its cell ending at 6 s and worker 3 replaced it from 9 s: the breakdown
+    still adds up to wall x 2, worker 3's start is the 3 s since worker 1's last cell, and only the slot's last
+    worker waits and shuts down."""
+    t0 = 0.0
+    results = [_cell(1, 1.0, 6.0, steps=5.0),
+               _cell(2, 1.5, 18.0, steps=16.5),
+               _cell(3, 9.0, 17.0, steps=8.0)]
+    b = breakdown(results, t0, wall=20.0, workers=2)
+    w1, w2, w3 = (b["per_worker"][p] for p in (1, 2, 3))
+    assert (w1["start"], w1["idle"], w1["shutdown"]) == pytest.approx((1.0, 0.0, 0.0))
+    assert (w3["start"], w3["idle"], w3["shutdown"]) == pytest.approx((3.0, 1.0, 2.0))
+    assert sum(w1.values()) + sum(w3.values()) == pytest.approx(20.0) == sum(w2.values())
+    assert sum(b["parts"].values()) == pytest.approx(40.0) and b["parts"]["steps"] == pytest.approx(29.5)
+    t = timing_record(results, wall=20.0, workers=2, grid_started_at=t0)
+    assert sum(t["parts_share"].values()) == pytest.approx(1.0)
+    # a second pool of two workers after the first (pids 4, 5 from 10 s): still wall x 2
+    second = [_cell(1, 1.0, 8.0, steps=7.0), _cell(2, 1.0, 9.0, steps=8.0),
+              _cell(4, 10.0, 19.0, steps=9.0), _cell(5, 11.0, 18.0, steps=7.0)]
+    assert sum(breakdown(second, t0, wall=20.0, workers=2)["parts"].values()) == pytest.approx(40.0)
+
+
 def test_timing_record_shares_add_up_to_one_and_match_the_step_share():
     t0 = 50.0
     results = [_cell(7, t0 + 1.0, t0 + 6.0, setup=0.5, steps=3.0, eval=1.0),

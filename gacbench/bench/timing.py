@@ -6,8 +6,9 @@ lays each worker's cells on the grid's own span (``grid_started_at`` .. ``grid_s
 time before a worker's first cell (``start``: the worker's start and imports, or what is left of them when
 a fork server imported them before the grid started), its cells' parts, the gaps between its cells, the
 time from its last cell to the last cell of the grid (``idle``: waiting for the other workers) and from
-there to the end (``shutdown``: the workers exit, the pool closes). Every worker's line adds up to the
-wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in the order printed,
+there to the end (``shutdown``: the workers exit, the pool closes). A worker that replaced another (a pool that
+lost one, or a second pool) continues its predecessor's line (:func:`worker_slots`). Every slot's line adds up
+to the wall time, so the parts together add up to wall x workers; :data:`PARTS` names them in the order printed,
 with what each one holds.
 
 The grid's span starts after the runner's imports and planning and ends before its report: seen from
@@ -140,10 +141,28 @@ def cell_parts(seconds: dict[str, float], span: float) -> dict[str, float]:
     return parts
 
 
+def worker_slots(runs: dict[int, list[dict]]) -> list[list[int]]:
+    """The pool's worker slots: lists of worker pids, each pid after the one it replaced. A grid whose pool lost a
+    worker, or started a second pool, has more pids than workers; a pid whose first cell starts after another's
+    last cell ended takes the slot that came free first, so that a slot's pids lie one after the other on the
+    grid's span. ``runs``: each pid's cells, sorted by start."""
+    slots: list[list[int]] = []
+    for pid in sorted(runs, key=lambda p: runs[p][0]["started_at"]):
+        first = runs[pid][0]["started_at"]
+        free = [s for s in slots if runs[s[-1]][-1]["ended_at"] <= first]
+        if free:
+            min(free, key=lambda s: runs[s[-1]][-1]["ended_at"]).append(pid)
+        else:
+            slots.append([pid])
+    return slots
+
+
 def breakdown(results: list[dict], grid_started_at: float, wall: float, workers: int) -> dict[str, Any]:
     """``{"parts": {part: seconds}, "per_worker": {pid: {part: seconds}}}`` over the cells of ``results`` that a
-    worker ran in this grid (``started_at`` at or after ``grid_started_at``). Per worker the parts add up to
-    ``wall``; ``workers`` minus the workers seen are idle throughout."""
+    worker ran in this grid (``started_at`` at or after ``grid_started_at``). The pids are laid in worker slots
+    (:func:`worker_slots`): a pid that replaced another counts as ``start`` the time from its predecessor's last
+    finished cell to its own first (the replacement's start, and the cell its predecessor died in), and only a slot's last pid waits (``idle``) and shuts down.
+    Per slot the parts add up to ``wall``; ``workers`` minus the slots seen are idle throughout."""
     end = grid_started_at + wall
     runs: dict[int, list[dict]] = {}
     for r in results:
@@ -152,11 +171,15 @@ def breakdown(results: list[dict], grid_started_at: float, wall: float, workers:
         if r["started_at"] < grid_started_at:  # a stored result of an earlier run
             continue
         runs.setdefault(int(r["worker_pid"]), []).append(r)
+    for cells in runs.values():
+        cells.sort(key=lambda r: r["started_at"])
+    slots = worker_slots(runs)
+    before = {pid: (runs[slot[i - 1]][-1]["ended_at"] if i else grid_started_at)
+              for slot in slots for i, pid in enumerate(slot)}
     per_worker: dict[int, dict[str, float]] = {}
     for pid, cells in runs.items():
-        cells.sort(key=lambda r: r["started_at"])
         parts = dict.fromkeys(PARTS, 0.0)
-        parts["start"] = cells[0]["started_at"] - grid_started_at
+        parts["start"] = cells[0]["started_at"] - before[pid]
         for prev, cur in zip(cells, cells[1:]):
             parts["gaps"] += cur["started_at"] - prev["ended_at"]
         for r in cells:
@@ -166,14 +189,15 @@ def breakdown(results: list[dict], grid_started_at: float, wall: float, workers:
                 parts[k] += v
         per_worker[pid] = parts
     last = max((cells[-1]["ended_at"] for cells in runs.values()), default=end)
-    for pid, parts in per_worker.items():
-        parts["idle"] = last - runs[pid][-1]["ended_at"]
+    for slot in slots:
+        parts = per_worker[slot[-1]]
+        parts["idle"] = last - runs[slot[-1]][-1]["ended_at"]
         parts["shutdown"] = end - last
     total = dict.fromkeys(PARTS, 0.0)
     for parts in per_worker.values():
         for k, v in parts.items():
             total[k] += v
-    total["idle"] += max(0, workers - len(per_worker)) * wall
+    total["idle"] += max(0, workers - len(slots)) * wall
     return {"parts": total, "per_worker": per_worker}
 
 
