@@ -253,7 +253,8 @@ class GACHook(_StepHook):
         reduce = self._reduce([p.grad for p in params])
         # swap exchanges p.grad with the reference's storage (plain gradient tensors only); keep_alias stays off:
         # the hook never sees zero_grad, so p.grad must not be the reference itself
-        out = self.transform.step(params, reduce, swap=not reduce.sharded, keep_alias=False)
+        out = self.transform.step(params, reduce, swap=not reduce.sharded, keep_alias=False,
+                                  zero_passes=self.on_zero_grad == "pass")
         self.metrics, self.action = {}, ""
         if out is None:
             return

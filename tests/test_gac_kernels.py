@@ -389,3 +389,23 @@ def test_the_printed_row_is_the_measurement_and_adding_it_lets_auto_choose_trito
     assert (eager.keep, eager.shrink, eager.adamw_ms) == (MEASURED[0].keep, MEASURED[0].shrink, MEASURED[0].adamw_ms)
     assert choose_kernels(N, 1_000, "cuda", H200, table=MEASURED + (row,)) == "triton"
     assert measurement_row({**record, "gpu": None}, "triton", "_triton") is None  # a CPU record has no row
+
+
+def test_a_reference_rounded_to_zero_gives_no_c_t_on_the_fused_path():
+    """A float16 reference of a tiny gradient rounds to zero: the fused AdamW path reports the zero reference
+    (no c_t, counted as skipped) as the eager path does, and both keep the gradient."""
+    outs = {}
+    for kernels in ("eager", "fused-adamw"):
+        p = torch.nn.Parameter(torch.zeros(SHAPES[0]))
+        opt = torch.optim.AdamW([p], lr=1e-3)
+        gac = GACTransform(kernels=kernels, buffer_dtype="float16")
+        for g in (torch.full(SHAPES[0], 1e-9), torch.ones(SHAPES[0])):  # 1e-9 is 0 in float16
+            p.grad = g
+            out = gac.step([p], swap=True, keep_alias=True, optimizer=opt if kernels != "eager" else None)
+            opt.step()
+            gac.release([p])
+            p.grad = None
+        outs[kernels] = out
+    for out in outs.values():
+        assert out.zero_ref and math.isnan(out.decision.cos) and out.decision.action == KEEP
+    assert outs["fused-adamw"].stepped

@@ -320,6 +320,27 @@ def test_update_reference_keeps_the_last_update_across_skipped_steps():
     assert _scripted_steps(opt2, q, later, again) == rest and torch.equal(q.detach(), p.detach())
 
 
+def test_update_reference_follows_a_zero_gradient_that_is_passed_on():
+    """reference="update" with on_zero_grad="pass": the optimizer still steps on a zero gradient, and its weight
+    decay moves theta, so that move is the next reference. SGD, lr 1, weight decay 0.5, theta_0 = (2, 0): step 1
+    (g = (0, 2)) moves theta to (1, -2); step 2 (g = 0, passed on) decays it to (0.5, -1); step 3's c_t is
+    measured against theta_1 - theta_2 = (0.5, -1): cos((1, -2), (0.5, -1)) = 1, not against the update before it,
+    theta_0 - theta_1 = (1, 2), which would give -0.6."""
+    p = torch.nn.Parameter(torch.tensor([2.0, 0.0]))
+    opt = torch.optim.SGD([p], lr=1.0, weight_decay=0.5)
+    gac = attach_gac(opt, reference="update", on_zero_grad="pass", warmup=0, kernels="eager")
+    steps = _scripted_steps(opt, p, [[0.0, 2.0], [0.0, 0.0], [1.0, -2.0]], gac)
+    assert steps[0] == ("keep", None) and math.isnan(steps[1][1])
+    assert steps[2][1] == pytest.approx(1.0)
+    # the same zero gradient skipped instead: theta stays at theta_1, and the reference stays theta_0 - theta_1
+    q = torch.nn.Parameter(torch.tensor([2.0, 0.0]))
+    opt2 = torch.optim.SGD([q], lr=1.0, weight_decay=0.5)
+    held = attach_gac(opt2, reference="update", on_zero_grad="skip", warmup=0, kernels="eager")
+    with pytest.warns(UserWarning, match="its gradient is zero"):
+        again = _scripted_steps(opt2, q, [[0.0, 2.0], [0.0, 0.0], [1.0, -2.0]], held)
+    assert again[2][1] == pytest.approx(-0.6)
+
+
 def test_update_reference_of_parameters_that_did_not_move_gives_no_c_t():
     """reference="update" with SGD at lr 0: theta never moves, so every reference theta_{t-1} - theta_t is zero.
     A zero reference has no direction: c_t is NaN (counted as skipped, like a zero gradient), not 0, and the

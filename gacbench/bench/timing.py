@@ -161,8 +161,9 @@ def breakdown(results: list[dict], grid_started_at: float, wall: float, workers:
     """``{"parts": {part: seconds}, "per_worker": {pid: {part: seconds}}}`` over the cells of ``results`` that a
     worker ran in this grid (``started_at`` at or after ``grid_started_at``). The pids are laid in worker slots
     (:func:`worker_slots`): a pid that replaced another counts as ``start`` the time from its predecessor's last
-    finished cell to its own first (the replacement's start, and the cell its predecessor died in), and only a slot's last pid waits (``idle``) and shuts down.
-    Per slot the parts add up to ``wall``; ``workers`` minus the slots seen are idle throughout."""
+    finished cell to its own first (the replacement's start, and the cell its predecessor died in), and only a
+    slot's last pid waits (``idle``) and shuts down. Per slot the parts add up to ``wall``; ``workers`` minus the
+    slots seen are idle throughout."""
     end = grid_started_at + wall
     runs: dict[int, list[dict]] = {}
     for r in results:

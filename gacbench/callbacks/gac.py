@@ -344,7 +344,7 @@ class GAC(Callback):
         fuse = (self.transform.kernels == "fused-adamw" and self._may_fuse
                 and getattr(trainer.precision_plugin, "scaler", None) is None)
         out = self.transform.step(params, reduce, swap=not sharded, keep_alias=self._alias,
-                                  optimizer=optimizer if fuse else None)
+                                  optimizer=optimizer if fuse else None, zero_passes=self.on_zero_grad == "pass")
         if out is None:  # no gradient at all (training_step returned None)
             return
         self.steps += 1

@@ -236,6 +236,7 @@ class GACTransform:
         swap: bool = False,
         keep_alias: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
+        zero_passes: bool = True,
     ) -> GACStep | None:
         """Apply the rule to the gradients of ``params`` in place; None when no parameter has a gradient.
 
@@ -251,6 +252,10 @@ class GACTransform:
         the next reference. An optimizer this cannot take (see
         :func:`~gacbench.functional.kernels.adamw_group_fusable`) gets the compiled projection (float32
         reference) or the eager path.
+        ``zero_passes``: whether the caller lets an all-zero gradient through to the optimizer
+        (``on_zero_grad="pass"``), which can still move the parameters (momentum, weight decay); with
+        ``reference="update"`` that step's update becomes the next reference, while a gradient the caller skips
+        leaves the parameters, and the reference, where they are.
 
         A parameter without a gradient (a branch the forward pass did not take) has g = 0 in the rule: it adds
         nothing to <g, r> and ||g||^2 and its part of the reference counts in ||r||^2, so the cosine, the
@@ -303,8 +308,10 @@ class GACTransform:
         g_dot_r, g_sq, r_sq = (float(v) for v in scalars.tolist())
         if not (math.isfinite(g_sq) and g_sq > 0.0):
             if self.reference == "update":
-                # the update r stays the reference (as the other references stay), unless there is none yet
-                st.held = st.has_ref
+                # a skipped step leaves the parameters where they are, so the update r stays the reference (as
+                # the other references stay); a zero gradient passed on may still move them (momentum, decay),
+                # and that move is the next reference
+                st.held = st.has_ref and not (g_sq == 0.0 and zero_passes)
                 if not st.held:
                     self._store_params(params)
             return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True, zero=g_sq == 0.0)
@@ -313,14 +320,14 @@ class GACTransform:
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP
+        zero_ref = st.has_ref and r_sq == 0.0
         if (self.kernels == "fused-adamw" and optimizer is not None and keep_alias and (compiled or lowp)
                 and self._take_fused_step(params, optimizer, g, r, alpha, skipped, compiled, local_scalars)):
-            return GACStep(decision, g_sq, stepped=True)
+            return GACStep(decision, g_sq, stepped=True, zero_ref=zero_ref)
         self._apply(params, live, g, r, decision, g_dot_r, r_sq, alpha, swap, keep_alias, compiled, local_scalars,
                     fast)
         if skipped:
             self.skip(params)
-        zero_ref = st.has_ref and r_sq == 0.0
         st.has_ref = self._reference_fits(g)
         return GACStep(decision, g_sq, zero_ref=zero_ref)
 
