@@ -356,7 +356,13 @@ def test_a_report_rebuilt_without_its_suite_adjusts_the_families_that_built_it(t
     (out / "summary.json").write_text(json.dumps(again))
     capsys.readouterr()
     assert main(["report", str(out)]) == 0
-    assert "records no multiplicity families; adjusting with the default ones" in capsys.readouterr().err
-    assert {f["name"] for f in json.loads((out / "summary.json").read_text())["families"]} != names
+    assert "records no multiplicity families; adjusting with the default families" in capsys.readouterr().err
+    rebuilt = json.loads((out / "summary.json").read_text())
+    assert {f["name"] for f in rebuilt["families"]} != names and "declared_families" not in rebuilt
+    assert main(["report", str(out)]) == 0  # still unknown: said again, not recorded as the defaults
+    assert "records no multiplicity families" in capsys.readouterr().err
+    (out / "summary.json").unlink()  # a new clone of a grid store (summaries are not tracked): the same note
+    assert main(["report", str(out)]) == 0
+    assert "summary.json cannot be read; adjusting with the default families" in capsys.readouterr().err
     assert main(["report", str(out), "--suite", str(suite)]) == 0
     assert json.loads((out / "summary.json").read_text())["families"] == first["families"]

@@ -142,10 +142,12 @@ _json_safe = json_safe  # NaN and infinities become null: summary.json stays val
 
 
 def build_report(root: str | Path, cells: list[dict] | None = None,
-                 families: dict[str, dict] | None = None) -> dict[str, Any]:
+                 families: dict[str, dict] | None = None, families_known: bool = True) -> dict[str, Any]:
     """Write summary.json, summary.md and the figures of ``root``. They cover every cell stored there:
     ``cells`` (the cells of the grid just run, if given) and every other cell found on disk. ``families``: the
-    suite's multiplicity families (:func:`~gacbench.bench.stats.apply_families`; the defaults where None)."""
+    suite's multiplicity families (:func:`~gacbench.bench.stats.apply_families`; the defaults where None),
+    recorded in summary.json as ``declared_families`` unless ``families_known`` is False (a report that could
+    not tell which families built the grid: the next one says so again)."""
     root = Path(root)
     specs = list(cells or [])
     known = {cell_dir(root, c) for c in specs}
@@ -213,7 +215,8 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
         tests += [("ablation", "final", summary["ablation_recovered"]),
                   ("ablation", "reward_last", summary["ablation_recovered_reward"])]
     summary["families"] = apply_families(tests, families)
-    summary["declared_families"] = families  # what `gacbench report DIR` without --suite adjusts with again
+    if families_known:
+        summary["declared_families"] = families  # what `gacbench report DIR` without --suite adjusts with again
     by_version = {(r["task"], r["method"], r["staleness"]): r for r in aligned}
     for r in reward_shares:  # the version-aligned reading beside the training reward's
         a = by_version.get((r["task"], r["method"], r["staleness"]))
@@ -250,12 +253,13 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
             "summary": summary, "incomplete": incomplete}
 
 
-def recorded_families(root: Path) -> dict[str, dict] | None:
-    """The multiplicity families that built ``root``'s summary.json (its ``declared_families``: the suite's
-    ``families``, or null for the defaults), so that a report rebuilt without ``--suite`` adjusts the same families
-    and gives the same verdicts. None (the defaults) where there is no summary.json or it records none (a summary
-    written before it was recorded: the note on standard error says so). Raises a UsageError naming the file
-    when the recorded families are not valid ones."""
+def recorded_families(root: Path) -> tuple[dict[str, dict] | None, bool]:
+    """``(families, known)``: the multiplicity families that built ``root``'s summary.json (its
+    ``declared_families``: the suite's ``families``, or null for the defaults), so that a report rebuilt without
+    ``--suite`` adjusts the same families and gives the same verdicts. Where summary.json is missing, unreadable or
+    records none (a summary written before they were recorded), the defaults, ``known`` False, and a note on
+    standard error: the rebuilt summary then records none either, so the next report says so again. Raises a
+    UsageError naming the file when the recorded families are not valid ones."""
     import sys
 
     from gacbench.bench.validate import check_families
@@ -265,16 +269,17 @@ def recorded_families(root: Path) -> dict[str, dict] | None:
     try:
         summary = read_json(path)
     except (OSError, ValueError):
-        return None
+        summary = None
     if not isinstance(summary, dict) or "declared_families" not in summary:
-        print(f"gacbench report: {path} records no multiplicity families; adjusting with the default ones (pass "
-              "--suite NAME to use that suite's families)", file=sys.stderr)
-        return None
+        why = "records no multiplicity families" if isinstance(summary, dict) else "cannot be read"
+        print(f"gacbench report: {path} {why}; adjusting with the default families (pass --suite NAME to use that "
+              "suite's families)", file=sys.stderr)
+        return None, False
     declared = summary["declared_families"]
     if declared is None:
-        return None
+        return None, True
     try:
-        return check_families(str(path), declared)
+        return check_families(str(path), declared), True
     except UsageError as exc:
         raise UsageError(f"{exc}; or pass --suite NAME to use that suite's families") from None
 
@@ -288,13 +293,14 @@ def main(args) -> int:
     if not (root / "cells").is_dir():
         raise UsageError(f"{root} holds no benchmark cells (expected the folder {root / 'cells'}); "
                          f"run gacbench bench --out {root} first")
+    known = True
     if getattr(args, "suite", None):
         from gacbench.bench.validate import load_suite
 
         families = load_suite(args.suite).get("families")
     else:
-        families = recorded_families(root)
-    rep = build_report(root, families=families)
+        families, known = recorded_families(root)
+    rep = build_report(root, families=families, families_known=known)
     for line in rep["incomplete"]:
         print(f"gacbench report: incomplete cell: {line}", file=sys.stderr)
     print(f"wrote {root / 'summary.json'}, {root / 'summary.md'} and {len(rep['figures'])} figures "
