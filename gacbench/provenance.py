@@ -7,7 +7,10 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
 - ``code``: ``{"commit": SHA, "dirty": bool}`` from the git checkout the package is imported from, else
   ``{"version": "0.1.0"}`` (an installed package without a checkout);
 - ``source_sha256``: a hash over the library's own ``.py`` files (path and content, sorted), which tells two
-  versions apart even where there is no checkout, or where a checkout is dirty;
+  versions apart even where there is no checkout, or where a checkout is dirty. It is taken once per process, and
+  a process imports some modules only when a run first needs them, so a bench cell hashes the files again when it
+  ends: where they changed meanwhile (a checkout edited while a grid runs) it records the new hash as
+  ``source_sha256_end``, and its key names both, so that the cell is never counted as either version;
 - ``packages``: the versions of torch, vllm, transformers and lightning (``null`` when absent);
 - ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name;
 - ``isa``: the vector instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
@@ -52,6 +55,13 @@ def source_sha256() -> str:
         digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def source_changed(recorded: str) -> str | None:
+    """The library's source hash now, read from the files again, where it differs from ``recorded`` (the hash a
+    run recorded when it started); None where the files are unchanged."""
+    now = source_sha256.__wrapped__()
+    return None if now == recorded else now
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,7 +177,10 @@ def environment_key(prov: dict | None, weights: bool = True, machine: bool = Tru
     if not isinstance(prov, dict) or not prov.get("source_sha256"):
         return "unrecorded"
     pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
-    key = f"src {str(prov['source_sha256'])[:12]} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
+    src = str(prov["source_sha256"])[:12]
+    if prov.get("source_sha256_end"):  # the files changed while the run ran: neither version's code alone
+        src += f" changed to {str(prov['source_sha256_end'])[:12]}"
+    key = f"src {src} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
     if machine and prov.get("isa"):  # runs stored before the instruction set (or the vendor) was recorded keep it
         key += f" isa {prov['isa']}" + (f" {prov['cpu_vendor']}" if prov.get("cpu_vendor") else "")
     if weights and prov.get("initial_weights"):

@@ -184,6 +184,31 @@ def test_a_cell_records_its_provenance_with_the_thread_count_it_ran_with(tmp_pat
     assert "provenance" not in cell_mod.IDENTITY_KEYS
 
 
+def test_a_cell_whose_library_files_changed_while_it_ran_records_both_hashes(tmp_path, monkeypatch):
+    """A process hashes the library once, and imports some modules only when a cell first needs them: a cell that
+    ends with the files changed (a checkout edited while a grid runs) records the new hash beside the old, and
+    its environment key names both, so it is counted as neither version."""
+    import shutil
+
+    import gacbench.provenance as prov_mod
+    from gacbench.provenance import environment_key
+
+    before = prov_mod.source_sha256()  # this process's hash, taken before the edit
+    copy = tmp_path / "lib"
+    shutil.copytree(prov_mod.PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "objectives" / "logistic.py").write_text((copy / "objectives" / "logistic.py").read_text() + "\n# edit\n")
+    monkeypatch.setattr(prov_mod, "PACKAGE_DIR", copy)  # the files on disk as they are after the edit
+    run_cell(CELL, tmp_path / "out")
+    recorded = json.loads((cell_dir(tmp_path / "out", CELL) / "config.json").read_text())["provenance"]
+    after = prov_mod.source_sha256.__wrapped__()
+    assert recorded["source_sha256"] == before and recorded["source_sha256_end"] == after != before
+    assert f"src {before[:12]} changed to {after[:12]} " in environment_key(recorded)
+    monkeypatch.setattr(prov_mod, "PACKAGE_DIR", prov_mod.Path(prov_mod.__file__).resolve().parent)
+    run_cell({**CELL, "seed": 1}, tmp_path / "out")  # unchanged files: nothing more recorded
+    again = json.loads((cell_dir(tmp_path / "out", {**CELL, "seed": 1}) / "config.json").read_text())["provenance"]
+    assert "source_sha256_end" not in again and " changed to " not in environment_key(again)
+
+
 def test_weights_sha256_reads_every_weight_file_and_names_a_directory_without_one(tmp_path):
     import hashlib
 

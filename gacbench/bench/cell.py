@@ -52,7 +52,7 @@ from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE, hold and fl
 )
 from gacbench.methods import method_callbacks, parse_method
 from gacbench.objectives import objective_class
-from gacbench.provenance import environment_key, provenance
+from gacbench.provenance import environment_key, provenance, source_changed
 from gacbench.trainer import build_trainer
 from gacbench.usage import UsageError
 
@@ -465,8 +465,12 @@ def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_o
         status = _run(cell, out)
         parts.update(status.pop("time"))
         weights = status.pop("initial_weights", None)
-        if weights:  # known once the objective loaded its model: config.json's provenance records it
-            write_json(out / "config.json", {**cell, "provenance": {**prov, "initial_weights": weights}})
+        known = {"initial_weights": weights} if weights else {}  # once the objective loaded its model
+        changed = source_changed(prov["source_sha256"])
+        if changed:  # the library's files changed while the cell ran: its key names both hashes
+            known["source_sha256_end"] = changed
+        if known:
+            write_json(out / "config.json", {**cell, "provenance": {**prov, **known}})
     except Exception as exc:  # a failed cell is recorded and never stops the grid
         if isinstance(exc, OSError) and exc.errno in DISK_FULL:
             raise
