@@ -1,6 +1,7 @@
 """The pinned start points (θ₀): the shipped checkpoints hash to their pins, every shipped LLM suite names the pin
 of its start point, a build that hashes elsewhere is refused, and a grid refuses stored cells from another θ₀."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,28 @@ def test_warm_start_prints_both_hashes_beside_their_pins_and_fails_when_one_diff
     assert main(["warm-start", "--suite", "llm-smoke", "--out", str(tmp_path / "b")]) == 1
     said = capsys.readouterr().out
     assert "weights SHA-256" in said and said.count(" = the pin") == 1 and " != the pin" in said
+
+
+@pytest.mark.parametrize("old", [None, "4.57.1"])
+def test_a_start_point_without_a_pin_names_the_suite_or_an_old_transformers(monkeypatch, tmp_path, old):
+    """The start points' names hash transformers 5's serialisation of their configuration: under transformers 4 none
+    finds its pin, and the refusal says so instead of blaming the suite."""
+    from gacbench.bench.runner import expand_cells
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.bench.validate import load_suite
+
+    suite = load_suite("llm-smoke")
+    cells = expand_cells(suite, methods=["sync"], seeds=[0])
+    monkeypatch.setattr(pinned, "pin_of", lambda name: None)
+    monkeypatch.setattr(pinned, "transformers_too_old", lambda: old)
+    fix = "install transformers>=5" if old else "fix the suite's theta0: (or the pin)"
+    with pytest.raises(UsageError, match=r"has no pin in gacbench.llm.pinned; .*" + re.escape(fix)):
+        check_theta0(suite, cells, tmp_path)
+
+
+def test_transformers_too_old_reads_the_installed_version(monkeypatch):
+    from importlib import metadata
+
+    for version, expected in (("4.57.1", "4.57.1"), ("5.19.0", None), ("5.0.0rc1", None)):
+        monkeypatch.setattr(metadata, "version", lambda name, v=version: v)
+        assert pinned.transformers_too_old() == expected

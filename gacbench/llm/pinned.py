@@ -39,6 +39,20 @@ PINNED: dict[str, str] = {
         "2baca9ffd0b07cff32debef4f588a43ae769ea040b19ced1654a3dd6f09dc714",
 }
 
+def transformers_too_old() -> str | None:
+    """transformers' version where it is older than 5, else None. The start points' names (:data:`PINNED`'s keys,
+    :func:`gacbench.llm.warmstart.warm_key`) hash the model configuration as transformers 5 serialises it, and
+    the shipped tokenizers name transformers 5's tokenizer class, so under transformers 4 no start point finds
+    its pin."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    return version if int(version.split(".")[0]) < 5 else None
+
+
 #: the configuration attributes that decide what a checkpoint computes, read by :func:`spec_sha256`
 SPEC_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
