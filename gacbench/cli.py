@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "its weights hash and its configuration-and-vocabulary hash beside the pinned ones",
                        description="Build the warm-started checkpoints of a suite's GRPO tasks (--suite), or of one "
                                    "model and task, in a fresh directory, and print each one's SHA-256 (of its "
-                                   "weights, and of its configuration and vocabulary) beside the pinned θ₀ "
+                                   "weights, and of its configuration, vocabulary and end tokens) beside the pinned θ₀ "
                                    "(gacbench.llm.pinned). Exit 1 when one differs from its pin.")
     p.add_argument("--suite", default=None, help="a suite name or YAML path: every start point its GRPO tasks use")
     p.add_argument("--size", default="tiny", help="model size (tiny, small, medium) when no --suite")

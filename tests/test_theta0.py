@@ -52,7 +52,7 @@ def test_a_copy_with_the_pinned_weights_but_another_config_or_vocabulary_is_refu
     config.get("rope_parameters", config)["rope_theta"] = 10.0  # the weights stay as they are
     (copy / "config.json").write_text(json.dumps(config))
     pinned._checked_spec.clear()
-    with pytest.raises(UsageError, match="has the pinned weights, but its config.json or tokenizer computes otherwise"):
+    with pytest.raises(UsageError, match="has the pinned weights, but its config.json, tokenizer or generation_config"):
         pinned.resolve(name, build)
     shutil.copy(shipped / "config.json", copy / "config.json")
     tokenizer = json.loads((copy / "tokenizer.json").read_text())
@@ -60,7 +60,14 @@ def test_a_copy_with_the_pinned_weights_but_another_config_or_vocabulary_is_refu
     vocab["1"], vocab["2"] = vocab["2"], vocab["1"]  # two digits' ids swapped
     (copy / "tokenizer.json").write_text(json.dumps(tokenizer))
     pinned._checked_spec.clear()
-    with pytest.raises(UsageError, match="config.json or tokenizer computes otherwise"):
+    with pytest.raises(UsageError, match="tokenizer or generation_config.json computes otherwise"):
+        pinned.resolve(name, build)
+    shutil.copy(shipped / "tokenizer.json", copy / "tokenizer.json")
+    generation = json.loads((copy / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, 5]  # another end token: the engines would end completions there too
+    (copy / "generation_config.json").write_text(json.dumps(generation))
+    pinned._checked_spec.clear()
+    with pytest.raises(UsageError, match="tokenizer or generation_config.json computes otherwise"):
         pinned.resolve(name, build)
 
 
@@ -106,8 +113,9 @@ def test_a_build_that_hashes_elsewhere_is_refused_naming_both_hashes(tmp_path, m
     monkeypatch.setenv("GACBENCH_MODELS", str(tmp_path / "none"))
     built = _fake_checkpoint(tmp_path / "cache" / "warm-y", b"rounded on another instruction set")
     monkeypatch.setitem(pinned.PINNED, "warm-y", "ab" * 32)
-    with pytest.raises(UsageError, match=r"warm-y: .* has weights SHA-256 [0-9a-f]{16}\.\.\., the pinned θ₀ is "
-                                         r"abababababababab"):
+    with pytest.raises(UsageError, match=r"warm-y: .*, built on this machine \(.*instruction set .*\), has weights "
+                                         r"SHA-256 [0-9a-f]{16}\.\.\., the pinned θ₀ is abababababababab\.\.\. \(built "
+                                         r"on an Intel Xeon"):
         pinned.resolve("warm-y", lambda: built)
     monkeypatch.setitem(pinned.PINNED, "warm-y", weights_sha256(built))
     pinned._checked.clear()
@@ -221,7 +229,7 @@ def test_warm_start_prints_both_hashes_beside_their_pins_and_fails_when_one_diff
     monkeypatch.setattr(warm_start, "build_warm_start", copy_of_the_shipped)
     assert main(["warm-start", "--suite", "llm-smoke", "--out", str(tmp_path / "a")]) == 0
     said = capsys.readouterr().out
-    assert said.count(" = the pin") == 2 and "configuration and vocabulary SHA-256" in said
+    assert said.count(" = the pin") == 2 and "configuration, vocabulary and end tokens SHA-256" in said
     edit["rms_norm_eps"] = 1e-3  # the same weights, another computation
     assert main(["warm-start", "--suite", "llm-smoke", "--out", str(tmp_path / "b")]) == 1
     said = capsys.readouterr().out
@@ -251,3 +259,41 @@ def test_transformers_too_old_reads_the_installed_version(monkeypatch):
     for version, expected in (("4.57.1", "4.57.1"), ("5.19.0", None), ("5.0.0rc1", None)):
         monkeypatch.setattr(metadata, "version", lambda name, v=version: v)
         assert pinned.transformers_too_old() == expected
+
+
+def test_a_damaged_shipped_checkpoint_is_named_with_the_fix(tmp_path, monkeypatch):
+    """A shipped start point whose weight file changed (or that gained another weight file), or whose config.json
+    is cut off, is refused naming the files and how to restore them, not blamed on the machine's rounding."""
+    import shutil
+
+    name = "warm-dd5cd00b44e5fa65-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0"
+    models = tmp_path / "models"
+    monkeypatch.setenv("GACBENCH_MODELS", str(models))
+    copy = models / name
+    shutil.copytree(REPO / "tasks" / "models" / name, copy)
+
+    def build():
+        raise AssertionError("a shipped start point is never rebuilt")
+
+    for damage in ("extra", "flip"):
+        monkeypatch.setattr(pinned, "_checked", {})
+        monkeypatch.setattr(pinned, "_checked_spec", {})
+        if damage == "extra":
+            (copy / "training_args.bin").write_bytes(b"not weights")
+            files = "model.safetensors, training_args.bin"
+        else:
+            (copy / "training_args.bin").unlink()
+            data = bytearray((copy / "model.safetensors").read_bytes())
+            data[-1] ^= 1
+            (copy / "model.safetensors").write_bytes(bytes(data))
+            files = "model.safetensors"
+        with pytest.raises(UsageError, match=rf"the shipped checkpoint .* over {re.escape(files)}, the pin is .*: a "
+                                             r"damaged or edited copy .*restore it \(git checkout -- "):
+            pinned.resolve(name, build)
+    shutil.copy(REPO / "tasks" / "models" / name / "model.safetensors", copy / "model.safetensors")
+    (copy / "config.json").write_text((copy / "config.json").read_text()[:40])
+    monkeypatch.setattr(pinned, "_checked", {})
+    monkeypatch.setattr(pinned, "_checked_spec", {})
+    with pytest.raises(UsageError, match=r"configuration or tokenizer cannot be read .*; restore the directory "
+                                         r"\(git checkout -- "):
+        pinned.resolve(name, build)

@@ -1,6 +1,6 @@
 """``gacbench warm-start``: rebuild the start points of a suite's GRPO tasks (or of one model and task) from scratch,
-in a fresh directory, and print each one's weights hash, and the hash of its configuration and vocabulary, beside
-their pins (:mod:`gacbench.llm.pinned`)."""
+in a fresh directory, and print each one's weights hash, and the hash of its configuration, vocabulary and end
+tokens, beside their pins (:mod:`gacbench.llm.pinned`)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main(args) -> int:
         spec_verdict = "no pin" if spec_pin is None else ("= the pin" if spec == spec_pin else f"!= the pin {spec_pin}")
         differ += (pin is not None and digest != pin) or (spec_pin is not None and spec != spec_pin)
         print(f"  weights SHA-256 {digest} {verdict} (isa {isa})", flush=True)
-        print(f"  configuration and vocabulary SHA-256 {spec} {spec_verdict}", flush=True)
+        print(f"  configuration, vocabulary and end tokens SHA-256 {spec} {spec_verdict}", flush=True)
     if differ:
         print(f"{differ} start point(s) built here differ from the pinned θ₀: runs here use the shipped "
               f"checkpoints ({pinned.models_root()}); a machine without them is refused", flush=True)

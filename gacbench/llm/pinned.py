@@ -53,6 +53,9 @@ def transformers_too_old() -> str | None:
     return version if int(version.split(".")[0]) < 5 else None
 
 
+#: the machine that built the pins (their rounding is its kernels')
+PINNED_ON = "an Intel Xeon (GenuineIntel, instruction set AVX512, torch 2.13.0+cpu)"
+
 #: the configuration attributes that decide what a checkpoint computes, read by :func:`spec_sha256`
 SPEC_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
@@ -64,13 +67,13 @@ SPEC_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
 #: version whose configuration computes differently with the same weights.
 PINNED_SPEC: dict[str, str] = {
     "warm-ScratchpadTask-e5c7a350526619cd-min_ops3-max_ops3-max_operand9-eval_fraction0.1-seed0-sft500-seed0":
-        "ab274b233544e1bd7b332c17401a3464f60cfde547d003c328ceb85bb0cad73c",
+        "fe3888b9f0ad2342ea66aad69f756f9d1f5a7be96758c4ae4c257d0975a2b46a",
     "warm-b41bac11619e2889-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
-        "9d0f541db1430eccc16d43b4395da9ac092308d95868e99090e6ca8ea128f4e1",
+        "bbf21b5902d0a617ae5b7d181b1b03e94d511268db38fea45f8a09c1a5eeab62",
     "warm-dd5cd00b44e5fa65-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
-        "3a21199abf24bf96931c9589046deb9bcadb0c01d6891607bad3e8c1edb8bdbd",
+        "4eaa56f053480509583cdc31da747a42e4ca9cc7dcab69fbe6be73c8b73764c8",
     "warm-e5c7a350526619cd-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0":
-        "ab274b233544e1bd7b332c17401a3464f60cfde547d003c328ceb85bb0cad73c",
+        "fe3888b9f0ad2342ea66aad69f756f9d1f5a7be96758c4ae4c257d0975a2b46a",
 }
 
 _checked: dict[Path, str] = {}
@@ -80,7 +83,9 @@ _checked_spec: dict[Path, str] = {}
 def spec_sha256(path: str | os.PathLike) -> str:
     """SHA-256 of what a checkpoint directory computes besides its weights, read as transformers reads it (so that
     the serialisation of one transformers version or another does not matter): the :data:`SPEC_KEYS` of its
-    configuration, its rotary base, its tokenizer's vocabulary and special tokens."""
+    configuration, its rotary base, its tokenizer's vocabulary and special tokens, and the token ids of its
+    generation config (``generation_config.json``; the rollout engines and the greedy evaluation end a completion
+    at its ``eos_token_id``), null where it has none."""
     import hashlib
     import json
 
@@ -93,6 +98,14 @@ def spec_sha256(path: str | os.PathLike) -> str:
     tok = AutoTokenizer.from_pretrained(str(path))
     spec["vocab"] = sorted(tok.get_vocab().items())
     spec["special"] = [tok.bos_token, tok.eos_token, tok.pad_token]
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(path))
+        spec["generation"] = {k: getattr(gen, k, None) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+    else:
+        spec["generation"] = None
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -120,23 +133,38 @@ def check(name: str, path: Path) -> str:
     if path not in _checked:
         _checked[path] = weights_sha256(path)
     digest, pin = _checked[path], PINNED.get(name)
+    shipped = path.resolve() == (models_root() / name).resolve()
     if pin is not None and digest != pin:
-        from gacbench.provenance import cpu_description
+        from gacbench.provenance import WEIGHT_PATTERNS, cpu_description
 
-        isa = cpu_description().get("isa", "unknown")
+        if shipped:  # the shipped files themselves: damaged or edited, not another machine's rounding
+            files = sorted({f.name for pattern in WEIGHT_PATTERNS for f in path.glob(pattern) if f.is_file()})
+            raise UsageError(
+                f"start point {name}: the shipped checkpoint {path} has weights SHA-256 {digest[:16]}... over "
+                f"{', '.join(files)}, the pin is {pin[:16]}...: a damaged or edited copy (a weight file changed, or "
+                f"another *.bin/*.pt/*.safetensors file added); restore it (git checkout -- {path}, and remove "
+                "files that are not the checkpoint's), or give model.path to run from another start point on purpose")
+        cpu = cpu_description()
         raise UsageError(
-            f"start point {name}: {path} has weights SHA-256 {digest[:16]}..., the pinned θ₀ is {pin[:16]}... "
-            f"(this machine's instruction set, {isa}, rounds the warm start differently); use the shipped "
-            f"checkpoint ({models_root() / name}: run from a checkout of the repository, or set GACBENCH_MODELS to a "
-            "directory that holds it), or give model.path to run from another start point on purpose")
+            f"start point {name}: {path}, built on this machine ({cpu.get('cpu_vendor') or 'unknown vendor'}, "
+            f"instruction set {cpu.get('isa', 'unknown')}), has weights SHA-256 {digest[:16]}..., the pinned θ₀ "
+            f"is {pin[:16]}... (built on {PINNED_ON}, whose kernels round the warm start differently); use the "
+            f"shipped checkpoint ({models_root() / name}: run from a checkout of the repository, or set "
+            "GACBENCH_MODELS to a directory that holds it), or give model.path to run from another start point on "
+            "purpose")
     spec_pin = PINNED_SPEC.get(name)
     if spec_pin is not None:
         if path not in _checked_spec:
-            _checked_spec[path] = spec_sha256(path)
+            try:
+                _checked_spec[path] = spec_sha256(path)
+            except (OSError, ValueError) as exc:  # a truncated config.json or tokenizer.json, a missing file
+                raise UsageError(f"start point {name}: {path}'s configuration or tokenizer cannot be read "
+                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); restore the "
+                                 f"directory{f' (git checkout -- {path})' if shipped else ''}") from None
         if _checked_spec[path] != spec_pin:
             raise UsageError(
-                f"start point {name}: {path} has the pinned weights, but its config.json or tokenizer computes "
-                f"otherwise (configuration and vocabulary SHA-256 {_checked_spec[path][:16]}..., pinned "
+                f"start point {name}: {path} has the pinned weights, but its config.json, tokenizer or "
+                f"generation_config.json computes otherwise (their SHA-256 {_checked_spec[path][:16]}..., pinned "
                 f"{spec_pin[:16]}...): an edited copy, or a build by another code version; use the shipped "
                 f"checkpoint ({models_root() / name}), or give model.path to run from another start point on purpose")
     return digest
