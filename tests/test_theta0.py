@@ -297,3 +297,23 @@ def test_a_damaged_shipped_checkpoint_is_named_with_the_fix(tmp_path, monkeypatc
     with pytest.raises(UsageError, match=r"configuration or tokenizer cannot be read .*; restore the directory "
                                          r"\(git checkout -- "):
         pinned.resolve(name, build)
+
+
+def test_a_grid_names_a_damaged_shipped_start_point_before_any_cell_runs(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from gacbench.cli import main
+
+    name = "warm-dd5cd00b44e5fa65-max_ops2-max_operand9-eval_fraction0.1-seed0-sft400-seed0"
+    models = tmp_path / "models"
+    monkeypatch.setenv("GACBENCH_MODELS", str(models))
+    monkeypatch.setattr(pinned, "_checked", {})
+    monkeypatch.setattr(pinned, "_checked_spec", {})
+    shutil.copytree(REPO / "tasks" / "models", models)
+    (models / name / "training_args.bin").write_bytes(b"not weights")
+    out = tmp_path / "out"
+    assert main(["bench", "--suite", "llm-smoke", "--methods", "sync", "--seeds", "0", "--out", str(out),
+                 "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the shipped checkpoint" in err[0] and "a damaged or edited copy" in err[0], err
+    assert not list(out.glob("cells/**/status.json"))

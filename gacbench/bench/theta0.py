@@ -6,6 +6,8 @@ line (a UsageError):
 
 - a ``theta0`` that is not hex, or that the task's built-in start point is not pinned to
   (:mod:`gacbench.llm.pinned`): the suite and the library disagree;
+- a shipped checkpoint of the pinned start point whose files do not hash to the pin (damaged or edited), named
+  once here rather than by every cell as it fails (:func:`gacbench.llm.pinned.check`);
 - stored cells of the task, in ``--out`` (the grid's own and any other seed, method or staleness stored there),
   whose recorded ``initial_weights`` differ from the pin: they started from another θ₀ and cannot be reused, or
   summarised with the grid's other cells.
@@ -71,6 +73,9 @@ def check_theta0(suite: dict, cells: list[dict], root: Path,
             raise UsageError(f"task {task!r}: the suite pins θ₀ {want}, but its start point "
                              f"{point[0] if point else params.get('model')} {have} in gacbench.llm.pinned; {fix}")
         pins[task] = pin
+        shipped = pinned.shipped_dir(point[0])
+        if shipped is not None:  # a damaged shipped checkpoint is named once here, not by every cell as it fails
+            pinned.check(point[0], shipped)
         done = stored if stored is not None else stored_done_files(root, own)
         other = []
         for c in own:
