@@ -366,3 +366,73 @@ def test_a_report_rebuilt_without_its_suite_adjusts_the_families_that_built_it(t
     assert "summary.json cannot be read; adjusting with the default families" in capsys.readouterr().err
     assert main(["report", str(out), "--suite", str(suite)]) == 0
     assert json.loads((out / "summary.json").read_text())["families"] == first["families"]
+
+
+def test_findings_read_a_noise_gap_as_a_difference_and_size_a_negative_at_its_familys_level():
+    """Where the stale - sync gap is within seed noise, the findings give the difference to stale and the smallest
+    difference the seeds detect, not a share (a ratio of noise); a negative result's detectable share is also given
+    at its family's level alpha / m; a share that rounds to zero prints as 0.00."""
+    from gacbench.bench.stats import ALPHA, apply_families
+    from gacbench.bench.tables import findings
+
+    # task "q": sync and stale overlap (gap 0.033 with a standard error of about 0.2); gac beats stale clearly
+    noisy = ([_final_cell("sync", 0, k, v) for k, v in enumerate([1.0, 0.2, 0.6])]
+             + [_final_cell("stale", 16, k, v) for k, v in enumerate([0.55, 0.65, 0.5])]
+             + [_final_cell("gac", 16, k, v) for k, v in enumerate([0.85, 0.96, 0.79])])
+    for c in noisy:
+        c["task"] = "q"
+    # task "t": a clear gap of 0.4; tis is noise around stale (share about 0), gspo too
+    clear = ([_final_cell("sync", 0, k, v) for k, v in enumerate([0.90, 0.93, 0.88, 0.91])]
+             + [_final_cell("stale", 16, k, v) for k, v in enumerate([0.50, 0.53, 0.48, 0.51])]
+             + [_final_cell("tis", 16, k, v) for k, v in enumerate([0.52, 0.50, 0.49, 0.51])]
+             + [_final_cell("gspo", 16, k, v) for k, v in enumerate([0.56, 0.47, 0.50, 0.49])])
+    for c in clear:
+        c["task"] = "t"
+    cells = noisy + clear
+    rows = recovered_shares(group_records(cells), cells=cells)
+    apply_families([("vs_stale", "final", rows)], {"all": {"test": "vs_stale", "per": ["task"]}})
+    by = {(r["task"], r["method"]): r for r in rows}
+    gac, tis = by[("q", "gac")], by[("t", "tis")]
+    assert gac["gap_within_noise"] and gac["vs_stale_p_adj"] < 0.05
+    text = "\n".join(findings(rows, [], []))
+    assert (f"beat stale: gac at s = 16 (gap within noise: difference to stale {gac['vs_stale_diff']:+.3g} "
+            f"[{gac['vs_stale_ci_low']:.3g}, {gac['vs_stale_ci_high']:.3g}], p adj.") in text
+    assert "gac at s = 16 (share" not in text
+    # the family of task t holds two tests: its level is alpha / 2
+    want = min_detectable_share(tis["sd_diff"], tis["gap"], 4, alpha=ALPHA / 2)
+    assert tis["min_detectable_share_family"] == pytest.approx(want) and want > tis["min_detectable_share"]
+    assert f"{tis['share']:.2f}" == "-0.00"  # printed as 0.00
+    assert (f"tis at s = 16 (share 0.00, min. detectable share {tis['min_detectable_share']:.2g} "
+            f"[{want:.2g} at its family's level])") in text
+    assert "share -0.00" not in text
+
+
+def test_a_missing_reward_and_a_constant_difference_make_no_verdict_they_cannot_support():
+    """A seed whose training reward is not finite is left out of its group's mean, as the paired statistics leave
+    it out (not read as 'stale no worse than sync'); equal differences to stale give no detectable share."""
+    from gacbench.bench.report import group_records as groups_of
+
+    cells = ([report_cell("t", "sync", 0, k, 0.0, reward=r) for k, r in enumerate([1.0, 1.1, math.nan])]
+             + [report_cell("t", "stale", 8, k, 0.0, reward=r) for k, r in enumerate([0.5, 0.6, math.nan])]
+             + [report_cell("t", "gac", 8, k, 0.0, reward=r) for k, r in enumerate([0.8, 0.85, math.nan])])
+    groups = groups_of(cells)
+    stale = next(g for g in groups if g["method"] == "stale")
+    assert stale["reward_last_mean"] == pytest.approx(0.55)
+    (row,) = recovered_shares(groups, "reward_last", cells=cells)
+    assert not row["no_gap"] and row["gap"] == pytest.approx(-0.5) and row["share"] == pytest.approx(0.55)
+    constant = ([_final_cell("sync", 0, k, v) for k, v in enumerate([0.9, 0.95, 0.85])]
+                + [_final_cell("stale", 16, k, v) for k, v in enumerate([0.5, 0.6, 0.55])]
+                + [_final_cell("gac", 16, k, v + 0.1) for k, v in enumerate([0.5, 0.6, 0.55])])
+    (row,) = recovered_shares(group_records(constant), cells=constant)
+    assert row["min_detectable_share"] is None or math.isnan(row["min_detectable_share"])
+
+
+def test_a_share_over_fewer_seeds_than_its_test_says_both_counts():
+    from gacbench.bench.tables import findings
+
+    cells = ([_final_cell("sync", 0, k, v) for k, v in enumerate([0.9, 0.95])]
+             + [_final_cell("stale", 16, k, 0.5 + 0.01 * k) for k in range(5)]
+             + [_final_cell("gac", 16, k, 0.7 + 0.013 * k) for k in range(5)])
+    (row,) = recovered_shares(group_records(cells), cells=cells)
+    assert (row["n"], row["vs_stale_n"]) == (2, 5) and row["vs_stale_p_adj"] < 0.05
+    assert "over the 2 seeds sync also ran; the test pairs 5" in "\n".join(findings([row], [], []))

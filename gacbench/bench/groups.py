@@ -102,6 +102,12 @@ def nanmean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else math.nan
 
 
+def nanstd(xs: list[float]) -> float:
+    """The population (ddof 0) standard deviation of the finite values of ``xs`` (NaN when there is none)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.std(xs)) if xs else math.nan
+
+
 def group_records(cells: list[dict]) -> list[dict]:
     """One record per (task, method, staleness) of the done cells: means over seeds, and ``final_std`` /
     ``reward_last_std``, the population standard deviation over seeds (ddof 0, as summary.md's "mean ± sd" tables
@@ -118,9 +124,10 @@ def group_records(cells: list[dict]) -> list[dict]:
             "higher_is_better": recs[0]["higher_is_better"], "ablation": recs[0]["ablation"],
             "final_mean": float(np.mean(finals)), "final_std": float(np.std(finals)) if len(finals) > 1 else 0.0,
             "diverged_frac": float(np.mean([bool(r["diverged"]) for r in recs])),
-            **({"reward_last_mean": float(np.mean([r["reward_last"] for r in recs])),
-                "reward_last_std": float(np.std([r["reward_last"] for r in recs])),
-                "reward_first_mean": float(np.mean([r["reward_first"] for r in recs]))}
+            # over the seeds with a finite reward, as the paired statistics (per_seed) read them
+            **({"reward_last_mean": nanmean([r["reward_last"] for r in recs]),
+                "reward_last_std": nanstd([r["reward_last"] for r in recs]),
+                "reward_first_mean": nanmean([r["reward_first"] for r in recs])}
                if all("reward_last" in r for r in recs) else {}),
             "cos_median": nanmean([r["cos_median"] for r in recs]),
             "cos_abs_q90": nanmean([r["cos_abs_q90"] for r in recs]),

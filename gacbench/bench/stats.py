@@ -267,6 +267,9 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
         d, _ = oriented_difference(meth, stale, higher)  # > 0: the method is better
         diffs = np.array([meth[k] - stale[k] for k in paired])
         sd = float(diffs.std(ddof=1)) if len(paired) >= 2 else math.nan
+        if len(paired) >= 2 and differences_equal(np.array([meth[k] for k in paired]),
+                                                  np.array([stale[k] for k in paired])):
+            sd = 0.0  # equal differences up to rounding: no t-test, so no detectable share either
         row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
                     "vs_stale_p": d["p"], "vs_stale_p_signflip": d.get("p_signflip"), "sd_diff": sd})
         if not row.get("missing") and not row["no_gap"]:
@@ -333,6 +336,16 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
         if paired:  # the seed sets differ: the share on the seeds its interval pairs
             n_paired, sync_v, stale_v, value, se = paired
         gap = stale_v - sync_v
+        if not math.isfinite(gap):  # a group without a finite value: no gap to read, not "no gap"
+            if cells is not None:
+                rows.append(_with_ci({
+                    "task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": math.nan,
+                    "sync": sync_v, "stale": stale_v, "value": value, "no_gap": True, "gap": math.nan,
+                    "gap_se": math.nan, "gap_within_noise": None,
+                    "missing": [f"finite {name}" for name, x in (("sync", sync_v), ("stale", stale_v))
+                                if not math.isfinite(x)]},
+                    seeds, key, higher))
+            continue
         sign = -1.0 if (key == "reward_last" or g["higher_is_better"]) else 1.0  # gap > 0 means stale is worse
         share = (stale_v - value) / gap if abs(gap) > 1e-12 and sign * gap > 0 else math.nan
         row = {"task": g["task"], "method": g["method"], "staleness": g["staleness"], "share": share,
@@ -560,8 +573,14 @@ def apply_families(tables: list[tuple[str, str, list[dict]]], families: dict[str
         test = fams[name]["test"]
         p_key, adj_key = FAMILY_TESTS[test]
         adjusted = holm_adjust([r.get(p_key) for r, _ in members])
+        m = sum(adj is not None for adj in adjusted)
         for (r, _), adj in zip(members, adjusted):
             r[adj_key], r["family"] = adj, name
+            if test == "vs_stale" and m and r.get("min_detectable_share") is not None:
+                # at Holm's first step, alpha / m: the share that a single real effect among the family's m tests
+                # needs to be declared with 80% power (at alpha per test it is declared less often)
+                r["min_detectable_share_family"] = min_detectable_share(
+                    r.get("sd_diff") or 0.0, r.get("gap", math.nan), r.get("vs_stale_n") or 0, alpha=ALPHA / m)
         out.append({"name": name, "test": test, "per": list(fams[name]["per"]), "of": dict(of),
                     "m": sum(adj is not None for adj in adjusted),
                     "comparisons": [f"{r['task']} / {r['method']} / s={r['staleness']} / {measure}"

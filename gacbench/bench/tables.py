@@ -358,15 +358,15 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
         parts = [f"**{task}**, on the {measure}: "]
         if better:
             parts.append("beat stale: " + "; ".join(
-                f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, p adj. {fmt_p(r['vs_stale_p_adj'])})"
+                f"{r['method']} at s = {r['staleness']} ({_share_text(r)}, p adj. {fmt_p(r['vs_stale_p_adj'])})"
                 for r in better) + ". ")
         if worse:
             parts.append("worse than stale: " + "; ".join(
                 f"{r['method']} at s = {r['staleness']} (p adj. {fmt_p(r['vs_stale_p_adj'])})" for r in worse) + ". ")
         if rest:
             parts.append("not distinguishable from stale: " + "; ".join(
-                f"{r['method']} at s = {r['staleness']} (share {_share_text(r)}, min. detectable share "
-                f"{fmt(r.get('min_detectable_share'), 2)})" for r in rest) + ". ")
+                f"{r['method']} at s = {r['staleness']} ({_share_text(r)}, {_detectable_text(r)})"
+                for r in rest) + ". ")
         if no_gap:
             at = sorted({r["staleness"] for r in no_gap})
             parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}: no gap to recover there ("
@@ -379,7 +379,11 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
     return ["## Findings", "",
             "Each method against stale at the same s, paired over seeds (t-test, Holm-adjusted within its family; "
             "significant: p adj. < 0.05). Min. detectable share: the smallest share a paired test on these seeds "
-            "and this noise detects with 80% power at α = 0.05 (docs/bench.md).", ""] + [x + "\n" for x in out]
+            "and this noise detects with 80% power at α = 0.05, and in brackets at its family's α / m (Holm's first "
+            "step: what one real effect among the family's m tests needs to be declared with 80% power; "
+            "docs/bench.md). Where the stale − sync gap is within seed noise (under 2 standard errors), a share is a "
+            "ratio of noise: the difference to stale is given instead, with the smallest difference these seeds "
+            "detect.", ""] + [x + "\n" for x in out]
 
 
 def _tested(r: dict) -> bool:
@@ -404,8 +408,37 @@ def fmt_p(p: float | None) -> str:
     return fmt(p, 3 if p is not None and math.isfinite(p) and 0.045 <= p < 0.055 else 2)
 
 
+def _within_noise(r: dict) -> bool:
+    """Whether a row's stale - sync gap is within seed noise (under 2 standard errors, or an interval of the share
+    that is not bounded): its share is then a ratio of noise."""
+    return bool(r.get("gap_within_noise")) or r.get("share_ci_kind") in ("exclusive", "unbounded")
+
+
 def _share_text(r: dict) -> str:
-    return "n/a: no gap" if r.get("no_gap") or r.get("share") is None or math.isnan(r["share"]) else f"{r['share']:.2f}"
+    """``share X`` (over the seeds sync, stale and the method share, named where the test against stale paired
+    more), or, where the gap is within noise, the difference to stale with its t-interval."""
+    if r.get("no_gap") or r.get("share") is None or math.isnan(r["share"]):
+        return "share n/a: no gap"
+    if _within_noise(r):
+        return (f"gap within noise: difference to stale {r['vs_stale_diff']:+.3g} "
+                f"{fmt_ci(r.get('vs_stale_ci_low'), r.get('vs_stale_ci_high'), 3)}")
+    text = f"{r['share']:.2f}".replace("-0.00", "0.00")
+    n, paired = r.get("n"), r.get("vs_stale_n")
+    return f"share {text}" + (f" over the {n} seeds sync also ran; the test pairs {paired}" if n != paired else "")
+
+
+def _detectable_text(r: dict) -> str:
+    """What the seeds could have seen: the minimum detectable share (and at the family's level), or, where the gap
+    is within noise, the smallest difference to stale the paired test detects with 80% power."""
+    from gacbench.bench.stats import detectable_multiplier
+
+    if _within_noise(r):
+        sd, n = r.get("sd_diff"), r.get("vs_stale_n") or 0
+        d = detectable_multiplier(n) * sd if sd and n >= 2 and math.isfinite(sd) else math.nan
+        return f"min. detectable difference {fmt(d, 2)}"
+    family = r.get("min_detectable_share_family")
+    return (f"min. detectable share {fmt(r.get('min_detectable_share'), 2)}"
+            + (f" [{fmt(family, 2)} at its family's level]" if family is not None else ""))
 
 
 def _aligned_section(rows: list[dict]) -> list[str]:
