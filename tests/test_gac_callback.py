@@ -83,7 +83,8 @@ def test_swap_path_equals_copy_path():
         step, swapping, calls = t.step, t._step_swapping, []
         t._step_swapping = lambda *args: (calls.append(1), swapping(*args))[1]
         if not swap:
-            t.step = lambda params, reduce, swap, keep_alias, optimizer=None: step(params, reduce, swap=False)
+            t.step = lambda params, reduce, swap, keep_alias, optimizer=None, **kw: step(params, reduce, swap=False,
+                                                                                       **kw)
         make_trainer([StalenessSimulator(3), gac], max_steps=15).fit(model)
         runs.append(flat_params(model))
         swapped_steps.append(len(calls))
