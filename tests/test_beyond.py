@@ -124,6 +124,13 @@ def test_the_beyond_tests_are_one_family_per_task_measure_and_s():
     assert [(f["name"], f["m"], f["of"]) for f in fams] == [
         ("recovers beyond the on-policy effect at s", 2, {"task": "t", "measure": "final", "staleness": 16})]
     assert [r["beyond_p_adj"] for r in rows] == holm_adjust([r["beyond_p"] for r in rows])
+    from gacbench.bench.stats import ALPHA, min_detectable_share
+
+    for r in rows:  # the detectable share at the family's level, alpha / 2
+        if r.get("min_detectable_share") is not None:
+            assert r["min_detectable_share_family"] == pytest.approx(
+                min_detectable_share(r["sd_diff"], r["gap"], r["n"], alpha=ALPHA / 2))
+            assert r["min_detectable_share_family"] > r["min_detectable_share"]
     suite = load_suite(str(REPO / "tasks/suites/llm-headline-healthy.yaml"))
     assert {f["test"]: f["per"] for f in suite["families"].values()}["beyond"] == ["task", "measure", "staleness"]
 

@@ -576,11 +576,12 @@ def apply_families(tables: list[tuple[str, str, list[dict]]], families: dict[str
         m = sum(adj is not None for adj in adjusted)
         for (r, _), adj in zip(members, adjusted):
             r[adj_key], r["family"] = adj, name
-            if test == "vs_stale" and m and r.get("min_detectable_share") is not None:
+            if test in ("vs_stale", "beyond") and m and r.get("min_detectable_share") is not None:
                 # at Holm's first step, alpha / m: the share that a single real effect among the family's m tests
                 # needs to be declared with 80% power (at alpha per test it is declared less often)
+                n = r.get("vs_stale_n") if test == "vs_stale" else r.get("n")
                 r["min_detectable_share_family"] = min_detectable_share(
-                    r.get("sd_diff") or 0.0, r.get("gap", math.nan), r.get("vs_stale_n") or 0, alpha=ALPHA / m)
+                    r.get("sd_diff") or 0.0, r.get("gap", math.nan), n or 0, alpha=ALPHA / m)
         out.append({"name": name, "test": test, "per": list(fams[name]["per"]), "of": dict(of),
                     "m": sum(adj is not None for adj in adjusted),
                     "comparisons": [f"{r['task']} / {r['method']} / s={r['staleness']} / {measure}"
