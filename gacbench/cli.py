@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_step_profile_arguments(p)
 
     p = sub.add_parser("warm-start", help="rebuild a start point (warm-started checkpoint) from scratch and print "
-                       "its weights hash and its configuration-and-vocabulary hash beside the pinned ones",
+                       "its weights hash and the hash of its configuration, vocabulary and end tokens beside the "
+                       "pinned ones",
                        description="Build the warm-started checkpoints of a suite's GRPO tasks (--suite), or of one "
                                    "model and task, in a fresh directory, and print each one's SHA-256 (of its "
                                    "weights, and of its configuration, vocabulary and end tokens) beside the pinned θ₀ "

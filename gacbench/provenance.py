@@ -59,8 +59,12 @@ def source_sha256() -> str:
 
 def source_changed(recorded: str) -> str | None:
     """The library's source hash now, read from the files again, where it differs from ``recorded`` (the hash a
-    run recorded when it started); None where the files are unchanged."""
-    now = source_sha256.__wrapped__()
+    run recorded when it started); None where the files are unchanged; ``"unreadable"`` where a file could not be
+    read (one removed while they were listed, as a checkout switches branches): they changed, to what is unknown."""
+    try:
+        now = source_sha256.__wrapped__()
+    except OSError:
+        return "unreadable"
     return None if now == recorded else now
 
 

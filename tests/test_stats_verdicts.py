@@ -420,6 +420,8 @@ def test_a_missing_reward_and_a_constant_difference_make_no_verdict_they_cannot_
     assert stale["reward_last_mean"] == pytest.approx(0.55)
     (row,) = recovered_shares(groups, "reward_last", cells=cells)
     assert not row["no_gap"] and row["gap"] == pytest.approx(-0.5) and row["share"] == pytest.approx(0.55)
+    # the gap's standard error over the two finite seeds of each: sqrt(0.05^2 / 1 + 0.05^2 / 1)
+    assert stale["reward_last_n"] == 2 and row["gap_se"] == pytest.approx(math.sqrt(2 * 0.05**2))
     constant = ([_final_cell("sync", 0, k, v) for k, v in enumerate([0.9, 0.95, 0.85])]
                 + [_final_cell("stale", 16, k, v) for k, v in enumerate([0.5, 0.6, 0.55])]
                 + [_final_cell("gac", 16, k, v + 0.1) for k, v in enumerate([0.5, 0.6, 0.55])])
@@ -436,3 +438,12 @@ def test_a_share_over_fewer_seeds_than_its_test_says_both_counts():
     (row,) = recovered_shares(group_records(cells), cells=cells)
     assert (row["n"], row["vs_stale_n"]) == (2, 5) and row["vs_stale_p_adj"] < 0.05
     assert "over the 2 seeds sync also ran; the test pairs 5" in "\n".join(findings([row], [], []))
+
+
+def test_equal_differences_beyond_the_on_policy_effect_give_no_detectable_share():
+    from gacbench.bench.beyond import _beyond_row
+
+    sync, stale = np.array([0.9, 0.95, 0.85]), np.array([0.5, 0.6, 0.55])
+    row = _beyond_row("t", "gac", 16, "final", "gac at s = 0", stale + 0.1, stale, sync, sync)
+    assert math.isnan(row["beyond_p"]) and row["sd_diff"] == 0.0
+    assert row["min_detectable_share"] is None or math.isnan(row["min_detectable_share"])

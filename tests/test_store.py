@@ -207,6 +207,11 @@ def test_a_cell_whose_library_files_changed_while_it_ran_records_both_hashes(tmp
     run_cell({**CELL, "seed": 1}, tmp_path / "out")  # unchanged files: nothing more recorded
     again = json.loads((cell_dir(tmp_path / "out", {**CELL, "seed": 1}) / "config.json").read_text())["provenance"]
     assert "source_sha256_end" not in again and " changed to " not in environment_key(again)
+    gone = tmp_path / "gone"  # a file removed while the library is listed (a checkout switching branches)
+    gone.mkdir()
+    (gone / "removed.py").symlink_to(gone / "nowhere.py")
+    monkeypatch.setattr(prov_mod, "PACKAGE_DIR", gone)
+    assert prov_mod.source_changed(before) == "unreadable"
 
 
 def test_weights_sha256_reads_every_weight_file_and_names_a_directory_without_one(tmp_path):

@@ -288,15 +288,19 @@ def test_a_damaged_shipped_checkpoint_is_named_with_the_fix(tmp_path, monkeypatc
             (copy / "model.safetensors").write_bytes(bytes(data))
             files = "model.safetensors"
         with pytest.raises(UsageError, match=rf"the shipped checkpoint .* over {re.escape(files)}, the pin is .*: a "
-                                             r"damaged or edited copy .*restore it \(git checkout -- "):
+                                             r"damaged or edited copy .*; copy it again from the repository's "
+                                             rf"tasks/models/{name}, and remove"):
             pinned.resolve(name, build)
     shutil.copy(REPO / "tasks" / "models" / name / "model.safetensors", copy / "model.safetensors")
     (copy / "config.json").write_text((copy / "config.json").read_text()[:40])
     monkeypatch.setattr(pinned, "_checked", {})
     monkeypatch.setattr(pinned, "_checked_spec", {})
-    with pytest.raises(UsageError, match=r"configuration or tokenizer cannot be read .*; restore the directory "
-                                         r"\(git checkout -- "):
+    with pytest.raises(UsageError, match=r"config.json, tokenizer or generation_config.json cannot be read .*; copy "
+                                         r"it again from the repository's"):
         pinned.resolve(name, build)
+    # the repository's own copy (GACBENCH_MODELS unset): restored from git, in that repository
+    assert pinned._restore(REPO / "tasks" / "models" / name, name) == (
+        f"restore it (git -C {REPO} checkout -- tasks/models/{name})")
 
 
 def test_a_grid_names_a_damaged_shipped_start_point_before_any_cell_runs(tmp_path, monkeypatch, capsys):

@@ -127,6 +127,7 @@ def group_records(cells: list[dict]) -> list[dict]:
             # over the seeds with a finite reward, as the paired statistics (per_seed) read them
             **({"reward_last_mean": nanmean([r["reward_last"] for r in recs]),
                 "reward_last_std": nanstd([r["reward_last"] for r in recs]),
+                "reward_last_n": sum(math.isfinite(r["reward_last"]) for r in recs),
                 "reward_first_mean": nanmean([r["reward_first"] for r in recs])}
                if all("reward_last" in r for r in recs) else {}),
             "cos_median": nanmean([r["cos_median"] for r in recs]),

@@ -224,7 +224,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
             r["final_by_version"] = {k: a[k] for k in (
                 "source", "versions", "lag_removed", "sync", "stale", "value", "gap", "share", "no_gap",
                 "share_ci_low", "share_ci_high", "share_ci_kind", "vs_stale_diff", "vs_stale_p", "vs_stale_p_adj",
-                "min_detectable_share", "n", "share_ci_excluded") if k in a}
+                "min_detectable_share", "min_detectable_share_family", "n", "share_ci_excluded") if k in a}
     if regime:
         summary["regime"] = regime
         law = law_points(regime)

@@ -328,10 +328,11 @@ def recovered_shares(groups: list[dict], key: str = "final", cells: list[dict] |
             continue
         sync_v, stale_v, value = sync[mean], stale[mean], g[mean]
         # standard error of the gap from the sample (ddof=1) std of each group; unknown with a single seed
-        if min(sync["n"], stale["n"]) < 2:
+        count = f"{key}_n"  # the seeds with a finite value, where a group counts them (the training reward)
+        if min(sync.get(count, sync["n"]), stale.get(count, stale["n"])) < 2:
             se = math.nan
         else:
-            se = math.sqrt(sum((x[std] or 0.0) ** 2 / (x["n"] - 1) for x in (sync, stale)))
+            se = math.sqrt(sum((x[std] or 0.0) ** 2 / (x.get(count, x["n"]) - 1) for x in (sync, stale)))
         paired = _unequal_seed_means(seeds, g["task"], g["method"], g["staleness"]) if seeds is not None else None
         if paired:  # the seed sets differ: the share on the seeds its interval pairs
             n_paired, sync_v, stale_v, value, se = paired

@@ -52,6 +52,11 @@ def mean_sd(mean: float | None, sd: float | None, n: int, digits: int = 4, sd_di
     return f"{fmt(mean, digits)} (n = 1)" if n < 2 else f"{fmt(mean, digits)} ± {fmt(sd, sd_digits)}"
 
 
+def _reward_sd(g: dict) -> str:
+    """A group's training reward, mean ± sd over its seeds with a finite reward."""
+    return mean_sd(g["reward_last_mean"], g["reward_last_std"], g.get("reward_last_n", g["n"]), 3)
+
+
 def _method_table(title: str, groups: list[dict], cell, heading: str = "##") -> list[str]:
     """A markdown table, one row per method and one column per staleness, each entry ``cell(group)`` (``groups``:
     any rows with ``method`` and ``staleness``)."""
@@ -265,8 +270,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
         lines += _method_table(f"{task}: training reward, mean over the last 20% of steps (first 20% in brackets), "
                                "mean ± sd "
                                "over seeds (population sd, ddof 0)", [g for g in rewarded if g["task"] == task],
-                               lambda g: f"{mean_sd(g['reward_last_mean'], g['reward_last_std'], g['n'], 3)} "
-                                         f"({fmt(g['reward_first_mean'], 3)})")
+                               lambda g: f"{_reward_sd(g)} ({fmt(g['reward_first_mean'], 3)})")
     if reward_shares:
         lines += _share_table("Recovered share of the stale–sync gap in training reward (last 20% of steps)",
                               reward_shares)
@@ -298,7 +302,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in abl:
             r = rows.get((g["task"], g["method"]), {})
-            reward = mean_sd(g["reward_last_mean"], g["reward_last_std"], g["n"], 3) if "reward_last_mean" in g else "—"
+            reward = _reward_sd(g) if "reward_last_mean" in g else "—"
             share = "—" if r.get("share") is None or math.isnan(r["share"]) else (
                 f"{r['share']:.2f} {fmt_share_ci(r)}")
             diff = "—" if r.get("vs_stale_diff") is None else (

@@ -10,8 +10,8 @@ suite uses is therefore built once, shipped under ``tasks/models/<name>/`` (fp32
 - where it is absent (an installed wheel without the repository, or another ``GACBENCH_MODELS``), the warm start
   is built as before and must hash to the pin, else the run is refused in one line that names both hashes;
 - a warm start with no pin (other sizes, steps or task settings) is built and cached as before;
-- the configuration and tokenizer are pinned beside the weights (:data:`PINNED_SPEC`, :func:`spec_sha256`): the
-  pinned weights with another config.json or vocabulary are refused too.
+- the configuration, tokenizer and generation config are pinned beside the weights (:data:`PINNED_SPEC`,
+  :func:`spec_sha256`): the pinned weights with another config.json, vocabulary or end token are refused too.
 
 ``gacbench warm-start`` rebuilds a warm start from scratch and prints its hash beside the pin.
 """
@@ -62,8 +62,8 @@ SPEC_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
              "rms_norm_eps", "tie_word_embeddings", "attention_bias", "use_sliding_window", "sliding_window",
              "bos_token_id", "eos_token_id", "pad_token_id")
 
-#: warm-start directory name -> :func:`spec_sha256` of its configuration and tokenizer: the weights hash alone
-#: would accept a copy whose config.json (rope_theta, say) or vocabulary was changed, or a build from a code
+#: warm-start directory name -> :func:`spec_sha256` of its configuration, tokenizer and end tokens: the weights
+#: hash alone would accept a copy whose config.json (rope_theta, say) or vocabulary was changed, or a build from a code
 #: version whose configuration computes differently with the same weights.
 PINNED_SPEC: dict[str, str] = {
     "warm-ScratchpadTask-e5c7a350526619cd-min_ops3-max_ops3-max_operand9-eval_fraction0.1-seed0-sft500-seed0":
@@ -128,7 +128,7 @@ def shipped_dir(name: str) -> Path | None:
 
 def check(name: str, path: Path) -> str:
     """The weights hash of ``path``; refuses (UsageError) when ``name`` is pinned and the hash differs, or when its
-    configuration and tokenizer (:func:`spec_sha256`) differ from the pinned ones."""
+    configuration, tokenizer and end tokens (:func:`spec_sha256`) differ from the pinned ones."""
     path = Path(path)
     if path not in _checked:
         _checked[path] = weights_sha256(path)
@@ -142,8 +142,8 @@ def check(name: str, path: Path) -> str:
             raise UsageError(
                 f"start point {name}: the shipped checkpoint {path} has weights SHA-256 {digest[:16]}... over "
                 f"{', '.join(files)}, the pin is {pin[:16]}...: a damaged or edited copy (a weight file changed, or "
-                f"another *.bin/*.pt/*.safetensors file added); restore it (git checkout -- {path}, and remove "
-                "files that are not the checkpoint's), or give model.path to run from another start point on purpose")
+                f"another *.bin/*.pt/*.safetensors file added); {_restore(path, name)}, and remove files that are "
+                "not the checkpoint's, or give model.path to run from another start point on purpose")
         cpu = cpu_description()
         raise UsageError(
             f"start point {name}: {path}, built on this machine ({cpu.get('cpu_vendor') or 'unknown vendor'}, "
@@ -158,9 +158,9 @@ def check(name: str, path: Path) -> str:
             try:
                 _checked_spec[path] = spec_sha256(path)
             except (OSError, ValueError) as exc:  # a truncated config.json or tokenizer.json, a missing file
-                raise UsageError(f"start point {name}: {path}'s configuration or tokenizer cannot be read "
-                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); restore the "
-                                 f"directory{f' (git checkout -- {path})' if shipped else ''}") from None
+                raise UsageError(f"start point {name}: {path}'s config.json, tokenizer or generation_config.json "
+                                 f"cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
+                                 f"{_restore(path, name)}") from None
         if _checked_spec[path] != spec_pin:
             raise UsageError(
                 f"start point {name}: {path} has the pinned weights, but its config.json, tokenizer or "
@@ -168,6 +168,16 @@ def check(name: str, path: Path) -> str:
                 f"{spec_pin[:16]}...): an edited copy, or a build by another code version; use the shipped "
                 f"checkpoint ({models_root() / name}), or give model.path to run from another start point on purpose")
     return digest
+
+
+def _restore(path: Path, name: str) -> str:
+    """How to put a damaged start point directory back: from git where it is the repository's own copy, else from
+    that copy."""
+    repo = Path(__file__).resolve().parents[2]
+    own = repo / "tasks" / "models" / name
+    if path.resolve() == own.resolve() and (repo / ".git").exists():
+        return f"restore it (git -C {repo} checkout -- tasks/models/{name})"
+    return f"copy it again from the repository's tasks/models/{name}"
 
 
 def resolve(name: str, build) -> Path:
