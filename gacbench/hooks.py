@@ -351,14 +351,14 @@ class AlignmentMonitorHook(_StepHook):
         reduce = self._reduce([p.grad for p in params])
         prev = self._prev.get([local(p.detach()) for p in params])
         scalars = reduce(full_vector_scalars(grads, prev.views))  # a missing gradient is zero
-        g_sq = float(scalars[1])
+        g_r, g_sq, r_sq = (float(v) for v in scalars.tolist())  # one read to the host
         self.metrics["grad/norm"] = math.sqrt(g_sq) if g_sq >= 0 else float("nan")
         if not (math.isfinite(g_sq) and g_sq > 0.0):  # a zero or non-finite gradient: no c_t, never a reference
             self.metrics["align/cos"] = float("nan")
             self.values.append(float("nan"))
             return
         if self.has_prev:
-            c = reference_cosine(scalars)  # NaN against a zero reference: no c_t, counted as skipped
+            c = reference_cosine(g_r, g_sq, r_sq)  # NaN against a zero reference: no c_t, counted as skipped
             self.metrics["align/cos"] = c
             self.values.append(c)
         self.has_prev = keep_reference(prev, grads, self.who)

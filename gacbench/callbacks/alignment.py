@@ -132,14 +132,14 @@ class AlignmentMonitor(Callback):
         rest = [v for g, v in zip(grads, prev.views) if g is None]
         scalars = alignment_scalars([g for g, _ in live], [v for _, v in live], ref_rest=rest)
         scalars = agree(trainer, scalars, is_sharded(trainer))
-        g_sq = float(scalars[1])
+        g_r, g_sq, r_sq = (float(v) for v in scalars.tolist())  # one read to the host
         metrics = {"grad/norm": math.sqrt(g_sq) if g_sq >= 0 else float("nan")}
         usable = math.isfinite(g_sq) and g_sq > 0.0
         if not usable:  # a zero or non-finite gradient: no c_t (NaN, counted as skipped), and never a reference
             metrics["align/cos"] = float("nan")
             self.trace.append(float("nan"))
         elif self.has_prev:
-            metrics["align/cos"] = c = reference_cosine(scalars)  # NaN against a zero reference
+            metrics["align/cos"] = c = reference_cosine(g_r, g_sq, r_sq)  # NaN against a zero reference
             self.trace.append(c)
         log_metrics(trainer, metrics)
         if usable:

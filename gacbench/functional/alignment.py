@@ -192,7 +192,11 @@ def full_vector_scalars(grads: list[Tensor | None], ref: TensorList) -> Tensor:
 def cosine_from_scalars(scalars: Tensor) -> float:
     """c = <g, r> / (||g|| ||r||) from ``alignment_scalars``; 0.0 when either norm is zero, however small the
     other: a gradient of norm 1e-16 has a direction like any other."""
-    g_r, gg, rr = (float(v) for v in scalars.tolist())
+    return cosine_of(*(float(v) for v in scalars.tolist()))
+
+
+def cosine_of(g_r: float, gg: float, rr: float) -> float:
+    """:func:`cosine_from_scalars` of the three scalars already read to the host."""
     if not (math.isfinite(gg) and math.isfinite(rr) and math.isfinite(g_r)):
         return float("nan")
     if gg == 0.0 or rr == 0.0:
@@ -201,15 +205,13 @@ def cosine_from_scalars(scalars: Tensor) -> float:
     return g_r / denom if denom > 0.0 else g_r / math.sqrt(gg) / math.sqrt(rr)  # the product can underflow
 
 
-def reference_cosine(scalars: Tensor) -> float:
-    """c_t = cos(g, r) from ``alignment_scalars`` where r is a reference to measure against: NaN (no c_t) when
-    ||r|| = 0. A zero reference (``reference="update"`` after a step that did not move the parameters; a reference
-    rounded to zero in a narrow ``buffer_dtype``) has no direction: the step is treated as one with a zero
-    gradient (no c_t, counted as ``skipped`` in the summary), not as an orthogonal one (c = 0) that is always
-    kept. Otherwise :func:`cosine_from_scalars`."""
-    if float(scalars[2]) == 0.0:
-        return float("nan")
-    return cosine_from_scalars(scalars)
+def reference_cosine(g_r: float, gg: float, rr: float) -> float:
+    """c_t = cos(g, r) from the three scalars of ``alignment_scalars`` read to the host, where r is a reference to
+    measure against: NaN (no c_t) when ||r|| = 0. A zero reference (``reference="update"`` after a step that did
+    not move the parameters; a reference rounded to zero in a narrow ``buffer_dtype``) has no direction: the step
+    is treated as one with a zero gradient (no c_t, counted as ``skipped`` in the summary), not as an orthogonal
+    one (c = 0) that is always kept. Otherwise :func:`cosine_of`."""
+    return float("nan") if rr == 0.0 else cosine_of(g_r, gg, rr)
 
 
 def cosine(xs: TensorList, ys: TensorList) -> float:

@@ -316,7 +316,7 @@ class GACTransform:
                     self._store_params(params)
             return GACStep(GACDecision(KEEP, 0.0, float("nan")), g_sq, bad=True, zero=g_sq == 0.0)
 
-        c = reference_cosine(scalars) if st.has_ref else float("nan")  # NaN for a zero reference: no c_t
+        c = reference_cosine(g_dot_r, g_sq, r_sq) if st.has_ref else float("nan")  # NaN for a zero reference
         decision = gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink)
         alpha = decision.coef * g_dot_r / r_sq if decision.coef else 0.0  # g_tilde = g - alpha * r
         skipped = decision.action == SKIP

@@ -163,7 +163,7 @@ class StepGAC:
             # a non-finite step is never a reference; applying, it never reaches the parameters (theta_t restored)
             (self.theta.copy_to if self.apply else self.theta.copy_from)(now)
             return StepOutcome(GACDecision(KEEP, 0.0, float("nan")), d_sq, bad=True)
-        c = reference_cosine(scalars) if self.has_prev else float("nan")  # NaN against a zero reference
+        c = reference_cosine(d_dot_r, d_sq, r_sq) if self.has_prev else float("nan")  # NaN: a zero reference
         decision = (gac_decision(c, self.c_low, self.c_high, self.high_mode, self.shrink) if self.apply
                     else GACDecision(KEEP, 0.0, c))
         if decision.action == SKIP:
