@@ -275,8 +275,7 @@ class GACHook(_StepHook):
         self.changed += d.changed
         self.skipped += d.action == SKIP
         self.action = ACTION_NAMES[d.action]
-        measured = not math.isnan(d.cos) or out.zero_ref  # NaN against a zero reference: counted as skipped
-        if measured:
+        if out.measured:
             self.values.append(d.cos)
         self.metrics = {
             "grad/norm": math.sqrt(out.grad_sq),
@@ -284,7 +283,7 @@ class GACHook(_StepHook):
             "align/skip": float(d.action == SKIP),
             "gac/coef": d.coef,
         }
-        if measured:
+        if out.measured:
             self.metrics[self.cos_key] = d.cos
 
     def _bad_gradient(self, g_sq: float, action: str) -> None:

@@ -25,7 +25,6 @@ from gacbench.bench.records import POLICY_REWARD
 from gacbench.bench.stats import (
     REFERENCE_METHODS,
     aligned_values,
-    differences_equal,
     fieller_interval,
     holm_adjust,
     min_detectable_share,
@@ -130,10 +129,8 @@ def _beyond_row(task: str, method: str, s: int, key: str, control: str, x_m: np.
     d = a - b
     gap = float(g.mean())
     no_gap = not gap > 1e-12
-    test = paired_difference(a, b)  # mean(a - b) = mean(d), its t-interval and paired t-test
-    sd = float(d.std(ddof=1)) if n >= 2 else math.nan
-    if n >= 2 and differences_equal(a, b):
-        sd = 0.0  # equal differences up to rounding: no t-test (p is NaN), so no detectable share either
+    test = paired_difference(a, b)  # mean(a - b) = mean(d), its t-interval, paired t-test and sd (0 when all equal)
+    sd = test.get("sd", math.nan)
     row = {"task": task, "method": method, "staleness": s, "measure": key, "control": control, "n": n,
            "gain": float(a.mean()), "on_policy_effect": float(b.mean()), "gap": gap, "no_gap": no_gap,
            "raw_share": math.nan if no_gap else float(a.mean()) / gap,

@@ -102,10 +102,13 @@ def nanmean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else math.nan
 
 
-def nanstd(xs: list[float]) -> float:
-    """The population (ddof 0) standard deviation of the finite values of ``xs`` (NaN when there is none)."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return float(np.std(xs)) if xs else math.nan
+def _reward_summary(recs: list[dict]) -> dict[str, float | int]:
+    """A group's training reward over its seeds with a finite one, as the paired statistics (per_seed) read them:
+    the last 20% of steps' mean, population sd and count, and the first 20%'s mean."""
+    last = [x for x in (r["reward_last"] for r in recs) if x is not None and math.isfinite(x)]
+    return {"reward_last_mean": float(np.mean(last)) if last else math.nan,
+            "reward_last_std": float(np.std(last)) if last else math.nan, "reward_last_n": len(last),
+            "reward_first_mean": nanmean([r["reward_first"] for r in recs])}
 
 
 def group_records(cells: list[dict]) -> list[dict]:
@@ -125,11 +128,7 @@ def group_records(cells: list[dict]) -> list[dict]:
             "final_mean": float(np.mean(finals)), "final_std": float(np.std(finals)) if len(finals) > 1 else 0.0,
             "diverged_frac": float(np.mean([bool(r["diverged"]) for r in recs])),
             # over the seeds with a finite reward, as the paired statistics (per_seed) read them
-            **({"reward_last_mean": nanmean([r["reward_last"] for r in recs]),
-                "reward_last_std": nanstd([r["reward_last"] for r in recs]),
-                "reward_last_n": sum(math.isfinite(r["reward_last"]) for r in recs),
-                "reward_first_mean": nanmean([r["reward_first"] for r in recs])}
-               if all("reward_last" in r for r in recs) else {}),
+            **(_reward_summary(recs) if all("reward_last" in r for r in recs) else {}),
             "cos_median": nanmean([r["cos_median"] for r in recs]),
             "cos_abs_q90": nanmean([r["cos_abs_q90"] for r in recs]),
             "cos_abs_le_005": nanmean([r["cos_abs_le_005"] for r in recs]),

@@ -55,22 +55,27 @@ def mean_t_interval(x: np.ndarray, level: float = CI_LEVEL) -> tuple[float, floa
     normal seed noise it covers at ``level`` for any n >= 2, where a percentile bootstrap of n seeds covers far less
     (about 50% at n = 2, 75% at n = 3, 85% at n = 5: at n = 2 it is the range of the two values). Non-finite values
     are left out; NaNs with fewer than two finite ones."""
-    from scipy import stats
-
     x = np.asarray(x, dtype=np.float64)
     x = x[np.isfinite(x)]
-    n = len(x)
-    if n < 2:
+    if len(x) < 2:
         return math.nan, math.nan
-    mean = float(x.mean())
-    half = float(stats.t.ppf(0.5 + level / 2.0, n - 1) * x.std(ddof=1) / math.sqrt(n))
+    mean, half = float(x.mean()), _t_half(x, level)
     return mean - half, mean + half
 
 
+def _t_half(x: np.ndarray, level: float) -> float:
+    """The half-width t_{(1+level)/2, n-1} sd/sqrt(n) of the t-interval of mean(x) (n >= 2, sd with ddof=1)."""
+    from scipy import stats
+
+    n = len(x)
+    return float(stats.t.ppf(0.5 + level / 2.0, n - 1) * x.std(ddof=1) / math.sqrt(n))
+
+
 def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> dict[str, float]:
-    """mean(a - b) over paired seeds, its t-interval (mean +- t_{(1+level)/2, n-1} sd/sqrt(n)) and the two-sided
+    """mean(a - b) over paired seeds, its t-interval (mean +- t_{(1+level)/2, n-1} sd/sqrt(n)), the two-sided
     paired t-test's p-value (scipy.stats.ttest_rel; NaN when every difference is equal, to within the rounding of
-    the subtraction: :func:`differences_equal`). NaNs below two seeds."""
+    the subtraction: :func:`differences_equal`) and ``sd``, the differences' sample standard deviation (0 where
+    they are equal so: no t-test, so no detectable effect either). NaNs below two seeds."""
     import warnings
 
     from scipy import stats
@@ -81,12 +86,14 @@ def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> 
         return {"diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
     mean = float(d.mean())
     if n < 2:
-        return {"diff": mean, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
-    half = float(stats.t.ppf(0.5 + level / 2.0, n - 1) * d.std(ddof=1) / math.sqrt(n))
+        return {"diff": mean, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan, "sd": math.nan}
+    half = _t_half(d, level)
+    equal = differences_equal(a, b)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = math.nan if differences_equal(a, b) else float(stats.ttest_rel(a, b).pvalue)
-    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p, "p_signflip": sign_flip_p(d)}
+        p = math.nan if equal else float(stats.ttest_rel(a, b).pvalue)
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": p, "p_signflip": sign_flip_p(d),
+            "sd": 0.0 if equal else float(d.std(ddof=1))}
 
 
 def differences_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -265,11 +272,7 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
                 "min_detectable_share": None})
     if paired:
         d, _ = oriented_difference(meth, stale, higher)  # > 0: the method is better
-        diffs = np.array([meth[k] - stale[k] for k in paired])
-        sd = float(diffs.std(ddof=1)) if len(paired) >= 2 else math.nan
-        if len(paired) >= 2 and differences_equal(np.array([meth[k] for k in paired]),
-                                                  np.array([stale[k] for k in paired])):
-            sd = 0.0  # equal differences up to rounding: no t-test, so no detectable share either
+        sd = d.get("sd", math.nan)  # the same whichever way round the differences are taken
         row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
                     "vs_stale_p": d["p"], "vs_stale_p_signflip": d.get("p_signflip"), "sd_diff": sd})
         if not row.get("missing") and not row["no_gap"]:
@@ -584,7 +587,7 @@ def apply_families(tables: list[tuple[str, str, list[dict]]], families: dict[str
                 r["min_detectable_share_family"] = min_detectable_share(
                     r.get("sd_diff") or 0.0, r.get("gap", math.nan), n or 0, alpha=ALPHA / m)
         out.append({"name": name, "test": test, "per": list(fams[name]["per"]), "of": dict(of),
-                    "m": sum(adj is not None for adj in adjusted),
+                    "m": m,
                     "comparisons": [f"{r['task']} / {r['method']} / s={r['staleness']} / {measure}"
                                     for r, measure in members]})
     return out

@@ -194,20 +194,19 @@ def time_to_quality(curves: dict[str, dict], settings: list[Setting], fractions=
             for method, s in keys:
                 seeds = runs[(method, s)]
                 mean = seed_mean(seeds)
-                last = max(max(c) for c in seeds.values())
+                ends = {seed: max(c) for seed, c in seeds.items()}
+                last = max(ends.values())
                 sched = simulate(setting.gen_s, setting.train_s, setting.workers, s, math.ceil(last), setting.chunks)
                 step = steady_step_s(setting.gen_s, setting.train_s, setting.workers, s, setting.chunks)
                 if step is None:
                     step = mean_step_s(setting.gen_s, setting.train_s, setting.workers, s, setting.chunks)
-                ends = {seed: max(c) for seed, c in seeds.items()}
                 row = {"task": task, "measure": data["measure"], "method": method, "staleness": s,
                        "setting": {**asdict(setting), "chunks": setting.jobs}, "seeds": len(seeds),
                        "versions": [min(mean), max(mean)] if mean else None, "step_s": step,
                        "last_version_s": sched.version_time(math.ceil(last)), "sync_final_reward": final, "targets": [],
                        # seeds whose curve ends before the others' (a run stopped early): the seed-mean curve ends
                        # at the first of them, so a target it does not reach is "never" only up to that version
-                       "stopped_seeds": {str(seed): end for seed, end in sorted(ends.items())
-                                         if end < max(ends.values())}}
+                       "stopped_seeds": {str(seed): end for seed, end in sorted(ends.items()) if end < last}}
                 for frac in fractions:
                     target = frac * final
                     version, first = first_crossing(mean, target)
@@ -259,9 +258,12 @@ def print_table(rows: list[dict]) -> None:
         cells = "  ".join(f"{_fmt_time({**t, 'n': r['seeds']}):34s}" for t in r["targets"])
         print(f"{r['method'][:16]:16s} {r['staleness']:3d} {r['step_s']:8.3f} {thru:>6s} "
               f"{r['last_version_s']:9.1f}  {cells}")
-    stopped = [r for r in rows if r["stopped_seeds"] and r is next(
-        x for x in rows if (x["task"], x["method"], x["staleness"]) == (r["task"], r["method"], r["staleness"]))]
-    for r in stopped:
+    noted = set()  # one note per (task, method, s), whatever the settings
+    for r in rows:
+        key = (r["task"], r["method"], r["staleness"])
+        if not r["stopped_seeds"] or key in noted:
+            continue
+        noted.add(key)
         listed = ", ".join(f"seed {seed} at version {end:g}" for seed, end in r["stopped_seeds"].items())
         print(f"\n{r['task']}: {r['method']} s={r['staleness']}: {listed} stopped before its other seeds (a non-finite "
               f"loss ends a run); its seed-mean curve ends at version {min(r['stopped_seeds'].values()):g}, so 'never' "

@@ -113,7 +113,7 @@ class AlignmentMonitor(Callback):
 
     def _after_step(self, trainer: "pl.Trainer") -> None:
         out = self._steps.step(self._params, lambda s: agree(trainer, s, is_sharded(trainer)))
-        if out is not None and (not math.isnan(out.cos) or out.zero_ref):
+        if out is not None and out.measured:
             log_metrics(trainer, {"align/step_cos": out.cos})
 
     @override

@@ -326,7 +326,7 @@ class GAC(Callback):
         self.skipped += d.action == SKIP
         metrics = {"align/proj_frac": self.changed / self.steps, "align/skip": float(d.action == SKIP),
                    "gac/coef": d.coef}
-        if not math.isnan(d.cos) or out.zero_ref:  # NaN against a zero reference: counted as skipped
+        if out.measured:
             self.trace.append(d.cos)
             metrics["align/step_cos"] = d.cos
         log_metrics(trainer, metrics)
@@ -362,8 +362,7 @@ class GAC(Callback):
         d = out.decision
         self.changed += d.changed
         self.skipped += d.action == SKIP
-        measured = not math.isnan(d.cos) or out.zero_ref  # NaN against a zero reference: counted as skipped
-        if measured:
+        if out.measured:
             self.trace.append(d.cos)
         metrics = {
             "grad/norm": math.sqrt(out.grad_sq),
@@ -371,7 +370,7 @@ class GAC(Callback):
             "align/skip": float(d.action == SKIP),
             "gac/coef": d.coef,
         }
-        if measured:  # the first step has no reference yet
+        if out.measured:  # the first step has no reference yet
             metrics[self.cos_key] = d.cos
         log_metrics(trainer, metrics)
 

@@ -138,6 +138,12 @@ class GACStep:
     def cos(self) -> float:
         return self.decision.cos
 
+    @property
+    def measured(self) -> bool:
+        """Whether the step goes into the c_t trace: a c_t, or NaN against a zero reference (counted as skipped);
+        not the first step, which has no reference."""
+        return not math.isnan(self.decision.cos) or self.zero_ref
+
 
 @dataclass
 class GACState:

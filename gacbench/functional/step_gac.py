@@ -71,6 +71,12 @@ class StepOutcome:
     def cos(self) -> float:
         return self.decision.cos
 
+    @property
+    def measured(self) -> bool:
+        """Whether the step goes into the c_t trace: a c_t, or NaN against a zero reference (counted as skipped);
+        not the first step, which has no reference."""
+        return not math.isnan(self.decision.cos) or self.zero_ref
+
 
 class StepGAC:
     """GAC on the optimizer's step over a fixed list of parameters (see the module docstring).
