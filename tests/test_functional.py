@@ -157,6 +157,17 @@ def test_projecting_twice_changes_nothing(c, seed):
     assert torch.allclose(flat(twice), flat(once))
 
 
+def test_a_zero_reference_gives_no_cosine_and_keeps_the_gradient():
+    """A zero reference has no direction: c is NaN (as GAC's callback and step report it), the gradient is kept
+    as it is, and a zero gradient against a non-zero reference is orthogonal to it (c = 0)."""
+    g, r = split(torch.arange(1.0, N + 1.0)), split(torch.zeros(N))
+    out, d = gac_project(g, r, 0.05, 0.3)
+    assert d.action == KEEP and math.isnan(d.cos)
+    assert all(o is x for o, x in zip(out, g))
+    out, d = gac_project(split(torch.zeros(N)), split(torch.ones(N)), 0.05, 0.3)
+    assert d.action == KEEP and d.cos == 0.0
+
+
 def test_decision_regimes_and_coefficients():
     assert gac_decision(0.05).action == KEEP
     assert gac_decision(-0.9).action == KEEP

@@ -331,16 +331,17 @@ def gac_project(
 ) -> tuple[list[Tensor] | None, GACDecision]:
     """Out-of-place GAC on one gradient: returns (g_tilde, decision); g_tilde is None for a skip.
 
-    For KEEP the returned tensors are the inputs themselves (bit-for-bit unchanged).
+    For KEEP the returned tensors are the inputs themselves (bit-for-bit unchanged). A zero reference has no
+    direction: c is NaN and the gradient is kept (:func:`reference_cosine`), as in the callback and the step.
     """
     c_low, c_high = validate_thresholds(c_low, c_high)
-    scalars = alignment_scalars(grads, ref)
-    c = cosine_from_scalars(scalars)
+    g_r, gg, rr = (float(v) for v in alignment_scalars(grads, ref).tolist())
+    c = reference_cosine(g_r, gg, rr)
     decision = gac_decision(c, c_low, c_high, high_mode, shrink)
     if decision.action == KEEP:
         return list(grads), decision
     if decision.action == SKIP:
         return None, decision
     out = [g.clone() for g in grads]
-    project_(out, ref, decision.coef, float(scalars[0]), float(scalars[2]))
+    project_(out, ref, decision.coef, g_r, rr)
     return out, decision
