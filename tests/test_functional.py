@@ -293,6 +293,26 @@ def test_applied_reference_by_hand():
     assert gac.state.ref[0].tolist() == [1, 0, 0, 2]
 
 
+@pytest.mark.parametrize("reference", ["grad", "applied"])
+def test_the_cached_reference_norm_is_the_references_norm_after_every_step(reference):
+    """The reference "grad" holds the raw gradient after a kept, shrunk or projected step, so its norm is cached
+    as ||g||^2 (the next step reads r once less); "applied" caches it only where r is the gradient as it was
+    (a kept step). Wherever a norm is cached it is the reference's own."""
+    gac = GACTransform(c_low=0.25, c_high=0.75, reference=reference)
+    p = torch.nn.Parameter(torch.zeros(4))
+    cached = []
+    for g in [[4, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0.75], [1, 0, 0, 2]]:
+        p.grad = torch.tensor(g, dtype=torch.float32)
+        action = gac.step([p]).decision.action
+        if gac.state.ref_sq is not None:
+            assert float(gac.state.ref_sq) == pytest.approx(float(gac.state.ref[0] @ gac.state.ref[0]), rel=1e-6)
+        cached.append((action, gac.state.ref_sq is not None))
+    # against the raw (1, 1, 1, 0.75) the last gradient has c = 0.59, against the applied (0.5, 0, 0, -0.25) c = 0
+    expected = [(KEEP, True), (SHRINK, True), (PROJECT, True), (SHRINK, True)] if reference == "grad" else \
+        [(KEEP, True), (SHRINK, False), (PROJECT, False), (KEEP, True)]
+    assert cached == expected
+
+
 def test_update_reference_by_hand():
     """r_t = theta_{t-1} - theta_t with theta moved by -0.5 g~. Step 1: theta = (-2, 0, 0, 0). Step 2:
     r = (2, 0, 0, 0) points along the previous gradient, c = 1/2, g~ = (0.5, 1, 1, 1) and theta = (-2.25, -0.5,

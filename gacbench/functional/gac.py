@@ -431,9 +431,10 @@ class GACTransform:
             if alpha:
                 project_(g, r, decision.coef, g_dot_r, r_sq)
             self._update_reference(params, live, g, r, alpha, skipped)
-        copied = self.reference == "grad" or (self.reference == "applied" and not skipped)
-        if copied and not alpha and all(gi.dtype == ri.dtype for gi, ri in zip(g, r)):
-            # r is an exact copy of g (zero where a parameter has no gradient): its norm is ||g||^2
+        # r is an exact copy of the raw g (zero where a parameter has no gradient), its norm ||g||^2: the reference
+        # "grad" after any step, "applied" after a kept one
+        copied = self.reference == "grad" or (self.reference == "applied" and not skipped and not alpha)
+        if copied and all(gi.dtype == ri.dtype for gi, ri in zip(g, r)):
             st.ref_sq = local_scalars[1]
 
     def _step_swapping(
