@@ -37,7 +37,7 @@ def test_grpo_command_runs_checkpoints_and_resumes(tiny_llm_dir, tmp_path, capsy
     cfg.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
                    "      init_args: {every_n_train_steps: 2, save_top_k: -1}\n")
     args = _small(tiny_llm_dir, tmp_path) + ["--config", str(cfg), "--method", "gac+m2po", "--model.staleness", "2",
-                                             "--alignment_warmup", "1"]
+                                             "--alignment_warmup", "1", "--model.policy_eval.prompts", "2"]
     assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
     run_dir = tmp_path / "tiny" / "gac+m2po-s2-seed0"  # the config's logger name; version METHOD-sS-seedSEED
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -57,6 +57,10 @@ def test_grpo_command_runs_checkpoints_and_resumes(tiny_llm_dir, tmp_path, capsy
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))  # the steps before the resume are kept
     assert sorted({int(r["step"]) for r in rows if r.get("stale/lag")}) == list(range(6))
     assert [float(r["stale/lag"]) for r in rows if r.get("stale/lag")] == [0, 1, 2, 2, 2, 2]
+    # the evaluations closing step 4 ran before the checkpoint of step 4 and are not repeated after the resume:
+    # both stay, the policy evaluation's row with its time
+    steps = {key: sorted(int(r["step"]) for r in rows if r.get(key)) for key in ("eval/acc", "eval/policy_reward")}
+    assert steps == {"eval/acc": [2, 4, 6], "eval/policy_reward": [0, 2, 4, 6]}, steps
 
 
 def test_grpo_command_refuses_bad_settings(tiny_llm_dir, tmp_path, capsys):

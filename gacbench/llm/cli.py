@@ -447,11 +447,12 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 
 def combine_rows(earlier: list[dict], later: list[dict], start: int) -> list[dict]:
-    """The rows of ``earlier`` before step ``start`` (and its evaluation-only rows at ``start``: the eval
-    that closed the step the checkpoint was taken after, which the resumed session does not repeat),
-    then the rows of ``later``."""
+    """The rows of ``earlier`` before step ``start`` (and its evaluation-only rows at ``start``: the greedy and
+    policy evaluations that closed the step the checkpoint was taken after, which the resumed session does not
+    repeat; a policy evaluation's row also holds its time), then the rows of ``later``."""
     def eval_only(row: dict) -> bool:
-        return all(k == "step" or k.startswith("eval/") for k, v in row.items() if v not in ("", None))
+        return all(k in ("step", "time/policy_eval_s") or k.startswith("eval/")
+                   for k, v in row.items() if v not in ("", None))
 
     kept = [r for r in earlier if _step(r) < start or (_step(r) == start and eval_only(r))]
     return kept + later
