@@ -42,7 +42,7 @@ from gacbench.functional.alignment import (
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import local, parse_dtype
-from gacbench.functional.settings import GACSettings
+from gacbench.functional.settings import GACSettings, summary_settings
 from gacbench.functional.stats import alignment_summary
 from gacbench.usage import UsageError
 
@@ -127,13 +127,10 @@ class _StepHook:
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, tol: float, distributed: bool | None) -> None:
         _check_optimizer(optimizer, self.who)
-        given_warmup, given_tol = warmup, tol
-        warmup, tol = plain_number(warmup), plain_number(tol)  # a numpy scalar or 0-d tensor as its Python value
-        if not isinstance(warmup, int) or warmup < 0:
-            raise UsageError(f"{self.who}: warmup={given_warmup!r} must be a non-negative integer (steps excluded "
-                             "from the summary)")
-        if not (tol is not None and 0.0 < tol < 1.0):
-            raise UsageError(f"{self.who}: tol={given_tol!r} must be in (0, 1); the paper uses 0.05")
+        try:
+            warmup, tol = summary_settings(self.who, warmup, tol)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         if distributed not in (None, True, False):
             raise UsageError(f"{self.who}: distributed={distributed!r} must be None (automatic), True or False")
         if distributed and not _initialized():

@@ -5,8 +5,10 @@ front ends."""
 from __future__ import annotations
 
 import math
+import re
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from conftest import make_trainer
@@ -821,3 +823,25 @@ def test_a_parameter_replicated_over_several_ranks_is_refused_naming_its_placeme
             check_no_replicated_shards([sharded, replicated], "GAC")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("warmup,tol,verdict", [
+    (np.int64(3), torch.tensor(0.125), "ok"), (-1, 0.05, "warmup=-1"), (True, 0.05, "warmup=True"),
+    (2.5, 0.05, "warmup=2.5"), (3, 0.0, "tol=0.0"), (3, "0.1", "tol='0.1'"),
+])
+def test_the_monitors_accept_and_refuse_the_summary_settings_as_gac_does(warmup, tol, verdict):
+    """AlignmentMonitor, its hook and GAC read warmup and tol by one rule: any real number (stored as a Python int
+    and float), each refusal naming the class."""
+    from gacbench import GAC, AlignmentMonitor
+
+    def hook(**kw):
+        return attach_alignment_monitor(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **kw)
+
+    for make, who in ((AlignmentMonitor, "AlignmentMonitor"), (hook, "attach_alignment_monitor"), (GAC, "GAC")):
+        if verdict == "ok":
+            made = make(warmup=warmup, tol=tol)
+            trace = getattr(made, "trace", made)  # the callbacks keep warmup and tol in their CosineTrace
+            assert (trace.warmup, trace.tol) == (3, 0.125) and type(trace.warmup) is int and type(trace.tol) is float
+        else:
+            with pytest.raises(ValueError, match=f"^{who}: {re.escape(verdict)}"):
+                make(warmup=warmup, tol=tol)

@@ -140,10 +140,14 @@ def test_stale_run_differs_from_plain_run():
     assert not torch.allclose(flat_params(plain), flat_params(stale))
 
 
-def test_lag_is_logged_every_step():
-    trainer = make_trainer([StalenessSimulator(3)], max_steps=8)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lag_is_logged_every_step(accumulate):
+    trainer = make_trainer([StalenessSimulator(3)], max_steps=8, accumulate_grad_batches=accumulate)
     trainer.fit(UserRegressor())
     assert trainer.logger.values("stale/lag") == [0, 1, 2, 3, 3, 3, 3, 3]
+    synchronous = make_trainer([StalenessSimulator(0)], max_steps=8, accumulate_grad_batches=accumulate)
+    synchronous.fit(UserRegressor())
+    assert synchronous.logger.values("stale/lag") == [0] * 8  # once per optimizer step at s = 0 too
 
 
 def test_schedules_stay_within_bounds():
@@ -160,6 +164,10 @@ def test_schedules_stay_within_bounds():
     ({"staleness": 2, "schedule": "gaussian"}, "schedule"),
     ({"staleness": 2, "schedule": "trace"}, "needs trace"),
     ({"staleness": 2, "schedule": "trace", "trace": [1, 3]}, "outside 0..staleness"),
+    ({"staleness": 3, "schedule": "trace", "trace": [2.9, 1]}, "trace\\[0\\]=2.9 must be an integer"),
+    ({"staleness": 3, "schedule": "trace", "trace": [1, -1]}, "outside 0..staleness"),
+    ({"staleness": 3, "schedule": "trace", "trace": [True, 2]}, "trace\\[0\\]=True must be an integer"),
+    ({"staleness": 3, "schedule": "trace", "trace": [1, float("nan")]}, "trace\\[1\\]=nan must be an integer"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -176,6 +184,15 @@ class ManualModule(UserRegressor):
         opt.zero_grad()
         self.manual_backward(self.loss_fn(batch))
         opt.step()
+
+
+def test_a_trace_may_be_a_numpy_array_of_lags():
+    trace = np.array([0, 3, 1, 2])
+    sim = StalenessSimulator(3, schedule="trace", trace=trace)
+    assert sim.trace == [0, 3, 1, 2] and all(type(v) is int for v in sim.trace)
+    trainer = make_trainer([sim], max_steps=8)
+    trainer.fit(UserRegressor())
+    assert trainer.logger.values("stale/lag") == [min(trace[t % 4], t) for t in range(8)]
 
 
 def test_manual_optimization_is_refused():
@@ -263,3 +280,53 @@ def test_a_rollout_objective_refuses_gradient_accumulation(objective):
     trainer = make_trainer([], max_steps=8)
     trainer.fit(objective_class(objective)(steps=8, staleness=4))
     assert trainer.logger.values("stale/lag") == [0, 1, 2, 3, 4, 4, 4, 4]
+
+
+class WithExtra(UserRegressor):
+    """A module with a parameter the optimizer leaves out until a callback adds it as a new param group."""
+
+    def __init__(self, optimizer: str = "sgd"):
+        super().__init__(optimizer=optimizer)
+        self.extra = torch.nn.Parameter(torch.zeros(1))
+
+    def loss_fn(self, batch):
+        return super().loss_fn(batch) + (self.extra - 1.0).pow(2).sum()
+
+
+class AddGroupAt(pl.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and len(trainer.optimizers[0].param_groups) == 2:
+            trainer.optimizers[0].add_param_group({"params": [pl_module.extra]})
+
+
+def _callback(name: str):
+    from gacbench import GAC, AlignmentMonitor, AssumptionMonitor
+
+    return {"simulator": lambda: StalenessSimulator(2), "gac": lambda: GAC(), "monitor": lambda: AlignmentMonitor(),
+            "assumptions": lambda: AssumptionMonitor(every=2, loss_fn=lambda m, b: m.loss_fn(b))}[name]()
+
+
+@pytest.mark.parametrize("name", ["simulator", "gac", "monitor", "assumptions"])
+def test_a_param_group_added_during_the_fit_is_refused(name):
+    """The callbacks take the optimizer's parameters when the fit starts: a group added later (Lightning's
+    BaseFinetuning.unfreeze_and_add_param_group) would be neither delayed nor measured, so its next step is refused."""
+    trainer = make_trainer([AddGroupAt(3), _callback(name)], max_steps=8)
+    with pytest.raises(RuntimeError, match="parameter groups changed during the fit .*add_param_group at step 3"):
+        trainer.fit(WithExtra())
+    assert trainer.global_step == 3
+
+
+class WithLBFGS(UserRegressor):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+@pytest.mark.parametrize("name", ["simulator", "gac", "monitor"])
+def test_an_optimizer_that_evaluates_its_closure_several_times_a_step_is_refused(name):
+    """Lightning runs on_before_optimizer_step after every closure evaluation: with LBFGS only the first would be
+    stale, and GAC would measure the cosines between the evaluations of one step."""
+    with pytest.raises(RuntimeError, match="ran twice in optimizer step 0: the optimizer \\(LBFGS\\)"):
+        make_trainer([_callback(name)], max_steps=4).fit(WithLBFGS())

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import local  # noqa: F401  (re-exported for the callbacks)
+from gacbench.functional.settings import summary_settings
 from gacbench.functional.stats import alignment_summary
 
 # Large tensors (reference buffers, parameter snapshots) go into the checkpoint under this
@@ -44,6 +45,46 @@ def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter
                 seen.add(id(p))
                 params.append(p)
     return params
+
+
+def listed_entries(optimizer: torch.optim.Optimizer) -> int:
+    """How many parameter entries the optimizer's param groups list: a cheap per-step check that none was added."""
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+class StepGuard:
+    """For a callback that collects the optimizer's parameters once per fit (``on_train_start``) and acts once per
+    optimizer step in ``on_before_optimizer_step``: refuses a parameter group added during the fit (its
+    parameters would be neither delayed nor measured) and, with ``once=True``, a second call of the hook in one
+    optimizer step (an optimizer that evaluates its closure several times per step, such as LBFGS: Lightning
+    runs ``on_before_optimizer_step`` after every evaluation). ``start`` at ``on_train_start``, ``check`` at the
+    top of ``on_before_optimizer_step``."""
+
+    def __init__(self, who: str, once: bool = True) -> None:
+        self.who, self.once = who, once
+        self._listed: int | None = None
+        self._last_step: int | None = None
+
+    def start(self, trainer: "pl.Trainer") -> None:
+        self._listed = listed_entries(trainer.optimizers[0]) if len(trainer.optimizers) == 1 else None
+        self._last_step = None
+
+    def check(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
+        step = trainer.global_step
+        if self._listed is not None and listed_entries(optimizer) != self._listed:
+            raise RuntimeError(
+                f"{self.who}: the optimizer's parameter groups changed during the fit (add_param_group at step "
+                f"{step}, e.g. BaseFinetuning.unfreeze_and_add_param_group): {self.who} takes the parameters once, "
+                "when the fit starts, so the added ones would be left out. Create the optimizer with every "
+                "parameter group in configure_optimizers (a group can be held still with lr 0 until it is "
+                "unfrozen), or start a new fit after adding the group.")
+        if self.once and step == self._last_step:
+            raise RuntimeError(
+                f"{self.who}: on_before_optimizer_step ran twice in optimizer step {step}: the optimizer "
+                f"({type(optimizer).__name__}) evaluates its closure more than once per step (LBFGS, a line search), "
+                f"and {self.who} acts once per step, on one gradient. Use an optimizer that evaluates the closure "
+                "once per step (SGD, Adam, AdamW).")
+        self._last_step = step
 
 
 def check_no_replicated_shards(params: list[torch.Tensor], who: str) -> None:
@@ -172,13 +213,8 @@ def _publish(trainer: "pl.Trainer", metrics: Mapping[str, float | Tensor], write
 class CosineTrace:
     """The c_t trace a callback records, and its end-of-fit summary (paper Table 3)."""
 
-    def __init__(self, warmup: int, tol: float) -> None:
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup={warmup!r} must be a non-negative integer (steps excluded from the summary)")
-        if not 0.0 < tol < 1.0:
-            raise ValueError(f"tol={tol!r} must be in (0, 1); the paper uses 0.05")
-        self.warmup = warmup
-        self.tol = tol
+    def __init__(self, warmup: int, tol: float, who: str = "CosineTrace") -> None:
+        self.warmup, self.tol = summary_settings(who, warmup, tol)
         self.values: list[float] = []
 
     def append(self, c: float) -> None:

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from gacbench.callbacks._common import (
     CosineTrace,
+    StepGuard,
     agree,
     check_automatic_optimization,
     check_no_replicated_shards,
@@ -36,6 +37,7 @@ from gacbench.callbacks._common import (
 from gacbench.functional.alignment import alignment_scalars, reference_cosine
 from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
 from gacbench.functional.gac import parse_dtype
+from gacbench.functional.settings import summary_settings
 from gacbench.functional.step_gac import StepGAC
 
 
@@ -69,17 +71,18 @@ class AlignmentMonitor(Callback):
 
     def __init__(self, warmup: int = 50, tol: float = 0.05, buffer_dtype: torch.dtype | None = None,
                  step_cos: bool = False) -> None:
-        self.warmup, self.tol = warmup, tol
+        self.warmup, self.tol = summary_settings("AlignmentMonitor", warmup, tol)
         self.step_cos = step_cos
         self.step_passive = not step_cos
         self._hook = None
         self.buffer_dtype = parse_dtype("AlignmentMonitor", buffer_dtype)
         self.passive = False
+        self._guard = StepGuard("AlignmentMonitor")
         self._reset()
 
     def _reset(self) -> None:
         """No previous gradient, trace or summary: each fit starts fresh (a resume loads its state after ``setup``)."""
-        self.trace = CosineTrace(self.warmup, self.tol)
+        self.trace = CosineTrace(self.warmup, self.tol, "AlignmentMonitor")
         self._steps = StepGAC(apply=False)
         self.has_prev = False
         self.summary: dict[str, float] = {}
@@ -103,6 +106,7 @@ class AlignmentMonitor(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "AlignmentMonitor")
+        self._guard.start(trainer)
         check_no_replicated_shards(self._params, "AlignmentMonitor")
         self._names = parameter_names(pl_module, self._params)
         check_parameters(self._params, "AlignmentMonitor", self._names)
@@ -118,6 +122,7 @@ class AlignmentMonitor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        self._guard.check(trainer, optimizer)
         if self.passive:
             return
         params = self._params

@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from gacbench.callbacks._common import log_metrics, optimizer_params
+from gacbench.callbacks._common import StepGuard, log_metrics, optimizer_params
 from gacbench.functional.alignment import sq_norm
 from gacbench.functional.stepsize import eta_max
 
@@ -67,6 +67,7 @@ class AssumptionMonitor(Callback):
         self._prev_theta: list[torch.Tensor] | None = None
         self._applied_norm: float | None = None  # ||g|| the optimizer applied at the step before a measurement
         self._applied_at = -1  # the global step after which it was read
+        self._guard = StepGuard("AssumptionMonitor", once=False)
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -98,6 +99,7 @@ class AssumptionMonitor(Callback):
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._params = optimizer_params(trainer, "AssumptionMonitor")
+        self._guard.start(trainer)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
@@ -138,6 +140,7 @@ class AssumptionMonitor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._guard.check(trainer, optimizer)
         # the realised lag of this step: StalenessSimulator logs it in on_train_batch_start, a stale-rollout
         # module in training_step, both before this hook
         lag = trainer.callback_metrics.get("stale/lag")

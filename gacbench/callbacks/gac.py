@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from gacbench.callbacks._common import (
     CosineTrace,
+    StepGuard,
     agree,
     check_automatic_optimization,
     check_no_replicated_shards,
@@ -201,7 +202,8 @@ class GAC(Callback):
         if self.step_transform is not None:
             t = self.transform
             self.step_transform = StepGAC(t.c_low, t.c_high, t.high_mode, t.shrink)
-        self.trace = CosineTrace(self.config.warmup, self.config.tol)
+        self.trace = CosineTrace(self.config.warmup, self.config.tol, "GAC")
+        self._guard = StepGuard("GAC")
         self.steps = self.changed = self.skipped = self.bad = self.zero = 0
         self.summary: dict[str, float] = {}
 
@@ -267,6 +269,7 @@ class GAC(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._params = optimizer_params(trainer, "GAC")  # fixed for the fit: not re-collected every step
+        self._guard.start(trainer)
         check_no_replicated_shards(self._params, "GAC")
         # fixed for the fit as well: whether the reference may alias p.grad on kept steps, and whether the
         # fused-adamw path may take the optimizer's step inside this hook: not when a callback listed after GAC
@@ -333,6 +336,7 @@ class GAC(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
+        self._guard.check(trainer, optimizer)
         if self.step_transform is not None:  # target="step" acts after the optimizer's step (_after_step)
             self._check_gradient(trainer)
             return

@@ -12,6 +12,7 @@ BatchNorm statistics) are not delayed.
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from typing import Any, Sequence
 
@@ -23,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gacbench.callbacks._common import (
+    StepGuard,
     check_automatic_optimization,
     check_strategy,
     load_tensor,
@@ -54,12 +56,12 @@ class StalenessSimulator(Callback):
     """Delay every gradient by s_t optimizer steps (docs/design.md, delayed-gradient mode).
 
     Args:
-        staleness: the bound s >= 0; 0 makes the callback a no-op.
+        staleness: the bound s >= 0; 0 makes the callback the identity (it logs s_t = 0).
         schedule: ``"fixed"`` (s_t = min(s, t)), ``"uniform"`` (s_t uniform on 0..min(s, t),
             seeded), or ``"trace"`` (replay ``trace``, a list of lags each in 0..s).
         seed: seed of the ``"uniform"`` schedule; the same on every rank, and s_t is also
             broadcast from rank 0, so all DDP ranks use the same delay.
-        trace: the lag sequence of ``schedule="trace"``.
+        trace: the lag sequence of ``schedule="trace"``: integers (Python or numpy), each in 0..s.
 
     Memory: s + 1 copies of the optimized parameters (on their device), each parameter in its own
     dtype (a model of bfloat16 and float32 parameters is restored bit for bit). List this callback
@@ -68,7 +70,7 @@ class StalenessSimulator(Callback):
     Each fit starts at t = 0 (its ``setup``; a resume then loads the checkpoint's state), and a fit that ends
     inside an accumulation window leaves the model at theta_t.
 
-    Logs ``stale/lag`` (s_t) every step into ``trainer.callback_metrics`` (and to the loggers every
+    Logs ``stale/lag`` (s_t) every optimizer step into ``trainer.callback_metrics`` (and to the loggers every
     ``log_every_n_steps``). Declares ``swaps_parameters`` (True when s > 0): between
     ``on_train_batch_start`` and ``on_before_optimizer_step`` the parameters hold a stale iterate.
     """
@@ -85,13 +87,18 @@ class StalenessSimulator(Callback):
         if schedule not in SCHEDULES:
             choices = ", ".join(map(repr, SCHEDULES))
             raise ValueError(f"StalenessSimulator: schedule={schedule!r} is not one of {choices}")
-        trace = list(trace or [])
+        trace = [] if trace is None else list(trace)
         if schedule == "trace":
             if not trace:
                 raise ValueError("StalenessSimulator: schedule='trace' needs trace=[s_0, s_1, ...]")
-            bad = [v for v in trace if not 0 <= int(v) <= staleness]
+            for i, v in enumerate(trace):
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, np.integer)):
+                    raise TypeError(f"StalenessSimulator: trace[{i}]={v!r} must be an integer number of optimizer "
+                                    f"steps in 0..staleness={staleness}")
+            bad = [int(v) for v in trace if not 0 <= int(v) <= staleness]
             if bad:
                 raise ValueError(f"StalenessSimulator: trace values {bad[:5]} are outside 0..staleness={staleness}")
+            trace = [int(v) for v in trace]
         elif trace:
             raise ValueError(f"StalenessSimulator: trace is only used with schedule='trace', not {schedule!r}")
         self.staleness, self.schedule, self.seed, self.trace = int(staleness), schedule, int(seed), trace
@@ -105,6 +112,7 @@ class StalenessSimulator(Callback):
         self._in_window = False  # s_t has been drawn for the current optimizer step
         self._newest = -1  # the step t whose iterate is the newest in the history
         self._pending: list[torch.Tensor] | None = None
+        self._guard = StepGuard("StalenessSimulator")
 
     @property
     @override
@@ -153,14 +161,18 @@ class StalenessSimulator(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.staleness:
             self._params = optimizer_params(trainer, "StalenessSimulator")  # fixed for the fit
+            self._guard.start(trainer)
             check_parameters(self._params, "StalenessSimulator", parameter_names(pl_module, self._params),
                              complex_ok=True)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        if self.staleness == 0 or self._in_window:
-            return  # s = 0 is the identity; later micro-batches of a window reuse the first one's s_t and iterate
+        if self._in_window:
+            return  # later micro-batches of a window reuse the first one's s_t and iterate
         self._in_window = True
+        if self.staleness == 0:  # the identity: s_t = 0
+            log_metrics(trainer, {"stale/lag": 0.0})
+            return
         self._record_current()
         lag = staleness_schedule(self.schedule, self.staleness, self.step, self._rng, self.trace)
         lag = min(self._broadcast(trainer, lag), len(self._history) - 1)
@@ -172,10 +184,11 @@ class StalenessSimulator(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._in_window = False
         if self.staleness == 0:
             return
+        self._guard.check(trainer, optimizer)
         self._restore()
-        self._in_window = False
         self.step += 1
 
     # Validation or a checkpoint can fall inside an accumulation window: both see theta_t.

@@ -53,13 +53,7 @@ class GACSettings:
         parse_dtype("GAC", self.buffer_dtype)
         check_choice("GAC", "on_bad_grad", self.on_bad_grad, ON_BAD_GRAD)
         check_choice("GAC", "on_zero_grad", self.on_zero_grad, ON_ZERO_GRAD)
-        warmup = plain_number(self.warmup)
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"GAC: warmup={self.warmup!r} must be a non-negative integer (steps excluded from the "
-                             "summary)")
-        tol = _number(self.tol)
-        if not (tol is not None and 0.0 < tol < 1.0):
-            raise ValueError(f"GAC: tol={self.tol!r} must be in (0, 1); the paper uses 0.05")
+        warmup, tol = summary_settings("GAC", self.warmup, self.tol)
         check_choice("GAC", "kernels", self.kernels, KERNEL_CHOICES)
         for name, value in (("c_low", c_low), ("c_high", c_high), ("ema_decay", float(ema_decay)),
                             ("warmup", warmup), ("tol", float(tol))):
@@ -81,6 +75,19 @@ class GACSettings:
         """The :class:`GACTransform` these settings describe."""
         return GACTransform(self.c_low, self.c_high, self.high_mode, self.reference, self.ema_decay, self.shrink,
                             self.buffer_dtype, self.kernels)
+
+
+def summary_settings(who: str, warmup: Any, tol: Any) -> tuple[int, float]:
+    """The alignment summary's ``warmup`` (a non-negative integer: steps excluded from the summary) and ``tol`` (in
+    (0, 1)) as plain Python numbers, for every callback and hook that keeps a c_t trace; a ``ValueError`` naming
+    ``who`` and the bad value otherwise. Either may be given as any real number (a numpy scalar, a 0-d tensor)."""
+    plain = plain_number(warmup)
+    if not isinstance(plain, int) or plain < 0:
+        raise ValueError(f"{who}: warmup={warmup!r} must be a non-negative integer (steps excluded from the summary)")
+    level = _number(tol)
+    if not (level is not None and 0.0 < level < 1.0):
+        raise ValueError(f"{who}: tol={tol!r} must be in (0, 1); the paper uses 0.05")
+    return plain, float(level)
 
 
 def _number(x: Any) -> int | float | None:
