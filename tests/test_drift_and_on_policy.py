@@ -223,3 +223,17 @@ def test_the_curve_figures_get_an_on_policy_column_and_a_drift_figure(tmp_path):
     assert {"fig_drift_q.png", "fig_cos_methods_q.png"} <= names
     assert on_policy_panel(cells) and not on_policy_panel([c for c in cells if c["staleness"] > 0 or
                                                            c["method"] == "sync"])
+
+
+def test_the_cost_table_on_the_training_reward_says_that_it_holds_the_lag():
+    """A run at s logs the reward of theta_{t-s}: on the training reward a stabilizer that removes staleness's harm
+    still has a cost (s versions of its own curve), which the table says; on the final metric it does not apply."""
+    from gacbench.bench.tables import _cost_table
+
+    row = {"task": "a", "method": "gac", "staleness": 16, "cost": 0.1, "cost_ci_low": 0.0, "cost_ci_high": 0.2,
+           "cost_p": 0.04, "cost_p_adj": 0.04, "n": 3, "stale_cost": 0.2, "stale_cost_ci_low": 0.1,
+           "stale_cost_ci_high": 0.3, "stale_n": 3}
+    reward = "\n".join(_cost_table("training reward (last 20% of steps)", [row]))
+    final = "\n".join(_cost_table("final metric", [row]))
+    assert "s policy versions of measurement lag" in reward and "(0 only where the reward has stopped rising)" in reward
+    assert "measurement lag" not in final and "has cost 0 while sync − stale stays." in final

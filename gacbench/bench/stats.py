@@ -396,7 +396,8 @@ def staleness_costs(groups: list[dict], cells: list[dict], key: str = "final") -
     ``cost`` = m at s = 0 minus m at s (signed so that > 0 means staleness hurts; ``cost_ci_low/high``, ``cost_p``,
     ``n``) and ``stale_cost`` = sync minus stale at s (``stale_cost_ci_low/high``, ``stale_n``). A stabilizer that
     removes staleness's harm has cost 0 while stale_cost stays; one that only moves the on-policy run has cost
-    equal to stale_cost."""
+    equal to stale_cost. On the training reward (``reward_last``) both also hold the lag of s policy versions (the
+    reward at s is θ_{t−s}'s), so there the first has the cost of s versions of its own learning curve."""
     mean = f"{key}_mean"
     seeds = per_seed(cells, key)
     have = {(g["task"], g["method"], g["staleness"]) for g in groups if mean in g and not g["ablation"]}

@@ -119,10 +119,14 @@ def _cost_table(measure: str, rows: list[dict]) -> list[str]:
     """What staleness costs each on-policy method against its own s = 0 run, beside sync − stale."""
     if not rows:
         return []
+    lag = (" On the training reward a run at s logs the reward of θ_{t−s}, so both columns also hold s policy "
+           "versions of measurement lag: there a method that removes staleness's harm has the cost of s versions of "
+           "its own learning curve (0 only where the reward has stopped rising); the reward by policy version reads "
+           "without that lag." if "reward" in measure else "")
     lines = ["", f"## What staleness costs a method against its own on-policy run, {measure}", "",
              "cost: the method at s = 0 minus the method at s, paired over seeds (> 0: staleness hurts), with its "
              "95% t-interval, p and p adj. (Holm within its family); beside it sync − stale at the same s. A method "
-             "that removes staleness's harm has cost 0 while sync − stale stays.", "",
+             f"that removes staleness's harm has cost 0 while sync − stale stays.{lag}", "",
              "| task | method | s | cost [95% CI] | p | p adj. | seeds | sync − stale [95% CI] | seeds |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -454,8 +458,8 @@ def _aligned_section(rows: list[dict]) -> list[str]:
              "reward's last 20% of steps compares sync's latest policies with stale's policies s versions older. "
              "Here each run's reward is indexed by the version of the policy that earned it (step − stale/lag, or "
              "eval/policy_reward, theta_t's own reward on held-out prompts, where every run logs it), and sync, "
-             "stale and the method are compared over the same window of versions: the last 20% of versions that "
-             "every run at that s has. This removes the lag of s versions from the comparison. Means over the seeds "
+             "stale and the method are compared over the same window of versions: the last W versions that every "
+             "sync and stale run at that s has, W = 20% of sync's versions. This removes the lag of s versions from the comparison. Means over the seeds "
              "all three ran; share interval: Fieller's; p adj.: Holm within its family.", "",
              "| task | s | method | measure | versions | sync | stale | method | share [95% CI] | p adj. | "
              "min. detectable share | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
