@@ -108,6 +108,27 @@ def test_two_stabilizers_with_one_name_are_refused_in_one_line_naming_both_packa
     assert all(p in line for p in packages)
 
 
+def test_a_plugin_with_a_methods_name_is_refused_naming_the_method(tmp_path):
+    """A method spec reads the methods' names first: a plug-in named gac-skip would never run (built-in GAC would
+    run, and be tabled, under it), so the name is refused in one line."""
+    site = tmp_path / "site"
+    _fake_dist(site, "shadowplugin", "gac-skip")
+    run = subprocess.run([sys.executable, "-m", "gacbench.cli", "stabilizers"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    (line,) = run.stderr.splitlines()
+    assert "stabilizer 'gac-skip' of package 'shadowplugin' (shadowplugin:Stab) has the name of a gacbench method" \
+        in line and "GAC skipping steps" in line and "rename the entry point" in line
+
+
+def test_a_plugin_whose_name_is_not_a_method_name_is_left_out_with_a_warning(plugins, monkeypatch):
+    bad = EntryPoint("geo.mask", "good_plugin:Good", ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [bad] if group == ENTRY_POINT_GROUP else [])
+    with pytest.warns(RuntimeWarning, match="'geo.mask'.*its entry-point name must match \\[a-z0-9\\]"):
+        found = available()
+    assert "geo.mask" not in found and set(found) == BUILTINS
+
+
 def test_the_registry_holds_every_builtin_whatever_else_is_installed():
     found = available()
     assert BUILTINS <= set(found)  # a subset: an installed third-party plug-in adds names

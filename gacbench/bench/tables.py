@@ -459,8 +459,9 @@ def _aligned_section(rows: list[dict]) -> list[str]:
              "Here each run's reward is indexed by the version of the policy that earned it (step − stale/lag, or "
              "eval/policy_reward, theta_t's own reward on held-out prompts, where every run logs it), and sync, "
              "stale and the method are compared over the same window of versions: the last W versions that every "
-             "sync and stale run at that s has, W = 20% of sync's versions. This removes the lag of s versions from the comparison. Means over the seeds "
-             "all three ran; share interval: Fieller's; p adj.: Holm within its family.", "",
+             "sync and stale run at that s has, W = 20% of sync's versions. This removes the lag of s versions from "
+             "the comparison. Means over the seeds all three ran; share interval: Fieller's; p adj.: Holm within its "
+             "family.", "",
              "| task | s | method | measure | versions | sync | stale | method | share [95% CI] | p adj. | "
              "min. detectable share | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

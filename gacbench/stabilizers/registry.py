@@ -7,6 +7,7 @@ available."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -15,6 +16,7 @@ from gacbench.usage import UsageError
 
 ENTRY_POINT_GROUP = "gacbench.stabilizers"
 KINDS = ("gradient", "loss")
+NAME_PATTERN = "[a-z0-9][a-z0-9_-]*"  # what a method spec reads as one name (no "+", which joins two)
 
 # entry point (name, value) -> the error it raised on load; each is warned about once per process
 _BROKEN: dict[tuple[str, str], str] = {}
@@ -44,6 +46,8 @@ def available() -> dict[str, dict[str, Any]]:
     default settings, False where the class declares nothing: :class:`gacbench.stabilizers.base.Stabilizer`); a
     name declared twice (a plug-in with a built-in's
     name, or two plug-ins with one name) is a UsageError naming both packages."""
+    from gacbench.methods import METHODS  # the methods' names, which a method spec reads before the stabilizers'
+
     found: dict[str, dict[str, Any]] = {}
     for name, cls in _builtins().items():
         found[name] = {"cls": cls, "source": "gacbench", "package": "gacbench (built in)"}
@@ -53,6 +57,14 @@ def available() -> dict[str, dict[str, Any]]:
             raise UsageError(f"stabilizer {ep.name!r} is declared twice (entry point group {ENTRY_POINT_GROUP}): by "
                              f"{first['package']} ({first['source']}) and by {_package(ep)} ({ep.value}); uninstall "
                              "one of the two packages, or rename the entry point in one package's pyproject.toml")
+        if ep.name in METHODS:
+            raise UsageError(f"stabilizer {ep.name!r} of {_package(ep)} ({ep.value}) has the name of a gacbench "
+                             f"method ({METHODS[ep.name].help.split('. ')[0].rstrip('.')}), which a method spec "
+                             "would run instead of it; rename the entry point in that package's pyproject.toml to a "
+                             "name that `gacbench methods` and `gacbench stabilizers` do not list")
+        if not re.fullmatch(NAME_PATTERN, ep.name):
+            _leave_out(ep, f"its entry-point name must match {NAME_PATTERN} to be a method name")
+            continue
         cls = _load(ep)
         if cls is not None and getattr(cls, "kind", None) not in KINDS:  # as a plug-in that fails to load
             _leave_out(ep, f"its class needs kind = 'gradient' or 'loss', got {getattr(cls, 'kind', None)!r}")
