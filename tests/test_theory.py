@@ -2,6 +2,7 @@
 within stated tolerances on objectives whose constants are known."""
 
 import json
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -27,6 +28,32 @@ def test_stability_threshold_matches_the_classical_formula():
 def test_stability_check_passes_on_a_subset():
     r = check_delayed_quadratic(svals=range(0, 5))
     assert r.ok, r.details
+
+
+def test_the_symbolic_half_tests_the_a_star_the_code_uses(monkeypatch):
+    true_a = dq.a_star
+    assert dq.a_star_matches_expr()
+    monkeypatch.setattr(dq, "a_star", lambda s: true_a(s) * (1.0 if s == 0 else 1.2))
+    assert not dq.a_star_matches_expr()
+    monkeypatch.undo()
+    # the sympy checks read a*(s) from a_star_expr: a wrong expression fails them
+    monkeypatch.setattr(dq, "a_star_expr", lambda s: 2 * sp.sin(sp.pi / (2 * (2 * sp.sympify(s) ** 2 + 2))))
+    assert not dq.symbolic_small_s()
+    assert not dq.symbolic_boundary_root()
+
+
+def test_a_wrong_a_star_fails_the_stability_check_instead_of_crashing(monkeypatch):
+    true_a = dq.a_star
+    # below the true limit from s = 2 on (equal at s = 0, 1): at 1.05 a* the recursion is still stable
+    monkeypatch.setattr(dq, "a_star", lambda s: 2.0 * math.sin(math.pi / (2.0 * (2 * s * s + 1))))
+    r = check_delayed_quadratic(svals=range(0, 4))
+    assert not r.symbolic_ok and not r.numeric_ok and not r.ok and r.violations >= 2
+    assert set(r.details["radius_without_growth"]) >= {"s2_at_1.05a*", "s4_at_1.1a*", "s8_at_1.1a*"}
+    assert all(v <= 1 for v in r.details["radius_without_growth"].values())
+    # above the true limit: the symbolic half fails as well as the numeric one
+    monkeypatch.setattr(dq, "a_star", lambda s: true_a(s) * (1.0 if s == 0 else 1.2))
+    r = check_delayed_quadratic(svals=range(0, 3))
+    assert not r.symbolic_ok and not r.numeric_ok and r.violations >= 1
 
 
 def test_stationary_cosine_formula_against_a_direct_simulation():
