@@ -3,6 +3,7 @@ within stated tolerances on objectives whose constants are known."""
 
 import json
 import math
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -119,10 +120,19 @@ def test_eta_max_solves_the_step_size_condition():
         e = eta_max(L, s, d)
         assert L * e + L**2 * e**2 * s**2 == pytest.approx(1 - d)
         assert L * (e * 1.01) + L**2 * (e * 1.01) ** 2 * s**2 > 1 - d  # the largest such step
-    assert eta_max(1.0, 4, 1.0) == 0.0
-    with pytest.raises(ValueError, match="L=0"):
-        eta_max(0, 4)
+    assert eta_max(float("inf"), 4) == 0.0 and eta_max(float("inf"), 0) == 0.0  # an estimate of L gone to inf
     assert bounds.check_eta_max()  # the sympy root and the number a run uses agree
+
+
+@pytest.mark.parametrize("args,named", [
+    ((0, 4), "L=0"), ((-1.0, 4), "L=-1.0"), ((math.nan, 4), "L=nan"), (("1", 4), "L='1'"),
+    ((1.0, -1), "s=-1"), ((1.0, math.inf), "s=inf"), ((1.0, math.nan), "s=nan"), ((1.0, True), "s=True"),
+    ((1.0, 4, -0.5), "delta=-0.5"), ((1.0, 4, 1.0), "delta=1.0"), ((1.0, 4, 1.5), "delta=1.5"),
+    ((1.0, 4, math.nan), "delta=nan"), ((1.0, 4, math.inf), "delta=inf"),
+])
+def test_eta_max_refuses_arguments_outside_the_condition(args, named):
+    with pytest.raises(ValueError, match=re.escape(f"eta_max: {named} must be")):
+        eta_max(*args)
 
 
 @pytest.mark.slow
