@@ -2,6 +2,8 @@
 within stated tolerances on objectives whose constants are known."""
 
 import json
+import math
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -27,6 +29,32 @@ def test_stability_threshold_matches_the_classical_formula():
 def test_stability_check_passes_on_a_subset():
     r = check_delayed_quadratic(svals=range(0, 5))
     assert r.ok, r.details
+
+
+def test_the_symbolic_half_tests_the_a_star_the_code_uses(monkeypatch):
+    true_a = dq.a_star
+    assert dq.a_star_matches_expr()
+    monkeypatch.setattr(dq, "a_star", lambda s: true_a(s) * (1.0 if s == 0 else 1.2))
+    assert not dq.a_star_matches_expr()
+    monkeypatch.undo()
+    # the sympy checks read a*(s) from a_star_expr: a wrong expression fails them
+    monkeypatch.setattr(dq, "a_star_expr", lambda s: 2 * sp.sin(sp.pi / (2 * (2 * sp.sympify(s) ** 2 + 2))))
+    assert not dq.symbolic_small_s()
+    assert not dq.symbolic_boundary_root()
+
+
+def test_a_wrong_a_star_fails_the_stability_check_instead_of_crashing(monkeypatch):
+    true_a = dq.a_star
+    # below the true limit from s = 2 on (equal at s = 0, 1): at 1.05 a* the recursion is still stable
+    monkeypatch.setattr(dq, "a_star", lambda s: 2.0 * math.sin(math.pi / (2.0 * (2 * s * s + 1))))
+    r = check_delayed_quadratic(svals=range(0, 4))
+    assert not r.symbolic_ok and not r.numeric_ok and not r.ok and r.violations >= 2
+    assert set(r.details["radius_without_growth"]) >= {"s2_at_1.05a*", "s4_at_1.1a*", "s8_at_1.1a*"}
+    assert all(v <= 1 for v in r.details["radius_without_growth"].values())
+    # above the true limit: the symbolic half fails as well as the numeric one
+    monkeypatch.setattr(dq, "a_star", lambda s: true_a(s) * (1.0 if s == 0 else 1.2))
+    r = check_delayed_quadratic(svals=range(0, 3))
+    assert not r.symbolic_ok and not r.numeric_ok and r.violations >= 1
 
 
 def test_stationary_cosine_formula_against_a_direct_simulation():
@@ -92,10 +120,19 @@ def test_eta_max_solves_the_step_size_condition():
         e = eta_max(L, s, d)
         assert L * e + L**2 * e**2 * s**2 == pytest.approx(1 - d)
         assert L * (e * 1.01) + L**2 * (e * 1.01) ** 2 * s**2 > 1 - d  # the largest such step
-    assert eta_max(1.0, 4, 1.0) == 0.0
-    with pytest.raises(ValueError, match="L=0"):
-        eta_max(0, 4)
+    assert eta_max(float("inf"), 4) == 0.0 and eta_max(float("inf"), 0) == 0.0  # an estimate of L gone to inf
     assert bounds.check_eta_max()  # the sympy root and the number a run uses agree
+
+
+@pytest.mark.parametrize("args,named", [
+    ((0, 4), "L=0"), ((-1.0, 4), "L=-1.0"), ((math.nan, 4), "L=nan"), (("1", 4), "L='1'"),
+    ((1.0, -1), "s=-1"), ((1.0, math.inf), "s=inf"), ((1.0, math.nan), "s=nan"), ((1.0, True), "s=True"),
+    ((1.0, 4, -0.5), "delta=-0.5"), ((1.0, 4, 1.0), "delta=1.0"), ((1.0, 4, 1.5), "delta=1.5"),
+    ((1.0, 4, math.nan), "delta=nan"), ((1.0, 4, math.inf), "delta=inf"),
+])
+def test_eta_max_refuses_arguments_outside_the_condition(args, named):
+    with pytest.raises(ValueError, match=re.escape(f"eta_max: {named} must be")):
+        eta_max(*args)
 
 
 @pytest.mark.slow

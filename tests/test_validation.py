@@ -96,9 +96,17 @@ def test_the_grpo_constructor_runs_the_runners_check_before_loading_anything(mon
     ("sequence", "clip_high", math.inf, "SequencePolicy: clip_high=inf must be a finite number"),
     ("sequence", "clip_low", 1.5, "SequencePolicy: clip_low=1.5 must be a finite number in [0, 1)"),
     ("bandit", "clip_high", -0.3, "SoftmaxBandit: clip_high=-0.3 must be a finite number >= 0"),
-    ("quadratic", "seed", 1.5, "NoisyQuadratic: seed=1.5 must be an integer (it seeds torch's generator)"),
+    ("quadratic", "seed", 1.5, "NoisyQuadratic: seed=1.5 must be an integer in [0, 4294967295] (it seeds torch's"),
     ("mlp", "seed", "7", "MLPClassifier: seed='7' must be an integer"),
     ("sequence", "seed", True, "SequencePolicy: seed=True must be an integer"),
+    ("bandit", "seed", 2**45, "SoftmaxBandit: seed=35184372088832 must be an integer in [0, 4294967295]"),
+    ("sequence", "seed", -1, "SequencePolicy: seed=-1 must be an integer in [0, 4294967295]"),
+    ("quadratic", "init_scale", "3", "NoisyQuadratic: init_scale='3' must be a finite number >= 0"),
+    ("quadratic", "init_scale", -0.5, "NoisyQuadratic: init_scale=-0.5 must be a finite number >= 0"),
+    ("logistic", "scale", "3", "LogisticRegression: scale='3' must be a finite number > 0"),
+    ("logistic", "scale", 0.0, "LogisticRegression: scale=0.0 must be a finite number > 0"),
+    ("bandit", "scale", "x", "SoftmaxBandit: scale='x' must be a finite number > 0"),
+    ("bandit", "scale", -3.0, "SoftmaxBandit: scale=-3.0 must be a finite number > 0"),
     ("sequence", "shared_bias", "no", "SequencePolicy: shared_bias='no' must be true or false"),
 ])
 def test_each_synthetic_objective_and_the_runner_refuse_the_same_settings(name, key, value, message):
@@ -108,6 +116,26 @@ def test_each_synthetic_objective_and_the_runner_refuse_the_same_settings(name, 
     with pytest.raises(SettingError) as cell:
         cls(**{key: value})
     assert str(cell.value) == str(runner.value) and runner.value.key == key
+
+
+def test_the_largest_seed_runs_and_its_rollout_seeds_fit_torchs_generator():
+    import lightning.pytorch as pl
+    import torch
+
+    from gacbench.objectives import SequencePolicy, SoftmaxBandit
+    from gacbench.objectives.base import SEED_MAX, rollout_seed
+
+    for cls in (SoftmaxBandit, SequencePolicy):
+        model = cls(seed=SEED_MAX, steps=3, staleness=1)
+        pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False).fit(model)
+        assert math.isfinite(model.metric())
+    for version in (0, 10**17, 10**30):  # any version a run could reach, and beyond
+        torch.Generator().manual_seed(rollout_seed(SEED_MAX, version, 7))
+    # below 2**64 the rollout seed is the number itself: seeds 0..1000 draw the streams they always drew
+    for seed in range(1001):
+        for version, salt in ((0, 0), (299, 3), (10**6, 1)):
+            assert rollout_seed(seed, version, salt) == seed * 1_000_003 + version * 101 + salt
 
 
 @pytest.mark.parametrize("param,expected", [

@@ -26,6 +26,7 @@ from gacbench.bench.cell import engine_key, flat_params, is_path_component
 from gacbench.bench.theta0 import check_suite_theta0
 from gacbench.methods import canonical_method, method_callbacks, parse_method, split_top_level
 from gacbench.objectives import is_registered, objective_class, registered_objectives
+from gacbench.objectives.base import SEED_MAX
 from gacbench.usage import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,6 @@ def _component(task: Any) -> str:
     return name or "task"
 
 
-SEED_MAX = 2**32 - 1  # the seeds numpy (hence Lightning's seed_everything) accepts: 0..2**32 - 1
 EXAMPLES = {"--methods": "sync,stale,gac", "--staleness": "0,8,16", "--seeds": "0,1,2", "--tasks": "quadratic,bandit"}
 
 

@@ -19,7 +19,14 @@ from typing import Any, Mapping
 
 import torch
 
-from gacbench.objectives.base import Objective, check_policy_settings, check_range, given_settings, step_loader
+from gacbench.objectives.base import (
+    Objective,
+    check_policy_settings,
+    check_range,
+    given_settings,
+    rollout_seed,
+    step_loader,
+)
 from gacbench.rollout.advantages import advantage_fn
 from gacbench.rollout.queue import StaleRolloutQueue
 from gacbench.stabilizers.base import PolicyBatch, policy_loss, resolve_loss_stabilizer
@@ -49,13 +56,16 @@ class SoftmaxBandit(Objective):
 
     @classmethod
     def check_settings(cls, params: Mapping[str, Any]) -> None:
-        """dim and actions >= 1, the rollout settings (:func:`~gacbench.objectives.base.check_policy_settings`) and
-        the checks of every objective."""
+        """dim and actions >= 1, scale > 0, the rollout settings
+        (:func:`~gacbench.objectives.base.check_policy_settings`) and the checks of every objective."""
         super().check_settings(params)
         check_policy_settings(cls.__name__, params)
         for key in ("dim", "actions"):
             if key in params:
                 check_range(cls.__name__, key, params[key], 1, integer=True)
+        if "scale" in params:
+            check_range(cls.__name__, "scale", params["scale"], 0, lo_open=True,
+                        why="the reward logits' scale; at 0 every action is rewarded with probability 1/2")
 
     def log_probs(self, ctx: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.x[ctx] @ self.W, dim=-1)  # (P, A)
@@ -63,7 +73,7 @@ class SoftmaxBandit(Objective):
     @torch.no_grad()
     def rollout(self, ctx: torch.Tensor, version: int, salt: int = 0) -> dict[str, Any]:
         """Sample ``group`` actions per context from the current policy; seeded by (seed, version, salt)."""
-        gen = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + version * 101 + salt)
+        gen = torch.Generator().manual_seed(rollout_seed(self.hparams.seed, version, salt))
         logp = self.log_probs(ctx)
         actions = torch.multinomial(logp.exp(), self.hparams.group, replacement=True, generator=gen)  # (P, G)
         rewards = (torch.rand(actions.shape, generator=gen) < self.p_reward[ctx.unsqueeze(-1), actions]).float()

@@ -13,6 +13,16 @@ import torch
 from gacbench.usage import UsageError
 
 OPTIMIZERS = ("sgd", "adamw")
+SEED_MAX = 2**32 - 1  # the seeds numpy (hence Lightning's seed_everything) accepts: 0..2**32 - 1
+GENERATOR_SEEDS = 2**64  # torch.Generator.manual_seed takes 0..2**64 - 1
+
+
+def rollout_seed(seed: int, version: int, salt: int = 0) -> int:
+    """The generator seed of a rollout objective's rollout drawn by policy ``version`` (``salt`` tells a step's
+    rollouts apart): seed * 1_000_003 + version * 101 + salt, modulo 2**64 so that torch's generator takes it
+    for any version. Below 2**64 (every seed up to :data:`SEED_MAX` with any version below about 10**17) the
+    modulo leaves the number as it is."""
+    return (seed * 1_000_003 + version * 101 + salt) % GENERATOR_SEEDS
 
 
 class SettingError(UsageError):
@@ -42,12 +52,13 @@ def check_range(owner: str, key: str, value: Any, lo: float | None = None, hi: f
     if ok:
         return
     kind = "an integer" if integer else "a finite number"
+    show = lambda v: str(v) if isinstance(v, int) else f"{v:g}"  # noqa: E731  (an integer bound in full)
     if lo is not None and hi is not None:
-        bound = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        bound = f" in {'(' if lo_open else '['}{show(lo)}, {show(hi)}{')' if hi_open else ']'}"
     elif lo is not None:
-        bound = f" {'>' if lo_open else '>='} {lo:g}"
+        bound = f" {'>' if lo_open else '>='} {show(lo)}"
     elif hi is not None:
-        bound = f" {'<' if hi_open else '<='} {hi:g}"
+        bound = f" {'<' if hi_open else '<='} {show(hi)}"
     else:
         bound = ""
     raise SettingError(f"{owner}: {key}={value!r} must be {kind}{bound}{f' ({why})' if why else ''}", key, value)
@@ -141,13 +152,14 @@ class Objective(pl.LightningModule):
         accepted, for any of the constructor arguments ``params`` that the constructor would refuse; keys this
         objective does not know are left to the caller. Cheap (no data, model or engine is built): the bench runner
         calls it for every task before running any cell, and each constructor calls its own class's, so the two
-        cannot disagree. Here: every number finite, ``seed`` an integer, ``lr`` > 0, ``steps`` and ``eval_every``
-        >= 1, ``optimizer`` one of :data:`OPTIMIZERS`; subclasses add their own checks after
-        ``super().check_settings(params)``."""
+        cannot disagree. Here: every number finite, ``seed`` an integer in [0, :data:`SEED_MAX`], ``lr`` > 0,
+        ``steps`` and ``eval_every`` >= 1, ``optimizer`` one of :data:`OPTIMIZERS`; subclasses add their own checks
+        after ``super().check_settings(params)``."""
         owner = cls.__name__
         check_finite(owner, params)
         if "seed" in params:
-            check_range(owner, "seed", params["seed"], integer=True, why="it seeds torch's generator")
+            check_range(owner, "seed", params["seed"], 0, SEED_MAX, integer=True,
+                        why="it seeds torch's generator, and a bench cell's seed_everything, which takes 0..2**32 - 1")
         for key in ("steps", "eval_every"):
             if key in params:
                 check_range(owner, key, params[key], 1, integer=True)

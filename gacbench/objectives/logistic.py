@@ -36,11 +36,14 @@ class LogisticRegression(Objective):
 
     @classmethod
     def check_settings(cls, params: Mapping[str, Any]) -> None:
-        """n >= 2, dim and batch_size >= 1, l2 >= 0, and the checks of every objective."""
+        """n >= 2, dim and batch_size >= 1, l2 >= 0, scale > 0, and the checks of every objective."""
         super().check_settings(params)
         for key, lo, integer in (("n", 2, True), ("dim", 1, True), ("batch_size", 1, True), ("l2", 0, False)):
             if key in params:
                 check_range(cls.__name__, key, params[key], lo, integer=integer)
+        if "scale" in params:
+            check_range(cls.__name__, "scale", params["scale"], 0, lo_open=True,
+                        why="the features' scale; at 0 every feature is zero and the labels are coin flips")
 
     def objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.softplus(-y * (x @ self.w)).mean() + 0.5 * self.hparams.l2 * (self.w * self.w).sum()

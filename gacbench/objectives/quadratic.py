@@ -43,13 +43,17 @@ class NoisyQuadratic(Objective):
 
     @classmethod
     def check_settings(cls, params: Mapping[str, Any]) -> None:
-        """dim >= 1, L > 0, kappa >= 1 (1 at dim = 1), sigma2 >= 0, and the checks of every objective."""
+        """dim >= 1, L > 0, kappa >= 1 (1 at dim = 1), sigma2 >= 0, init_scale >= 0, and the checks of every
+        objective."""
         super().check_settings(params)
         owner = cls.__name__
         for key, lo, lo_open, integer in (("dim", 1, False, True), ("L", 0, True, False), ("kappa", 1, False, False),
                                           ("sigma2", 0, False, False)):
             if key in params:
                 check_range(owner, key, params[key], lo, lo_open=lo_open, integer=integer)
+        if "init_scale" in params:
+            check_range(owner, "init_scale", params["init_scale"], 0,
+                        why="theta_0 = theta* + init_scale N(0, I); 0 starts at the optimum")
         if params.get("dim") == 1 and params.get("kappa", 100.0) != 1:
             key = "kappa" if "kappa" in params else "dim"
             raise SettingError(f"{owner}: dim=1 has one curvature, L, so its condition number is 1, not kappa="

@@ -46,6 +46,7 @@ from gacbench.objectives.base import (
     check_range,
     given_settings,
     make_optimizer,
+    rollout_seed,
     step_loader,
 )
 from gacbench.rollout.advantages import advantage_fn
@@ -113,7 +114,7 @@ class SequencePolicy(Objective):
     def rollout(self, ctx: torch.Tensor, version: int, salt: int = 0) -> dict[str, Any]:
         """``group`` sequences per context from the current policy, seeded by (seed, version, salt)."""
         hp = self.hparams
-        gen = torch.Generator().manual_seed(hp.seed * 1_000_003 + version * 101 + salt)
+        gen = torch.Generator().manual_seed(rollout_seed(hp.seed, version, salt))
         c = ctx.repeat_interleave(hp.group)
         y = torch.zeros(c.shape[0], hp.length, dtype=torch.long)
         prev = torch.full((c.shape[0],), hp.vocab, dtype=torch.long)

@@ -9,7 +9,8 @@ Theorem (result 2, delayed SGD). If L eta + L^2 eta^2 s^2 <= 1, then
 Theorem (result 3, GAC). If every applied gradient satisfies ||g_t - g~_t|| <= delta ||g_t|| with
 delta < 1 (GAC with shrink="component": delta = c_high - c_low while no step reaches c_high; with
 shrink="cosine" the removed fraction is larger, up to c_high - c_low sqrt((1 - c_high^2) / (1 - c_low^2)); in
-general delta = max_t k_t c_t)
+general delta = max_t (1 - k_t) c_t, with k_t the kept fraction of step t's aligned component (gac_kept_fraction;
+k_t = 1 when keeping, 0 when projecting))
 and ||g~_t|| <= ||g_t|| (GAC only removes a component: the proof's step 4 keeps its form), and
 L eta + L^2 eta^2 s^2 <= 1 - delta, then
     G <= [2 Delta / (eta T) + (delta + L eta + L^2 eta^2 s^2) sigma^2] / (1 - delta).

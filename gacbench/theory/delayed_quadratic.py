@@ -16,8 +16,20 @@ import sympy as sp
 from scipy.linalg import solve_discrete_lyapunov
 
 
+def a_star_expr(s) -> sp.Expr:
+    """a*(s) = 2 sin(pi / (2 (2 s + 1))) as a sympy expression (``s`` an integer or a sympy symbol): the form the
+    symbolic checks test, and :func:`a_star` must equal (:func:`a_star_matches_expr`)."""
+    return 2 * sp.sin(sp.pi / (2 * (2 * sp.sympify(s) + 1)))
+
+
 def a_star(s: int) -> float:
+    """a*(s) as a float, the number the numeric checks and the figures use."""
     return 2.0 * math.sin(math.pi / (2.0 * (2 * s + 1)))
+
+
+def a_star_matches_expr(svals=range(0, 33), rel: float = 1e-12) -> bool:
+    """The float :func:`a_star` equals the sympy :func:`a_star_expr` at every s in ``svals`` (to ``rel``, rounding)."""
+    return all(math.isclose(a_star(s), float(a_star_expr(s)), rel_tol=rel) for s in svals)
 
 
 def spectral_radius(a: float, s: int) -> float:
@@ -30,24 +42,27 @@ def spectral_radius(a: float, s: int) -> float:
 
 
 def symbolic_boundary_root() -> bool:
-    """sympy, for symbolic s: z = exp(i pi / (2s+1)) is a root of p at a = a*(s) (the unit-circle crossing)."""
+    """sympy, for symbolic s: z = exp(i pi / (2s+1)) is a root of p at a = a*(s), so that a*(s) puts a root on the
+    unit circle. That it is the first such a (the smallest, where stability is lost) is not shown here: the same
+    identity holds at later crossings (theta = 5 pi / (2s+1)); :func:`crossing` finds the first numerically."""
     s = sp.symbols("s", positive=True, integer=True)
     z = sp.exp(sp.I * sp.pi / (2 * s + 1))
-    a = 2 * sp.sin(sp.pi / (2 * (2 * s + 1)))
+    a = a_star_expr(s)
     return sp.simplify((z**s * (z - 1) + a).rewrite(sp.exp)) == 0
 
 
 def symbolic_small_s() -> bool:
-    """sympy: the exact stability region for s = 0 (|1 - a| < 1) and s = 1 (Jury: a < 1) matches a*(s)."""
+    """sympy: the exact stability region for s = 0 (|1 - a| < 1) and s = 1 (Jury: a < 1) is (0, a*(s)), a*(s) read
+    from :func:`a_star_expr`."""
     a = sp.symbols("a", positive=True)
     region0 = sp.solve_univariate_inequality(sp.Abs(1 - a) < 1, a, relational=False)
-    ok0 = sp.nsimplify(a_star(0)) == 2 and region0 == sp.Interval.open(0, 2)
+    ok0 = region0 == sp.Interval.open(0, sp.simplify(a_star_expr(0)))
     # s = 1: z^2 - z + a. Jury/Schur-Cohn for z^2 + b z + c: stable iff |c| < 1 and |b| < 1 + c; here b = -1, c = a.
     b, c = -1, a
     region = sp.solve_univariate_inequality(sp.Abs(c) < 1, a, relational=False).intersect(
         sp.solve_univariate_inequality(sp.Abs(b) < 1 + c, a, relational=False)
     ).intersect(sp.Interval.open(0, sp.oo))  # a = eta lambda > 0
-    ok1 = region == sp.Interval.open(0, sp.simplify(2 * sp.sin(sp.pi / 6)))
+    ok1 = region == sp.Interval.open(0, sp.simplify(a_star_expr(1)))
     return bool(ok0 and ok1)
 
 
