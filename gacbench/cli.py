@@ -383,9 +383,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "stabilizers":
         import json
 
-        from gacbench.stabilizers.registry import available
+        from gacbench.methods import stabilizers
 
-        stabs = available()
+        stabs = stabilizers()
         if args.json:
             print(json.dumps([{"name": n, "kind": i["kind"], "source": i["source"], "help": i["help"],
                                "on_policy_identity": i["on_policy_identity"]} for n, i in stabs.items()], indent=2))

@@ -31,6 +31,7 @@ from gacbench.callbacks._common import log_metrics
 from gacbench.functional.calibration import CAP, GAP, QUANTILE, calibration_record
 from gacbench.stabilizers.base import loss_stabilizers
 from gacbench.stabilizers.lr_scaled import StalenessLR
+from gacbench.usage import UsageError
 
 
 @dataclass(frozen=True)
@@ -285,14 +286,29 @@ def _setting(spec: str, key: str, source: str, node: ast.expr) -> Any:
     return value
 
 
-def method_settings(name: str) -> dict[str, Any]:
-    """The settings of the method or stabilizer ``name``, in order, with their defaults ({} when unknown)."""
+def stabilizers() -> dict[str, dict[str, Any]]:
+    """The stabilizer registry (:func:`gacbench.stabilizers.registry.available`), refusing a plug-in that has a
+    method's name: a method spec reads the methods' names first, so it would run the method (built-in GAC for
+    ``gac-skip``) and table it under the plug-in's name."""
     from gacbench.stabilizers import registry
 
+    found = registry.available()
+    for name, info in found.items():
+        if info["source"] != "gacbench" and name in METHODS:
+            raise UsageError(f"stabilizer {name!r} of {info['package']} ({info['source']}) has the name of a gacbench "
+                             f"method ({METHODS[name].help.split('. ')[0].rstrip('.')}), which a method spec would "
+                             "run instead of it; rename the entry point in that package's pyproject.toml to a name "
+                             "that `gacbench methods` and `gacbench stabilizers` do not list")
+    return found
+
+
+def method_settings(name: str) -> dict[str, Any]:
+    """The settings of the method or stabilizer ``name``, in order, with their defaults ({} when unknown)."""
+    stabs = stabilizers()
     if name in METHODS:
         method = METHODS[name]
         return dict(method.settings) if method.settings is not None else _signature_defaults(method.build)
-    stab = registry.available().get(name)
+    stab = stabs.get(name)
     return _signature_defaults(stab["cls"].__init__) if stab else {}
 
 
@@ -330,12 +346,10 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     a registered stabilizer (``m2po``, ``bapo(rho0=0.5)``), or several joined by ``+`` (``gac+m2po``):
     at most one loss-side stabilizer and one callback of each type, checked when the callbacks are built
     (:func:`method_callbacks`, which the bench runner calls for every method before anything runs)."""
-    from gacbench.stabilizers import registry
-
+    stabs = stabilizers()
     parts = _parts(spec)
     if len(parts) == 1 and parts[0][0] in METHODS:
         return METHODS[parts[0][0]], parts[0][1]
-    stabs = registry.available()
     for name, _ in parts:
         if name not in stabs and name not in METHODS:
             raise ValueError(f"unknown method {name!r}; methods: {', '.join(sorted(METHODS))}; "

@@ -46,8 +46,6 @@ def available() -> dict[str, dict[str, Any]]:
     default settings, False where the class declares nothing: :class:`gacbench.stabilizers.base.Stabilizer`); a
     name declared twice (a plug-in with a built-in's
     name, or two plug-ins with one name) is a UsageError naming both packages."""
-    from gacbench.methods import METHODS  # the methods' names, which a method spec reads before the stabilizers'
-
     found: dict[str, dict[str, Any]] = {}
     for name, cls in _builtins().items():
         found[name] = {"cls": cls, "source": "gacbench", "package": "gacbench (built in)"}
@@ -57,11 +55,6 @@ def available() -> dict[str, dict[str, Any]]:
             raise UsageError(f"stabilizer {ep.name!r} is declared twice (entry point group {ENTRY_POINT_GROUP}): by "
                              f"{first['package']} ({first['source']}) and by {_package(ep)} ({ep.value}); uninstall "
                              "one of the two packages, or rename the entry point in one package's pyproject.toml")
-        if ep.name in METHODS:
-            raise UsageError(f"stabilizer {ep.name!r} of {_package(ep)} ({ep.value}) has the name of a gacbench "
-                             f"method ({METHODS[ep.name].help.split('. ')[0].rstrip('.')}), which a method spec "
-                             "would run instead of it; rename the entry point in that package's pyproject.toml to a "
-                             "name that `gacbench methods` and `gacbench stabilizers` do not list")
         if not re.fullmatch(NAME_PATTERN, ep.name):
             _leave_out(ep, f"its entry-point name must match {NAME_PATTERN} to be a method name")
             continue
