@@ -206,6 +206,28 @@ def test_a_status_claiming_done_without_its_fields_is_not_done(tmp_path):
     assert run_cell(cell, tmp_path)["final"] is not None  # recomputed
 
 
+@pytest.mark.parametrize("steps_run", [None, "10", -1, True])
+def test_a_done_status_without_a_readable_steps_run_is_not_done(tmp_path, steps_run):
+    """steps_run says how complete metrics.csv must be: without it a metrics.csv cut after a few steps would pass
+    as a finished run (and its c_t and drift be summarised from the cut file)."""
+    from gacbench.bench.cell import done_problem, run_cell, stored_done
+    from gacbench.jsonio import read_json, write_json
+
+    cell = {"task": "q", "objective": "quadratic", "params": {}, "steps": 10, "method": "stale", "staleness": 2,
+            "seed": 0}
+    assert run_cell(cell, tmp_path)["status"] == "done"
+    d = cell_dir(tmp_path, cell)
+    status = read_json(d / "status.json")
+    if steps_run is None:
+        del status["steps_run"]
+    else:
+        status["steps_run"] = steps_run
+    write_json(d / "status.json", status)
+    lines = (d / "metrics.csv").read_text().splitlines(keepends=True)
+    (d / "metrics.csv").write_text("".join(lines[:4]))  # cut after a few steps
+    assert "steps_run" in done_problem(d, status) and stored_done(tmp_path, cell) is None
+
+
 def test_a_quadratic_started_at_its_optimum_settles_at_the_noise_floor_without_diverging(tmp_path):
     """From theta* (init_scale 0) SGD settles at a gap of order lr sigma2 above a start of 0: not a divergence; an
     exploding run still is."""

@@ -162,8 +162,8 @@ def cell_dir(root: Path, cell: dict) -> Path:
     return root / "cells" / cell["task"] / method / f"s{cell['staleness']}" / f"seed{cell['seed']}"
 
 
-#: The keys of a done cell's status.json that the summary reads.
-DONE_KEYS = ("initial", "final", "diverged", "metric", "higher_is_better")
+#: The keys of a done cell's status.json that the summary reads (``steps_run``: also how complete metrics.csv must be).
+DONE_KEYS = ("initial", "final", "diverged", "metric", "higher_is_better", "steps_run")
 
 
 def read_status(d: Path) -> tuple[dict | None, str | None]:
@@ -253,6 +253,9 @@ def done_problem(d: Path, status: dict) -> str | None:
     missing = [k for k in DONE_KEYS if k not in status]
     if missing:
         return f"{d / 'status.json'} says done but lacks {', '.join(missing)}"
+    steps_run = status["steps_run"]
+    if isinstance(steps_run, bool) or not isinstance(steps_run, int) or steps_run < 0:
+        return f"{d / 'status.json'} says done but its steps_run={steps_run!r} is not a number of steps"
     path = d / "config.json"
     try:
         config = read_json(path)
@@ -262,7 +265,7 @@ def done_problem(d: Path, status: dict) -> str | None:
         return f"{path} is not valid JSON ({_short(exc)})"
     if not isinstance(config, dict):
         return f"{path} holds a {type(config).__name__}, not a JSON object"
-    return metrics_problem(d / "metrics.csv", status.get("steps_run"))
+    return metrics_problem(d / "metrics.csv", steps_run)
 
 
 def stored_state(root: Path, cell: dict) -> tuple[dict | None, str | None]:

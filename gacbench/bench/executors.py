@@ -18,6 +18,7 @@ ended: the cells in flight stay unfinished and the next run recomputes them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -83,6 +84,19 @@ def check_stop() -> None:
     while it waits, so a stop whose raise was lost still ends the grid before its next cell."""
     if _stop_requested is not None:
         raise GridInterrupted(_stop_requested)
+
+
+@contextlib.contextmanager
+def signals_through_ray():
+    """Around Ray's calls that block (``ray.wait``, ``ray.get``): the runner's signal handler raises
+    :class:`GridInterrupted` in the main thread, and a Cython call of Ray running there turns that into a
+    ``SystemError`` ("returned a result with an exception set"). The handler has recorded the stop first
+    (:func:`request_stop`), so the stop is raised as itself."""
+    try:
+        yield
+    except SystemError:
+        check_stop()
+        raise
 
 
 def reference_calibration(root: Path, cell: dict) -> dict:
@@ -426,12 +440,14 @@ def run_ray(deps: Dependencies, root: Path, workers: int, threads: int, display:
         display.update(running=len(inflight))
         while inflight:
             check_stop()
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)  # a timeout lets a signal through
+            with signals_through_ray():
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)  # a timeout lets a signal through
             if not ready:
                 continue
             i, cell = inflight.pop(ready[0])
             try:
-                results.append(ray.get(ready[0]))
+                with signals_through_ray():
+                    results.append(ray.get(ready[0]))
             except ray.exceptions.RayActorError as exc:
                 results.append(_fail_without_running(root, cell, f"the Ray actor running this cell died: {exc}"))
                 actors[i] = actor_cls.remote(threads)
