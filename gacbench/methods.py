@@ -31,6 +31,7 @@ from gacbench.callbacks._common import log_metrics
 from gacbench.functional.calibration import CAP, GAP, QUANTILE, calibration_record
 from gacbench.stabilizers.base import loss_stabilizers
 from gacbench.stabilizers.lr_scaled import StalenessLR
+from gacbench.stabilizers.registry import NAME_PATTERN
 from gacbench.usage import UsageError
 
 
@@ -247,7 +248,7 @@ def split_top_level(spec: str, sep: str) -> list[str]:
 
 
 def _parse_one(spec: str) -> tuple[str, dict[str, Any]]:
-    m = re.fullmatch(r"\s*([A-Za-z0-9_-]+)\s*(?:\((.*)\))?\s*", spec)
+    m = re.fullmatch(rf"\s*({NAME_PATTERN})\s*(?:\((.*)\))?\s*", spec)
     if not m:
         raise ValueError(f"method spec {spec!r}: expected NAME or NAME(key=value,...), joined by '+'")
     name, args = m.group(1), m.group(2)

@@ -161,6 +161,23 @@ def test_assumption_monitor_estimates_known_constants():
     assert trainer.logger.last("assume/ok") == 1.0  # lr 0.01 is far below eta_max
 
 
+@pytest.mark.parametrize("delta,verdict", [(torch.tensor(0.1), 0.1), (0.25, 0.25), (1.0, None), (-0.1, None),
+                                           ("0.1", None), (True, None)])
+def test_assumption_monitor_takes_delta_as_a_number_in_the_conditions_range(delta, verdict):
+    """delta is read when the monitor is built, as the other settings are (a 0-d tensor is a number): a value the
+    step-size condition cannot take is refused there, not by eta_max midway through the fit."""
+    if verdict is None:
+        with pytest.raises(ValueError, match=r"AssumptionMonitor: delta=.* must be a number in \[0, 1\)"):
+            AssumptionMonitor(delta=delta)
+        return
+    am = AssumptionMonitor(every=2, delta=delta)
+    assert am.delta == pytest.approx(verdict) and type(am.delta) is float
+    model = NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=1.0, steps=8, lr=0.01, seed=0)
+    trainer = make_trainer([am], max_steps=8)
+    trainer.fit(model)
+    assert trainer.logger.last("assume/eta_max") > 0
+
+
 def test_assumption_monitor_flags_a_step_size_too_large():
     model = NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=1.0, steps=60, lr=0.5, seed=0)
     trainer = make_trainer([AssumptionMonitor(every=5), StalenessSimulator(16)], max_steps=60)

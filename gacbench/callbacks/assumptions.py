@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gacbench.callbacks._common import StepGuard, log_metrics, optimizer_params
-from gacbench.functional.alignment import sq_norm
+from gacbench.functional.alignment import plain_number, sq_norm
 from gacbench.functional.stepsize import eta_max
 
 
@@ -57,9 +57,11 @@ class AssumptionMonitor(Callback):
                  delta: float = 0.0) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"AssumptionMonitor: every={every!r} must be a positive integer")
-        if not 0.0 <= delta < 1.0:
-            raise ValueError(f"AssumptionMonitor: delta={delta!r} must be in [0, 1)")
-        self.every, self.loss_fn, self.delta = every, loss_fn, delta
+        plain = plain_number(delta)
+        if plain is None or not 0.0 <= plain < 1.0:
+            raise ValueError(f"AssumptionMonitor: delta={delta!r} must be a number in [0, 1) (GAC's bound on the "
+                             "removed fraction; 0 without GAC)")
+        self.every, self.loss_fn, self.delta = every, loss_fn, float(plain)
         self.L_hat = 0.0
         self.sigma2_samples: list[float] = []
         self.s_max = 0

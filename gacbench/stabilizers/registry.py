@@ -16,7 +16,7 @@ from gacbench.usage import UsageError
 
 ENTRY_POINT_GROUP = "gacbench.stabilizers"
 KINDS = ("gradient", "loss")
-NAME_PATTERN = "[a-z0-9][a-z0-9_-]*"  # what a method spec reads as one name (no "+", which joins two)
+NAME_PATTERN = "[A-Za-z0-9_-]+"  # what a method spec reads as one name (no "+", which joins two; gacbench.methods)
 
 # entry point (name, value) -> the error it raised on load; each is warned about once per process
 _BROKEN: dict[tuple[str, str], str] = {}
