@@ -47,7 +47,8 @@ def _signal_of(exc: BaseException) -> int | None:
 
 def run_interruptible(command: str, run, args, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> int:
     """``run(args)``, ended by one of ``signals`` with one line on stderr, ``{"complete": false, "command",
-    "signal"}`` written to ``args.json`` (when set), and exit status 128 + the signal (130, 143)."""
+    "signal"}`` written to ``args.json`` (when set; beside ``args.partial_result``, what the command finished,
+    where it keeps one), and exit status 128 + the signal (130, 143)."""
     try:
         with raise_on_signals(signals):
             return run(args)
@@ -65,7 +66,10 @@ def run_interruptible(command: str, run, args, signals: tuple[int, ...] = (signa
 
         from gacbench.jsonio import write_json
 
-        write_json(Path(json_path), {"complete": False, "command": command, "signal": name})
+        # what the command finished before the signal, where it keeps a partial result (gpu-check: its rows)
+        partial = getattr(args, "partial_result", None)
+        write_json(Path(json_path), {**(partial if isinstance(partial, dict) else {}), "complete": False,
+                                     "command": command, "signal": name})
         note = f"; {json_path} marked incomplete"
     print(f"gacbench {command}: interrupted ({name}) before it finished{note}", file=sys.stderr)
     return 128 + signum

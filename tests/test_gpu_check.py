@@ -1,6 +1,10 @@
 """``gacbench gpu-check --device cpu``: the table's rows, each check run at its cheapest."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -48,7 +52,7 @@ def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
     assert checks == ["gac eager", "overhead eager", "grpo sync (hf)", "grpo gac (hf)", "step-profile tiny-random",
                       "tests"]
     record = json.loads(out.read_text())
-    assert record["ok"] and record["environment"]["device"] == "cpu"
+    assert record["ok"] and record["complete"] and record["environment"]["device"] == "cpu"
     rows = {r["check"]: r for r in record["rows"]}
     assert rows["gac eager"]["actions"] == ["keep", "keep", "shrink", "project"]
     assert rows["grpo gac (hf)"]["steps"] == 2 and "s = 8" in rows["grpo gac (hf)"]["detail"]
@@ -64,6 +68,34 @@ def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
     assert prof["shape"] == "tiny-random" and prof["gradient_checkpointing"] and prof["logit_rows"] == 2
     assert prof["prompts"] * prof["group"] == 4 and len(prof["all_s"]["generate"]) == 2
     assert f"stale step {prof['stale_step_s']:.2f} s" in rows["step-profile tiny-random"]["detail"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_gpu_check_ended_by_a_time_limit_keeps_its_finished_rows(tmp_path):
+    """The JSON is rewritten after every row (complete: false), and a SIGTERM (a time limit such as timeout's)
+    keeps the finished rows and their records beside the marker."""
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, "-m", "gacbench.cli", "gpu-check", "--device", "cpu", "--kernels", "eager", "--engines",
+           "hf", "--grpo-steps", "200", "--params", "200000", "--repeats", "1", "--skip-tests", "--json", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    seen = {}
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            seen = json.loads(out.read_text())
+        except (OSError, ValueError):
+            seen = {}
+        if len(seen.get("rows", [])) >= 2:  # the equivalence and overhead rows; the GRPO runs are under way
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None and seen["complete"] is False, seen
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stdout[-2000:]
+    record = json.loads(out.read_text())
+    assert record["complete"] is False and record["signal"] == "SIGTERM" and record["command"] == "gpu-check"
+    assert [r["check"] for r in record["rows"]][:2] == ["gac eager", "overhead eager"]
+    assert record["overhead_record"]["overhead eager"]["gac_case"] == "shrink"
 
 
 def test_gpu_check_bad_arguments_are_one_line(capsys):

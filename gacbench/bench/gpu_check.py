@@ -297,8 +297,10 @@ def table(env: dict, rows: list[dict]) -> str:
 def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = None, engines: tuple[str, ...] =
                   ("hf", "vllm"), grpo_steps: int | None = None, repeats: int | None = None, skip_tests: bool = False,
                   skip_overhead: bool = False, tests_timeout_s: float = 300.0, stream=None,
-                  params: int | None = None, tests: str | None = None, step_profile: bool = False) -> dict:
+                  params: int | None = None, tests: str | None = None, step_profile: bool = False,
+                  on_row=None) -> dict:
     """Run every check; returns ``{"environment": ..., "rows": [...], "ok": bool}`` (``ok``: no row failed).
+    ``on_row(environment, rows)``: called after every row, with the rows so far (the partial JSON file).
     Defaults by device: on CUDA 30 GRPO steps, 5 timed repeats and the fast tests, on the CPU 10, 3 and the
     core tests. ``step_profile``: also one GRPO step at a real shape (:func:`check_step_profile`)."""
     import torch
@@ -333,6 +335,8 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
             rows.append(row)
             mark = "ok" if row["ok"] else "skipped" if row["ok"] is None else "FAIL"
             progress.say(f"[{time.perf_counter() - t_start:5.0f} s] {row['check']}: {mark}  {row['detail']}")
+            if on_row is not None:
+                on_row(env, rows)
 
         def guarded(name: str, fn, *args) -> None:
             progress.doing(name)
@@ -374,23 +378,38 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
     return {"environment": env, "rows": rows, "ok": all(r["ok"] is not False for r in rows)}
 
 
+def payload(result: dict, complete: bool) -> dict:
+    """What ``--json`` holds: the result with each row's records taken out into ``overhead_record`` and
+    ``step_profile_record``, and ``complete`` (False while the checks run, or after a signal ended them)."""
+    rows = [{k: v for k, v in r.items() if k not in ("record", "profile")} for r in result["rows"]]
+    records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
+    profile = next((r["profile"] for r in result["rows"] if "profile" in r), None)
+    return json_safe({"complete": complete, **result, "rows": rows, "overhead_record": records,
+                      "step_profile_record": profile})
+
+
 def main(args) -> int:
     kernels = tuple(k.strip() for k in args.kernels.split(",")) if args.kernels else None
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+
+    def partial(env: dict, rows: list[dict]) -> None:
+        """After every row: the rows so far, in the JSON file and for the signal handler (a time limit's SIGTERM
+        keeps every finished row: gacbench.cli.run_interruptible)."""
+        args.partial_result = payload({"environment": env, "rows": rows,
+                                       "ok": all(r["ok"] is not False for r in rows)}, complete=False)
+        if args.json:
+            write_json(Path(args.json), args.partial_result)
+
     result = run_gpu_check(args.device, kernels, engines, args.grpo_steps, args.repeats, args.skip_tests,
                            args.skip_overhead, args.tests_timeout, params=args.params, tests=args.tests,
-                           step_profile=args.step_profile)
+                           step_profile=args.step_profile, on_row=partial)
     print(table(result["environment"], result["rows"]), flush=True)
     measured = [r["measured"] for r in result["rows"] if r.get("measured")]
     if measured:
         print("rows for MEASURED in gacbench/functional/kernels.py (kernels='auto' chooses from them):")
         print("\n".join(f"    {line}" for line in measured), flush=True)
     if args.json:
-        rows = [{k: v for k, v in r.items() if k not in ("record", "profile")} for r in result["rows"]]
-        records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
-        profile = next((r["profile"] for r in result["rows"] if "profile" in r), None)
-        write_json(Path(args.json), json_safe({**result, "rows": rows, "overhead_record": records,
-                                               "step_profile_record": profile}))
+        write_json(Path(args.json), payload(result, complete=True))
         print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
 
@@ -420,4 +439,6 @@ def add_arguments(p) -> None:
     p.add_argument("--skip-tests", action="store_true", help="leave out the tests")
     p.add_argument("--tests-timeout", type=float, default=300.0,
                    help="seconds the tests may take before their row fails (default 300)")
-    p.add_argument("--json", default=None, help="also write the table (and the overhead record) to this file")
+    p.add_argument("--json", default=None,
+                   help="also write the table (and the overhead and step-profile records) to this file, rewritten "
+                        "after every row with complete: false until the last")
