@@ -146,3 +146,19 @@ def test_gpu_check_refuses_an_unknown_test_set(capsys):
 
     with pytest.raises(UsageError, match="fast, core"):
         check_tests(1.0, "all")
+
+
+def test_a_path_that_fell_back_to_eager_fails_its_row_and_the_other_paths_are_still_timed(monkeypatch):
+    """A compile that failed earlier in the process leaves the eager path running under the compiled name: its
+    equivalence row fails naming that, it is not timed, and the eager path's overhead row still comes."""
+    from gacbench.bench.gpu_check import run_gpu_check
+    from gacbench.functional import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", ["RuntimeError: a compile that failed"])
+    result = run_gpu_check("cpu", ("eager", "compiled"), ("hf",), grpo_steps=0, repeats=1, skip_tests=True,
+                           params=200_000)
+    rows = {r["check"]: r for r in result["rows"]}
+    assert rows["gac eager"]["ok"] and not rows["gac compiled"]["ok"]
+    assert "torch.compile failed in this process" in rows["gac compiled"]["detail"]
+    assert not rows["overhead compiled"]["ok"] and rows["overhead compiled"]["detail"].startswith("not timed")
+    assert rows["overhead eager"]["ok"] and not result["ok"]

@@ -110,6 +110,19 @@ def _gac_run(kernel: str, dev, grads: list) -> tuple[list, list[float], list]:
     return actions, cosines, [p.detach().cpu() for p in ps]
 
 
+def path_problem(kernel: str, dev) -> str | None:
+    """Why the path ``kernel`` would not run as itself on ``dev`` (a compile or a Triton kernel that failed in this
+    process leaves the eager path running under its name), or None."""
+    from gacbench.functional import triton_kernels
+    from gacbench.functional.kernels import compiled_available
+
+    if kernel in ("compiled", "fused-adamw") and not compiled_available():
+        return "torch.compile failed in this process, so the eager path ran in its place"
+    if kernel == "triton":
+        return triton_kernels.device_problem(dev.type)
+    return None
+
+
 def check_gac_equivalence(kernel: str, dev, seed: int = 0) -> dict:
     """One row: ``kernel`` on ``dev`` against the eager path on the CPU."""
     import torch
@@ -125,10 +138,13 @@ def check_gac_equivalence(kernel: str, dev, seed: int = 0) -> dict:
     scale = max(float(p.abs().max()) for p in want_params)
     param_err = max(float((a - b).abs().max()) for a, b in zip(params, want_params)) / scale
     names = [ACTION_NAMES[a] for a in actions]
-    ok = actions == want_actions and cos_err <= COS_TOL and param_err <= PARAM_TOL and math.isnan(cosines[0])
+    fell_back = path_problem(kernel, dev)  # a path that fell back to eager matches eager: not a pass
+    ok = (actions == want_actions and cos_err <= COS_TOL and param_err <= PARAM_TOL and math.isnan(cosines[0])
+          and fell_back is None)
     detail = (f"actions {'/'.join(names)}" + ("" if actions == want_actions else
                                               f" (CPU eager: {'/'.join(ACTION_NAMES[a] for a in want_actions)})")
-              + f"; max |c_t - c_t(cpu)| {cos_err:.1e}; max param diff {param_err:.1e} of scale; {seconds:.1f} s")
+              + f"; max |c_t - c_t(cpu)| {cos_err:.1e}; max param diff {param_err:.1e} of scale; {seconds:.1f} s"
+              + (f"; {fell_back}" if fell_back else ""))
     return {"check": f"gac {kernel}", "ok": ok, "detail": detail,
             "actions": names, "cos_err": cos_err, "param_err": param_err, "seconds": seconds}
 
@@ -359,6 +375,11 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
                 continue
             timed.append(kernel)
             guarded(f"gac {kernel}", check_gac_equivalence, kernel, dev)
+        for kernel in list(timed):  # a path that failed above is not timed: the others still are
+            why = path_problem(kernel, dev)
+            if why is not None and not skip_overhead:
+                timed.remove(kernel)
+                add({"check": f"overhead {kernel}", "ok": False, "detail": f"not timed: {why}"})
         if not skip_overhead and timed:
             guarded("overhead", check_overhead, tuple(timed), dev, repeats, progress, params)
         if grpo_steps:
