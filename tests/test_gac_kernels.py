@@ -412,3 +412,27 @@ def test_a_reference_rounded_to_zero_gives_no_c_t_on_the_fused_path():
     for out in outs.values():
         assert out.zero_ref and math.isnan(out.decision.cos) and out.decision.action == KEEP
     assert outs["fused-adamw"].stepped
+
+
+def test_adamws_step_counts_are_read_at_once_and_advanced_in_place():
+    """The fused AdamW step reads and advances every parameter's step count: tensors (a fused or capturable AdamW
+    keeps them on the parameters' device) in one read and one multi-tensor add, plain numbers as numbers."""
+    from gacbench.functional.kernels import _advance_steps, _step_counts
+
+    states = [{"step": torch.tensor(3.0)}, {"step": 3}, {"step": torch.tensor(3.0)}]
+    kept = states[0]["step"]
+    assert _step_counts(states) == [3.0, 3.0, 3.0]
+    _advance_steps(states, 1)
+    assert _step_counts(states) == [4.0, 4.0, 4.0] and states[0]["step"] is kept  # in place: the optimizer's tensor
+    _advance_steps(states, -1)
+    assert [float(s["step"]) for s in states] == [3.0, 3.0, 3.0]
+    states[2]["step"] += 1
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in states]
+    opt = torch.optim.AdamW(params)
+    opt.state.update({p: {"step": st["step"], "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+                      for p, st in zip(params, states)})
+    from gacbench.functional.kernels import adamw_group_fusable
+
+    assert not adamw_group_fusable(opt, params)  # unequal counts: one bias correction cannot serve the group
+    opt.state[params[2]]["step"] -= 1
+    assert adamw_group_fusable(opt, params)

@@ -221,6 +221,31 @@ def compiled_project(g: list[Tensor], r: list[Tensor], alpha: float) -> bool:
     return _run("project", _project, list(g), list(r), a)[0]
 
 
+def _step_counts(states: list[dict]) -> list[float]:
+    """The ``state["step"]`` of each parameter, read to the host at once: a fused or capturable AdamW keeps them as
+    tensors on the parameters' device, where reading each alone would synchronise once per parameter."""
+    steps = [st["step"] for st in states]
+    tensors = [s for s in steps if isinstance(s, Tensor)]
+    if not tensors:
+        return [float(s) for s in steps]
+    if len({t.device for t in tensors}) == 1:
+        values = torch.stack([t.reshape(()).float() for t in tensors]).tolist()  # one read (counts are exact)
+    else:
+        values = [float(t) for t in tensors]
+    read = iter(values)
+    return [next(read) if isinstance(s, Tensor) else float(s) for s in steps]
+
+
+def _advance_steps(states: list[dict], by: int) -> None:
+    """``state["step"] += by`` for every state, the tensor counts in one multi-tensor operation."""
+    tensors = [st["step"] for st in states if isinstance(st["step"], Tensor)]
+    if tensors:
+        torch._foreach_add_(tensors, by)
+    for st in states:
+        if not isinstance(st["step"], Tensor):
+            st["step"] += by
+
+
 def adamw_group_fusable(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
     """Whether :func:`compiled_adamw_projected` can take ``optimizer``'s step for ``params``: a plain
     ``torch.optim.AdamW`` (amsgrad, maximize, capturable, differentiable off) over exactly these parameters,
@@ -233,13 +258,13 @@ def adamw_group_fusable(optimizer: torch.optim.Optimizer, params: list[Tensor]) 
     for group in optimizer.param_groups:
         if any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable")):
             return False
-        steps = set()
+        states = []
         for p in group["params"]:
             st = optimizer.state.get(p)
             if p.dtype != torch.float32 or not st or "exp_avg" not in st or "exp_avg_sq" not in st:
                 return False
-            steps.add(float(st["step"]))
-        if len(steps) != 1:  # one bias correction per group: every parameter has taken the same number of steps
+            states.append(st)
+        if len(set(_step_counts(states))) > 1:  # one bias correction per group: every parameter took as many steps
             return False
     return True
 
@@ -267,8 +292,7 @@ def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tenso
         ps = group["params"]
         n = len(ps)
         states = [optimizer.state[p] for p in ps]
-        for st in states:
-            st["step"] += 1
+        _advance_steps(states, 1)
         t = float(states[0]["step"])
         lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
         dev = ps[0].device
@@ -283,8 +307,7 @@ def compiled_adamw_projected(optimizer: torch.optim.Optimizer, grads: list[Tenso
             if i:  # a failure after a group was updated cannot be undone: the caller must not step again
                 raise RuntimeError("GAC(kernels='fused-adamw'): torch.compile failed part-way through the "
                                    f"optimizer's parameter groups ({_FAILED[0][:300]})")
-            for st in states:
-                st["step"] -= 1
+            _advance_steps(states, -1)
             return False
         i += n
     return True
