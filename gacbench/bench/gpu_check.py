@@ -167,7 +167,7 @@ def check_overhead(kernels: tuple[str, ...], dev, repeats: int, progress, params
         if record.get("floor_keep_over_adamw") is not None:
             detail += (f" (floor: keep >= {record['floor_keep_over_adamw']:.2f}x, shrink >= "
                        f"{record['floor_project_over_adamw']:.2f}x)")
-        detail += f"; first round +{record['first_round_extra' + (sfx or '_eager') + '_s']:.0f} s"
+        detail += f"; first round +{max(0.0, record['first_round_extra' + (sfx or '_eager') + '_s']):.0f} s"
         ok = record["gac" + sfx + "_case"] == "shrink" and record["gac_keep" + sfx + "_case"] == "keep"
         if min(over.values()) < -0.1:  # a pass that adds to AdamW's cannot cost less than nothing, beyond noise
             detail += "; a negative cost: the machine's load changed within the rounds, rerun on a quiet machine"
@@ -258,8 +258,10 @@ def check_step_profile(dev) -> dict:
     phases = ", ".join(f"{k} {ph[k]:.3f}" for k in ("generate", "behaviour", "forward", "backward", "optimizer"))
     detail = (f"{args.shape}, {args.prompts}x{args.group} x {args.max_tokens} tokens, precision {args.precision}: "
               f"stale step {record['stale_step_s']:.2f} s ({phases}); {record['generate_tokens_per_s']:,.0f} generated "
-              f"tokens/s; forward {record['forward_over_floor']:.1f}x, backward {record['backward_over_floor']:.1f}x "
-              f"the FLOP floor at {record['peak_tflops']:g} TFLOP/s")
+              f"tokens/s")
+    if dev.type == "cuda":  # the floor is a GPU's bf16 peak: against a CPU's time it would read thousands of times
+        detail += (f"; forward {record['forward_over_floor']:.1f}x, backward {record['backward_over_floor']:.1f}x "
+                   f"the FLOP floor at {record['peak_tflops']:g} TFLOP/s")
     if record["peak_memory_gib"] is not None:
         detail += f"; peak {record['peak_memory_gib']:.1f} GiB"
     ok = all(math.isfinite(v) and v >= 0 for v in ph.values())
