@@ -162,3 +162,16 @@ def test_a_path_that_fell_back_to_eager_fails_its_row_and_the_other_paths_are_st
     assert "torch.compile failed in this process" in rows["gac compiled"]["detail"]
     assert not rows["overhead compiled"]["ok"] and rows["overhead compiled"]["detail"].startswith("not timed")
     assert rows["overhead eager"]["ok"] and not result["ok"]
+
+
+def test_fused_adamw_passes_only_where_gac_took_the_changed_steps_itself(monkeypatch):
+    """fused-adamw's row passes where GAC took every shrunk or projected AdamW step; where the optimizer took them
+    (the fused pass refused the optimizer) the figures are another path's, and the row fails naming that."""
+    import torch
+
+    from gacbench.functional import gac as gac_module
+
+    assert check_gac_equivalence("fused-adamw", torch.device("cpu"))["ok"]
+    monkeypatch.setattr(gac_module, "adamw_group_fusable", lambda optimizer, params: False)
+    row = check_gac_equivalence("fused-adamw", torch.device("cpu"))
+    assert not row["ok"] and "the fused AdamW step was not taken" in row["detail"]
