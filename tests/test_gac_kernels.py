@@ -5,6 +5,7 @@ handles them; and the overhead benchmark's compiled rows. Each distinct paramete
 GPU the table of measured rows (synthetic tables, and the row the GPU run prints)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -436,3 +437,26 @@ def test_adamws_step_counts_are_read_at_once_and_advanced_in_place():
     assert not adamw_group_fusable(opt, params)  # unequal counts: one bias correction cannot serve the group
     opt.state[params[2]]["step"] -= 1
     assert adamw_group_fusable(opt, params)
+
+
+def test_a_kernel_compiled_for_more_signatures_than_dynamos_default_limit_stays_compiled(monkeypatch):
+    """A process that compiles a kernel for many signatures (a bench worker whose cells train models of several
+    shapes, the test suite) passes Dynamo's default of 8 recompiles: that limit is raised while the kernels compile,
+    so the compiled path keeps running and keeps its results instead of falling back to eager for the process."""
+    from gacbench.functional import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", [])
+    monkeypatch.setattr(kernels, "_DIRECT", {})
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compile failure warns
+        for n in range(1, 12):  # eleven list lengths: eleven signatures
+            g = [torch.randn(3, generator=gen) for _ in range(n)]
+            r = [torch.randn(3, generator=gen) for _ in range(n)]
+            two = kernels.compiled_scalars(g, r)
+            assert two is not None, f"fell back to eager at {n} tensors"
+            want = (sum(float((a.double() * b.double()).sum()) for a, b in zip(g, r)),
+                    sum(float((a.double() ** 2).sum()) for a in g))
+            assert two.tolist() == pytest.approx(want, rel=1e-6)
+    assert kernels.compiled_available()

@@ -175,6 +175,20 @@ def _get(name: str, fn: Callable) -> Callable | None:
     return _COMPILED[name]
 
 
+#: how many signatures (list lengths, dtypes, shapes) each compiled kernel may be compiled for in one process: Dynamo's
+#: default of 8 recompiles, reached by a worker whose cells train models of several shapes, ends in a hard failure
+#: under fullgraph=True, and every later call of the process would run the eager path
+RECOMPILE_LIMIT = 256
+
+
+def _recompile_limit():
+    """Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` while a kernel compiles (``recompile_limit``;
+    ``cache_size_limit`` in torch versions before the rename)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(RECOMPILE_LIMIT, getattr(config, name))})
+
+
 def _run(name: str, fn: Callable, *args) -> tuple[bool, object]:
     """(True, the compiled ``fn(*args)``), or (False, None) after a compile failure (warned once; the caller
     goes eager).
@@ -198,7 +212,8 @@ def _run(name: str, fn: Callable, *args) -> tuple[bool, object]:
         return True, (out[0] if _OUTPUTS[name] else None)
     _CAPTURED.clear()
     try:
-        result = compiled(*args)
+        with _recompile_limit():
+            result = compiled(*args)
     except Exception as exc:  # noqa: BLE001  (Inductor raises many kinds; any of them means: go eager)
         _FAILED.append(f"{type(exc).__name__}: {exc}")
         warnings.warn(f"GAC(kernels='compiled'): torch.compile failed ({_FAILED[0][:300]}); using the eager "
