@@ -39,7 +39,13 @@ from gacbench.functional.alignment import (
     plain_number,
     reference_cosine,
 )
-from gacbench.functional.buffer import LazyFlatBuffer, check_dense_gradients, check_parameters, keep_reference
+from gacbench.functional.buffer import (
+    LazyFlatBuffer,
+    check_dense_gradients,
+    check_parameters,
+    keep_reference,
+    listed_entries,
+)
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import local, parse_dtype
 from gacbench.functional.settings import GACSettings, summary_settings
@@ -71,11 +77,6 @@ def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def _n_listed(optimizer: torch.optim.Optimizer) -> int:
-    """How many parameter entries the param groups list (a cheap per-step check that none was added)."""
-    return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
 def _check_optimizer(optimizer: Any, who: str) -> None:
@@ -139,7 +140,7 @@ class _StepHook:
         self.optimizer = optimizer
         self.params = _params(optimizer)
         check_parameters(self.params, self.who)
-        self._n_listed = _n_listed(optimizer)
+        self._n_listed = listed_entries(optimizer)
         self.warmup, self.tol, self.distributed = warmup, float(tol), distributed
         self.values: list[float] = []  # the c_t trace
         self.metrics: dict[str, float] = {}
@@ -148,7 +149,7 @@ class _StepHook:
 
     def _pre_step(self, optimizer, args: tuple, kwargs: dict) -> None:
         _check_no_closure(self.who, self.callback, args, kwargs)
-        if _n_listed(optimizer) != self._n_listed:
+        if listed_entries(optimizer) != self._n_listed:
             raise UsageError(f"{self.who}: the optimizer's parameters changed after the hook was attached "
                              "(add_param_group); attach the hook after the last add_param_group")
         found_inf = getattr(optimizer, "found_inf", None)  # set by a GradScaler around a fused optimizer's step

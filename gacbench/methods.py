@@ -305,11 +305,10 @@ def stabilizers() -> dict[str, dict[str, Any]]:
 
 def method_settings(name: str) -> dict[str, Any]:
     """The settings of the method or stabilizer ``name``, in order, with their defaults ({} when unknown)."""
-    stabs = stabilizers()
     if name in METHODS:
         method = METHODS[name]
         return dict(method.settings) if method.settings is not None else _signature_defaults(method.build)
-    stab = stabs.get(name)
+    stab = stabilizers().get(name)
     return _signature_defaults(stab["cls"].__init__) if stab else {}
 
 

@@ -57,6 +57,7 @@ def main(args) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # keep the table readable
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a Lightning deprecation, not ours
+    from gacbench.objectives.base import SEED_MAX
     from gacbench.usage import UsageError, check_output_file
 
     if args.staleness < 1:
@@ -64,8 +65,8 @@ def main(args) -> int:
     if args.staleness >= args.steps:
         raise UsageError(f"--staleness {args.staleness} is not below --steps {args.steps}: the lag at step t is at "
                          f"most t, so it would never reach {args.staleness}; use a smaller --staleness or more --steps")
-    if not 0 <= args.seed <= 2**32 - 1:
-        raise UsageError(f"--seed {args.seed} must be in 0..{2**32 - 1}")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise UsageError(f"--seed {args.seed} must be in 0..{SEED_MAX}")
     if args.json:
         check_output_file("--json", args.json)  # before the runs, so that they are not lost
     results = [run_method(m, args.staleness, args.steps, args.seed) for m in ("sync", "stale", "gac")]

@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import (
 )
 from torch import Tensor
 
+from gacbench.functional.buffer import listed_entries
 from gacbench.functional.collective import agree_scalars, release_process_group_at_exit
 from gacbench.functional.gac import local  # noqa: F401  (re-exported for the callbacks)
 from gacbench.functional.settings import summary_settings
@@ -45,11 +46,6 @@ def optimizer_params(trainer: "pl.Trainer", who: str) -> list[torch.nn.Parameter
                 seen.add(id(p))
                 params.append(p)
     return params
-
-
-def listed_entries(optimizer: torch.optim.Optimizer) -> int:
-    """How many parameter entries the optimizer's param groups list: a cheap per-step check that none was added."""
-    return sum(len(group["params"]) for group in optimizer.param_groups)
 
 
 class StepGuard:

@@ -91,14 +91,14 @@ class StalenessSimulator(Callback):
         if schedule == "trace":
             if not trace:
                 raise ValueError("StalenessSimulator: schedule='trace' needs trace=[s_0, s_1, ...]")
-            for i, v in enumerate(trace):
-                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, np.integer)):
+            for i, v in enumerate(trace):  # numpy's integers are Integral; bool (and numpy's bool) are refused
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                     raise TypeError(f"StalenessSimulator: trace[{i}]={v!r} must be an integer number of optimizer "
                                     f"steps in 0..staleness={staleness}")
-            bad = [int(v) for v in trace if not 0 <= int(v) <= staleness]
+            trace = [int(v) for v in trace]
+            bad = [v for v in trace if not 0 <= v <= staleness]
             if bad:
                 raise ValueError(f"StalenessSimulator: trace values {bad[:5]} are outside 0..staleness={staleness}")
-            trace = [int(v) for v in trace]
         elif trace:
             raise ValueError(f"StalenessSimulator: trace is only used with schedule='trace', not {schedule!r}")
         self.staleness, self.schedule, self.seed, self.trace = int(staleness), schedule, int(seed), trace

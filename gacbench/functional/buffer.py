@@ -182,6 +182,12 @@ def check_parameters(params: Sequence[Tensor], who: str, names: Sequence[str] | 
                              "the optimizer")
 
 
+def listed_entries(optimizer: torch.optim.Optimizer) -> int:
+    """How many parameter entries the optimizer's param groups list: a cheap per-step check that none was added
+    since the parameters were taken (the hooks, and the callbacks' step guard)."""
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
 def check_dense_gradients(params: Sequence[Tensor], who: str, names: Sequence[str] | None = None) -> None:
     """Refuse, in one line naming the parameter and the fix, a sparse gradient (``nn.Embedding(sparse=True)``)."""
     for i, p in enumerate(params):
