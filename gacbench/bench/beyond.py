@@ -130,7 +130,7 @@ def _beyond_row(task: str, method: str, s: int, key: str, control: str, x_m: np.
     gap = float(g.mean())
     no_gap = not gap > 1e-12
     test = paired_difference(a, b)  # mean(a - b) = mean(d), its t-interval, paired t-test and sd (0 when all equal)
-    sd = test.get("sd", math.nan)
+    sd = test["sd"]
     row = {"task": task, "method": method, "staleness": s, "measure": key, "control": control, "n": n,
            "gain": float(a.mean()), "on_policy_effect": float(b.mean()), "gap": gap, "no_gap": no_gap,
            "raw_share": math.nan if no_gap else float(a.mean()) / gap,

@@ -83,7 +83,7 @@ def paired_difference(a: np.ndarray, b: np.ndarray, level: float = CI_LEVEL) -> 
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     n = len(d)
     if n == 0:
-        return {"diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan}
+        return {"diff": math.nan, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan, "sd": math.nan}
     mean = float(d.mean())
     if n < 2:
         return {"diff": mean, "ci_low": math.nan, "ci_high": math.nan, "p": math.nan, "sd": math.nan}
@@ -272,7 +272,7 @@ def _with_ci(row: dict, seeds: dict[tuple, dict[int, float]], key: str, higher: 
                 "min_detectable_share": None})
     if paired:
         d, _ = oriented_difference(meth, stale, higher)  # > 0: the method is better
-        sd = d.get("sd", math.nan)  # the same whichever way round the differences are taken
+        sd = d["sd"]  # the same whichever way round the differences are taken
         row.update({"vs_stale_diff": d["diff"], "vs_stale_ci_low": d["ci_low"], "vs_stale_ci_high": d["ci_high"],
                     "vs_stale_p": d["p"], "vs_stale_p_signflip": d.get("p_signflip"), "sd_diff": sd})
         if not row.get("missing") and not row["no_gap"]:

@@ -117,8 +117,26 @@ def _project_keeping_raw(g: list[Tensor], r: list[Tensor], alpha: float) -> None
         rv.copy_(raw)
 
 
+class StepReading:
+    """What a GAC step's outcome reads from its ``decision`` and ``zero_ref`` (:class:`GACStep`, and
+    :class:`~gacbench.functional.step_gac.StepOutcome` of the step target)."""
+
+    decision: GACDecision
+    zero_ref: bool
+
+    @property
+    def cos(self) -> float:
+        return self.decision.cos
+
+    @property
+    def measured(self) -> bool:
+        """Whether the step goes into the c_t trace: a c_t, or NaN against a zero reference (counted as skipped);
+        not the first step, which has no reference."""
+        return not math.isnan(self.decision.cos) or self.zero_ref
+
+
 @dataclass(frozen=True)
-class GACStep:
+class GACStep(StepReading):
     """What one call of ``GACTransform.step`` saw and did.
 
     ``cos`` is NaN on the first step (no reference yet) and where the reference is zero (``zero_ref``: the
@@ -133,16 +151,6 @@ class GACStep:
     zero: bool = False
     stepped: bool = False  # kernels="fused-adamw": the optimizer step was taken by GAC
     zero_ref: bool = False  # a reference of norm 0: no c_t (NaN, counted as skipped), the gradient kept
-
-    @property
-    def cos(self) -> float:
-        return self.decision.cos
-
-    @property
-    def measured(self) -> bool:
-        """Whether the step goes into the c_t trace: a c_t, or NaN against a zero reference (counted as skipped);
-        not the first step, which has no reference."""
-        return not math.isnan(self.decision.cos) or self.zero_ref
 
 
 @dataclass

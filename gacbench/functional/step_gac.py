@@ -49,7 +49,7 @@ from gacbench.functional.alignment import (
     validate_thresholds,
 )
 from gacbench.functional.buffer import FlatBuffer
-from gacbench.functional.gac import check_choice, local
+from gacbench.functional.gac import StepReading, check_choice, local
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -57,7 +57,7 @@ def _identity(x: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class StepOutcome:
+class StepOutcome(StepReading):
     """One call of :meth:`StepGAC.step`: the decision (``cos`` NaN on the first step, and against a zero
     reference: ``zero_ref``, no c^Delta_t, counted as skipped, the step kept), ||Delta_t||^2, and ``bad`` for a
     non-finite step (the parameters are then restored to theta_t)."""
@@ -66,16 +66,6 @@ class StepOutcome:
     step_sq: float
     bad: bool = False
     zero_ref: bool = False
-
-    @property
-    def cos(self) -> float:
-        return self.decision.cos
-
-    @property
-    def measured(self) -> bool:
-        """Whether the step goes into the c_t trace: a c_t, or NaN against a zero reference (counted as skipped);
-        not the first step, which has no reference."""
-        return not math.isnan(self.decision.cos) or self.zero_ref
 
 
 class StepGAC:
