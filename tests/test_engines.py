@@ -4,6 +4,7 @@ The reuse tests check the contract that makes the cache safe: a cell's rollouts 
 weights, prompts and seeds, bit for bit, whether its engine was built for it or reused after other cells.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -244,6 +245,42 @@ def test_hf_rollouts_are_bit_identical_from_a_fresh_or_a_reused_engine(small):
     assert engine is fresh
     engine.load_weights(model.state_dict(), 0)
     assert _flat(engine.generate(prompts, n=4, max_tokens=6, seed=21)) == _flat(expected)
+
+
+def test_hf_engine_under_bf16_autocast_casts_its_linear_weights_once_per_call_with_autocasts_rollouts(
+        small, monkeypatch):
+    """Autocast casts the engine copy's float32 linear weights at every forward (they do not require grad, so it
+    caches nothing); the engine casts them once per call instead, and samples the same tokens and log-probs bit
+    for bit as an engine that leaves the casts to autocast."""
+    d, model, tok = small
+    prompts = _prompts(tok)
+    cached = E.HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    per_step = E.HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    monkeypatch.setattr(per_step, "_autocast_linears", lambda device: contextlib.nullcontext())
+    linears = [p for m in model.modules() if type(m) is torch.nn.Linear for p in m.parameters()]
+    shapes = {tuple(p.shape) for p in linears}
+
+    def run(engine, seed):
+        """The rollouts, and the casts of weight-shaped tensors while generating."""
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile(record_shapes=True) as prof:
+            groups = engine.generate(prompts, n=3, max_tokens=8, seed=seed)
+        casts = sum(1 for ev in prof.events() if ev.name == "aten::_to_copy" and ev.input_shapes
+                    and tuple(ev.input_shapes[0]) in shapes)
+        return _flat(groups), casts
+
+    before = None
+    for version in (0, 1):
+        if version:
+            _perturb(model)
+            for engine in (cached, per_step):
+                engine.load_weights(model.state_dict(), version)
+        got, casts = run(cached, 4)
+        want, autocasts = run(per_step, 4)
+        assert got == want and got != before  # the casts follow the loaded weights
+        assert casts == len(linears) and autocasts >= 2 * len(linears)  # once, against once per forward
+        before = got
+    head = cached.model.get_output_embeddings().weight  # the copy's own parameters are back, tied and float32
+    assert head is cached.model.get_input_embeddings().weight and head.dtype == torch.float32
 
 
 # -- vllm ----------------------------------------------------------------------------------------------

@@ -283,7 +283,13 @@ class HFEngine:
     (``repetition_penalty``, ``min_p``, ``no_repeat_ngram_size``, ...) change neither the samples nor their
     log-probs, as vLLM's explicit sampling parameters ignore them. A completion ends at the tokenizer's
     ``eos_token_id`` or at any end token of the checkpoint's generation config, as in vLLM (which stops at
-    both)."""
+    both).
+
+    Under autocast to a lower precision (Lightning's ``bf16-mixed``), the copy's ``nn.Linear`` weights and
+    biases are cast once per call and every forward of the call uses those casts. Autocast would otherwise
+    cast each float32 weight again at every decoding step: it caches casts only of tensors that require grad,
+    and the copy's do not. The casts are autocast's own (round to nearest), so the tokens and log-probs are
+    the same bit for bit; the cost is a copy of the linear weights in the lower precision during the call."""
 
     needs_sync_check = False  # a sync copies every tensor or raises
     sync_method = "copy"
@@ -311,6 +317,25 @@ class HFEngine:
     def close(self) -> None:
         self.model = self._targets = None
 
+    @contextlib.contextmanager
+    def _autocast_linears(self, device: torch.device):
+        """Inside, when autocast to a lower precision is on for the copy's device, each ``nn.Linear`` of the
+        copy holds its weight and bias cast as autocast would cast them; the casts are dropped on leaving, so
+        that they do not stay beside the trainer's weights while it trains."""
+        if not torch.is_autocast_enabled(device.type):
+            yield
+            return
+        dtype = torch.get_autocast_dtype(device.type)
+        kept = [(m, name, p) for m in self.model.modules() if type(m) is torch.nn.Linear
+                for name, p in m._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype]
+        try:
+            for m, name, p in kept:
+                m._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            yield
+        finally:
+            for m, name, p in kept:
+                m._parameters[name] = p
+
     def _prompt_cache(self, ids: torch.Tensor, attention: torch.Tensor, n: int):
         """The KV cache of the distinct prompts without their last token, repeated to n rows per prompt; None
         where the model's forward or cache does not allow it."""
@@ -335,9 +360,9 @@ class HFEngine:
             ids[i, width - len(prompt):] = torch.tensor(prompt)
             attention[i, width - len(prompt):] = 1
         ids, attention = ids.to(device), attention.to(device)
-        cache = self._prompt_cache(ids, attention, n)
         rng_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices):
+        with self._autocast_linears(device), torch.random.fork_rng(devices=rng_devices):
+            cache = self._prompt_cache(ids, attention, n)
             torch.manual_seed(seed)
             gen = self.model.generate(ids.repeat_interleave(n, 0), attention_mask=attention.repeat_interleave(n, 0),
                                       past_key_values=cache, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
