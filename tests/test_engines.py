@@ -360,6 +360,40 @@ def test_vllm_compile_is_refused_where_the_weights_cannot_be_synced_in_place(sma
         E.VLLMEngine(d, compile=True, dtype="bfloat16")
 
 
+def test_vllm_syncs_refuse_a_state_dict_of_other_names_or_shapes_before_copying(small):
+    """The direct copy would fill a shorter tensor's rows (a padded vocabulary's allowance) or broadcast a smaller
+    one, and vLLM's reload skips names it does not know: the plan takes exact shapes but for the vocabulary, and a
+    later sync must carry the first sync's names and shapes."""
+    pytest.importorskip("vllm")
+    d, model, tok = small
+    prompts = _prompts(tok)
+    sd = model.state_dict()
+    norm = sd["model.norm.weight"]
+    engine = E.VLLMEngine(d, max_model_len=64, seed=0, weight_sync="direct")
+    try:
+        with pytest.raises(RuntimeError, match=r"does not cover this model \(model.norm.weight: \(64,\) in the engine, "
+                                               r"\(32,\) in the state dict\)"):
+            engine.load_weights({**sd, "model.norm.weight": norm[:32]}, 1)
+        _perturb(model)
+        engine.load_weights(model.state_dict(), 1)  # the vocabulary embedding's padded rows are allowed
+        assert engine.sync_method == "direct" and E.check_sync(engine, model, prompts, tol=1e-4) < 1e-4
+        sd = model.state_dict()
+        for bad, match in [({k: v for k, v in sd.items() if k != "model.norm.weight"}, "missing model.norm.weight"),
+                           ({**sd, "extra.weight": norm}, "unexpected extra.weight"),
+                           ({**sd, "model.norm.weight": norm[:1]}, r"mis-shaped model.norm.weight \(1,\) "
+                                                                   r"\(expected \(64,\)\)")]:
+            with torch.no_grad():
+                model.model.norm.weight.add_(1.0)  # what a sync would carry: the engine must not take any of it
+            with pytest.raises(ValueError, match=f"VLLMEngine.load_weights: {match}.*full state_dict"):
+                engine.load_weights(bad, 2)
+        assert engine.version == 1
+        with torch.no_grad():
+            model.model.norm.weight.sub_(3.0)
+        assert E.check_sync(engine, model, prompts, tol=1e-4) < 1e-4
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow
 def test_vllm_direct_sync_follows_the_trainer_and_reused_engines_give_identical_rollouts(small):
     """One engine serves three cells (direct weight sync: one fused copy into the engine's own weights, checked

@@ -362,6 +362,25 @@ def test_a_dead_or_unsynced_engine_stops_the_run(model_dir, break_, match):
         make_trainer([], max_steps=3).fit(m)
 
 
+@pytest.mark.parametrize("policy_eval", [False, True])
+def test_a_dead_engine_stops_the_run_and_is_not_handed_to_a_later_run(model_dir, policy_eval):
+    """Whether it fails in a rollout or in the policy evaluation at θ_0, which comes first."""
+    from gacbench.rollout.engines import cached_engine
+
+    settings = {"policy_eval": {"prompts": 2, "samples": 2, "every": 2}} if policy_eval else {}
+    m = module(model_dir, **settings)
+    start = m.on_train_start
+
+    def broken_start():
+        start()
+        m.engine.generate = _raise
+
+    m.on_train_start = broken_start
+    with pytest.raises(RuntimeError, match="hf rollout engine failed at version 0 .*ConnectionError.*resume"):
+        make_trainer([], max_steps=3).fit(m)
+    assert cached_engine("hf") is None
+
+
 def test_a_prompt_longer_than_the_context_is_refused(model_dir):
     m = module(model_dir, max_tokens=80)  # the tiny model's context is 64 tokens
     with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens.*Lower max_tokens"):

@@ -525,7 +525,7 @@ class GRPOModule(Objective):
         P prompts' sample variances var_i of n samples each (the prompts are fixed, so their spread is not noise
         between runs). Under ``rollout.mode`` uniform the engine holds the version its last rollout drew (t - s_t),
         so the current weights are loaded into it first (the next rollout loads its own version again)."""
-        pe, r = self.policy_eval_cfg, self.rollout_cfg
+        pe = self.policy_eval_cfg
         t0 = time.perf_counter()
         if self.rollout_source is not None and self.engine is not None:
             self.load_engine(self.global_step)
@@ -535,7 +535,7 @@ class GRPOModule(Objective):
         size = min(pe.prompts, getattr(self.task, "sizes", {}).get("eval", pe.prompts))
         problems = self.task.batch("eval", 0, size)
         prompts = [self.tok.encode(p.prompt, add_special_tokens=False) for p in problems]
-        groups = self.engine.generate(prompts, n=pe.samples, max_tokens=r.max_tokens, seed=POLICY_EVAL_SEED)
+        groups = self.engine_generate(prompts, pe.samples, seed=POLICY_EVAL_SEED)
         special = frozenset(self.tok.all_special_ids)
         rewards = torch.tensor([[score(self.reward, completion_text(self.tok, x.completion_ids, special), p.answer)
                                  for x in g] for g, p in zip(groups, problems)], dtype=torch.float64)
@@ -543,6 +543,18 @@ class GRPOModule(Objective):
         se = float(var.sum().div(pe.samples).sqrt() / len(problems))
         return {"eval/policy_reward": float(rewards.mean()), "eval/policy_reward_se": se,
                 "eval/policy_version": float(self.global_step), "time/policy_eval_s": time.perf_counter() - t0}
+
+    def engine_generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Rollout]]:
+        """The engine's ``n`` rollouts of each prompt. A failed call discards the engine, so that no later run in
+        the process is handed it, and stops the run with the way on."""
+        try:
+            return self.engine.generate(prompts, n=n, max_tokens=self.rollout_cfg.max_tokens, seed=seed)
+        except Exception as exc:
+            discard_engine(self.engine)
+            raise RuntimeError(f"GRPO: the {self.engine_cfg.name} rollout engine failed at version "
+                               f"{self.engine.version} ({type(exc).__name__}: {exc}). The run stops here; resume "
+                               "from the last checkpoint (ckpt_path) after restarting, or switch engine ('hf' "
+                               "needs no server).") from exc
 
     @functools.cached_property
     def initial_weights(self) -> str:
@@ -699,16 +711,8 @@ class GRPOModule(Objective):
             raise RuntimeError(f"GRPO: the engine holds version {self.engine.version}, the trainer is at "
                                f"{self.global_step}: "
                                "a rollout now would come from the wrong policy. The weight sync did not happen.")
-        name = self.engine_cfg.name
         t0 = time.perf_counter()
-        try:
-            groups = self.engine.generate(prompts, n=r.group, max_tokens=r.max_tokens,
-                                          seed=self.seed * 1_000_003 + k + rank_seed)
-        except Exception as exc:
-            discard_engine(self.engine)
-            raise RuntimeError(f"GRPO: the {name} rollout engine failed at version {self.engine.version} "
-                               f"({type(exc).__name__}: {exc}). The run stops here; resume from the last checkpoint "
-                               "(ckpt_path) after restarting, or switch engine ('hf' needs no server).") from exc
+        groups = self.engine_generate(prompts, r.group, seed=self.seed * 1_000_003 + k + rank_seed)
         self._times["time/generate_s"] += time.perf_counter() - t0
         self.rollouts_made += 1
         data = self.batch_from_groups(problems, groups)

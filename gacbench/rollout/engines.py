@@ -389,6 +389,17 @@ def _build_hf(spec, *, model_path, policy, eos_token_id, pad_token_id, max_model
 
 
 # -- vllm ----------------------------------------------------------------------------------------------
+def _layout_difference(want: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]]) -> str:
+    """The missing, unexpected and mis-shaped names of a state dict's layout ``got`` against ``want``
+    (name -> shape), a few of each, in words."""
+    missing = sorted(want.keys() - got.keys())
+    extra = sorted(got.keys() - want.keys())
+    shaped = [f"{k} {got[k]} (expected {want[k]})" for k in sorted(want.keys() & got.keys()) if got[k] != want[k]]
+    parts = [f"{what} {', '.join(names[:5])}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
+             for what, names in (("missing", missing), ("unexpected", extra), ("mis-shaped", shaped)) if names]
+    return "; ".join(parts)
+
+
 @contextlib.contextmanager
 def _global_rng_kept():
     """Put torch's (CPU and CUDA), numpy's and Python's global random states back as they were on leaving."""
@@ -482,6 +493,14 @@ class _Unsupported(Exception):
     pass
 
 
+def _padded_vocabulary(module: torch.nn.Module | None, pname: str) -> bool:
+    """Whether ``pname`` is the weight of a vLLM vocabulary embedding or LM head, whose rows vLLM pads beyond
+    the vocabulary (the trainer's tensor then fills its first ``num_embeddings`` rows)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return isinstance(module, VocabParallelEmbedding) and pname.endswith(".weight")
+
+
 class _DirectCpuSync:
     """Writes a Hugging Face state dict into vLLM's model on the CPU backend with one fused copy.
 
@@ -558,14 +577,17 @@ class _DirectCpuSync:
         if not kernels:
             raise _Unsupported("no CPU GEMM kernels found")
         plain: list[tuple[torch.nn.Parameter, str]] = []
+        modules = dict(model.named_modules())
         for pname, p in model.named_parameters():
             if id(p) in fused or p.numel() == 0:
                 continue
             if pname not in names:
                 raise _Unsupported(f"parameter {pname} has no tensor in the state dict")
-            src = shapes[pname]
-            if len(src) != p.dim() or src[0] > p.shape[0] or tuple(src[1:]) != tuple(p.shape[1:]):
-                raise _Unsupported(f"{pname}: {tuple(p.shape)} in the engine, {src} in the state dict")
+            src, own = shapes[pname], tuple(p.shape)
+            owner = modules.get(pname.rpartition(".")[0])
+            if src != own and not (_padded_vocabulary(owner, pname) and len(src) == 2
+                                   and src == (owner.num_embeddings, own[1])):
+                raise _Unsupported(f"{pname}: {own} in the engine, {src} in the state dict")
             plain.append((p, pname))  # a padded vocabulary: the first rows
             used.add(pname)
         if names - used:
@@ -680,6 +702,7 @@ class VLLMEngine:
         self.sync_method: str | None = None  # "direct" or "reload", once decided
         self.sync_note = ""  # why the direct path is not used, if it is not
         self._direct: _DirectCpuSync | None = None
+        self._layout: dict[str, tuple[int, ...]] | None = None  # the first sync's names and shapes
 
     def _start(self, model_dir: str, max_model_len: int | None, seed: int, dtype: str,
                kv_cache_gib: float | None, compile: bool = False) -> None:
@@ -729,7 +752,15 @@ class VLLMEngine:
             self.sync_method, self.sync_note = "reload", str(exc)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load the trainer's state dict as policy ``version``. Every sync after the first must carry the
+        first's names and shapes (a ValueError names the difference before anything is copied): neither path
+        checks them itself, since the direct copy would broadcast a tensor of another shape and vLLM's reload
+        skips a name it does not know."""
         tensors = {k: v.detach() for k, v in state_dict.items()}
+        layout = {k: tuple(v.shape) for k, v in tensors.items()}
+        if self._layout is not None and layout != self._layout:
+            raise ValueError(f"VLLMEngine.load_weights: {_layout_difference(self._layout, layout)}. Every sync must "
+                             "carry the names and shapes of the first: pass the trainer's full state_dict().")
 
         def sync(worker) -> bool:
             if self.sync_method is None:
@@ -742,6 +773,7 @@ class VLLMEngine:
 
         if not all(self.llm.collective_rpc(sync)):
             raise RuntimeError("vLLM weight sync failed on a worker; refusing to continue on stale weights")
+        self._layout = layout
         self.version = version
 
     def close(self) -> None:
