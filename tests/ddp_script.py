@@ -1,4 +1,4 @@
-"""Run by test_distributed.py: a 2-process DDP (gloo, CPU) fit with StalenessSimulator + GAC.
+"""Run by test_distributed.py: a 2-process DDP (gloo, CPU) fit with AssumptionMonitor, StalenessSimulator and GAC.
 Each rank writes what it saw and decided to OUT_DIR/rank{r}.json."""
 
 import json
@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import UserRegressor, flat_params, make_trainer  # noqa: E402
 
-from gacbench import GAC, StalenessSimulator  # noqa: E402
+from gacbench import GAC, AssumptionMonitor, StalenessSimulator  # noqa: E402
 
 
 class Record(pl.Callback):
@@ -22,7 +22,8 @@ class Record(pl.Callback):
         self.rows.append({"lag": self.sim.lag, "changed": self.gac.changed, "skipped": self.gac.skipped,
                           "cos": self.gac.trace.values[-1] if self.gac.trace.values else None,
                           "metric_cos": float(metrics["align/cos"]) if "align/cos" in metrics else None,
-                          "metric_lag": float(metrics["stale/lag"])})
+                          "metric_lag": float(metrics["stale/lag"]),
+                          "assume": {k: float(v) for k, v in metrics.items() if k.startswith("assume/")}})
 
 
 if __name__ == "__main__":
@@ -30,7 +31,8 @@ if __name__ == "__main__":
     sim = StalenessSimulator(3, schedule="uniform", seed=11)
     gac = GAC(c_low=0.05, c_high=0.3, high_mode="skip", warmup=0)
     rec = Record(gac, sim)
-    trainer = make_trainer([sim, gac, rec], max_steps=12, strategy="ddp", devices=2, accelerator="cpu")
+    monitor = AssumptionMonitor(every=2, loss_fn=lambda module, batch: module.loss_fn(batch))
+    trainer = make_trainer([monitor, sim, gac, rec], max_steps=12, strategy="ddp", devices=2, accelerator="cpu")
     model = UserRegressor(n=128, optimizer="adamw")
     trainer.fit(model)
     with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:

@@ -25,7 +25,10 @@ def test_ddp_ranks_take_the_same_decisions(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == r1["world"] == 2
-    assert r0["rows"] == r1["rows"]  # same lag, same cosine, same projections and skips on both ranks
+    # same lag, cosine, projections and skips on both ranks, and the same AssumptionMonitor estimates (of the
+    # global batch's gradients)
+    assert r0["rows"] == r1["rows"]
+    assert {"assume/sigma2", "assume/L", "assume/eta_max"} <= set(r0["rows"][-1]["assume"])
     for row in r0["rows"]:  # callback_metrics carry this step's values on every rank
         assert row["metric_cos"] == row["cos"] and row["metric_lag"] == row["lag"]
     assert r0["params"] == r1["params"]
@@ -75,6 +78,46 @@ def test_sharded_scalars_match_the_full_vector(tmp_path):
     assert out.decision.changed
     torch.testing.assert_close(torch.tensor(results[0][2] + results[1][2]), q.grad)
     assert cosine_from_scalars(alignment_scalars([cur], [prev])) == pytest.approx(out.decision.cos, rel=1e-6)
+
+
+def _dtensor_lowp_worker(rendezvous: str, queue) -> None:
+    """One rank: GAC(kernels="fused-adamw") with a bfloat16 reference on FSDP2's DTensor parameters."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from gacbench.functional import kernels
+
+    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
+    torch.manual_seed(0)
+    net = fully_shard(torch.nn.Linear(6, 3))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    gac = GACTransform(c_low=0.05, c_high=0.3, kernels="fused-adamw", buffer_dtype="bfloat16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(3):
+            optimizer.zero_grad()
+            net(torch.randn(4, 6)).square().mean().backward()
+            gac.step(list(net.parameters()), keep_alias=True, optimizer=optimizer)
+            optimizer.step()
+    queue.put((list(kernels._FAILED), [str(w.message)[:200] for w in caught if "compile" in str(w.message)]))
+    dist.destroy_process_group()
+
+
+def test_fused_adamw_with_a_bfloat16_reference_runs_eager_on_dtensor_parameters(tmp_path):
+    """Its compiled update is for plain tensors: on DTensor shards it is not tried (a failed compile would warn
+    and turn the compiled kernels off for the rest of the process)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_dtensor_lowp_worker, args=(str(tmp_path / "rendezvous"), queue))
+    proc.start()
+    try:
+        failed, warned = queue.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert failed == [] and warned == []
 
 
 _RELEASE_SCRIPT = """

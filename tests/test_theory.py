@@ -224,6 +224,13 @@ def test_assumption_monitor_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="before Swapper"):
         _fit(NoisyQuadratic(steps=5), [Swapper(), AssumptionMonitor()], 2)
     _fit(NoisyQuadratic(steps=5), [StalenessSimulator(0), AssumptionMonitor()], 2)  # s = 0 swaps nothing
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):  # each rank would estimate from its own shard
+        with pytest.raises(RuntimeError, match=f"got {type(strategy).__name__}.*strategy='ddp'"):
+            AssumptionMonitor().setup(SimpleNamespace(strategy=strategy, callbacks=[]), NoisyQuadratic(), "fit")
 
 
 def test_assumption_monitor_leaves_training_unchanged():

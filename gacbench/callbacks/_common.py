@@ -140,7 +140,8 @@ def check_strategy(trainer: "pl.Trainer", who: str, allow_sharded: bool) -> None
         allowed += (FSDPStrategy, ModelParallelStrategy)
     if not isinstance(strategy, allowed):
         names = ", ".join(cls.__name__ for cls in allowed)
-        raise RuntimeError(f"{who} supports the strategies {names}; got {type(strategy).__name__}.")
+        raise RuntimeError(f"{who} supports the strategies {names}; got {type(strategy).__name__}. Train with "
+                           "one of them (strategy='ddp' on several devices).")
     release_process_group_at_exit()
 
 

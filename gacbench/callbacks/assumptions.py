@@ -22,6 +22,10 @@ Every ``every`` optimizer steps, at the current parameters theta_t and before th
 It costs three extra forward/backward passes every ``every`` steps and needs a side-effect-free loss:
 the module's ``loss_on(batch)`` (the synthetic objectives have one) or ``loss_fn(module, batch)``.
 The previous batch and iterate are not checkpointed: after a resume the first estimate is skipped.
+
+Under DDP each estimate uses the gradient of the global batch, the ranks' gradients of their own batches
+averaged as DDP averages them (one all-reduce per estimated gradient), so every rank logs the same values;
+a sharded strategy (FSDP, ModelParallelStrategy) is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from gacbench.callbacks._common import StepGuard, log_metrics, optimizer_params
+from gacbench.callbacks._common import StepGuard, check_strategy, log_metrics, optimizer_params
 from gacbench.functional.alignment import plain_number, sq_norm
 from gacbench.functional.stepsize import eta_max
 
@@ -70,11 +74,13 @@ class AssumptionMonitor(Callback):
         self._applied_norm: float | None = None  # ||g|| the optimizer applied at the step before a measurement
         self._applied_at = -1  # the global step after which it was read
         self._guard = StepGuard("AssumptionMonitor", once=False)
+        self._world = 1
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        check_strategy(trainer, "AssumptionMonitor", allow_sharded=False)
         if self.loss_fn is None and not callable(getattr(pl_module, "loss_on", None)):
             raise TypeError(
                 "AssumptionMonitor needs a side-effect-free loss: define loss_on(self, batch) -> loss on your "
@@ -96,11 +102,18 @@ class AssumptionMonitor(Callback):
         with torch.enable_grad():
             loss = self.loss_fn(pl_module, batch) if self.loss_fn else pl_module.loss_on(batch)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        if self._world > 1:  # the global batch's gradient, as DDP averages it: one all-reduce of the flat vector
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat)
+            flat.div_(self._world)
+            grads = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        return grads
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._params = optimizer_params(trainer, "AssumptionMonitor")
+        self._world = trainer.world_size
         self._guard.start(trainer)
 
     @override

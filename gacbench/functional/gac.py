@@ -312,9 +312,10 @@ class GACTransform:
         # the Triton kernels upcast in registers: any float32/bfloat16/float16 list, every parameter with a gradient
         fast = self.kernels == "triton" and everyone and self._triton_takes(g, r)
         # fused-adamw with a lower-precision reference: GAC takes every (unskipped) AdamW step and stores g,
-        # rounded, as the next reference in the same pass
+        # rounded, as the next reference in the same pass; not for DTensor parameters (its update is compiled
+        # for plain tensors)
         lowp = (self.kernels == "fused-adamw" and self.reference == "grad" and keep_alias and optimizer is not None
-                and everyone and compiled_available()
+                and everyone and compiled_available() and not any(hasattr(p, "to_local") for p in params)
                 and all(type(gi) is torch.Tensor and gi.dtype == torch.float32
                         and ri.dtype in (torch.bfloat16, torch.float16) for gi, ri in zip(g, r)))
         local_scalars = self._local_scalars(g, r, rest, compiled, lowp, fast)
