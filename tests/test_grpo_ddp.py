@@ -86,6 +86,27 @@ def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny
     assert r0["cos"][0] == pytest.approx(cos, rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stale_ddp_run_resumed_from_a_checkpoint_continues_exactly(tiny_llm_dir, tmp_path):
+    """Each rank's queue holds its own rollouts while Lightning writes the checkpoint from rank 0: every rank's
+    queue goes into it, and on resume each rank trains on its own batches again (grpo_ddp_resume_script.py)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_ddp_resume_script.py"), str(tmp_path),
+                           tiny_llm_dir], capture_output=True, text=True, timeout=400, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"resume{rank}.pt", weights_only=False)
+        assert sorted(r["resumed_losses"]) == [4, 5, 6]
+        assert all(r["resumed_losses"][t] == r["full_losses"][t] for t in (4, 5, 6))
+        for a, b in zip(r["full"], r["resumed"]):
+            assert torch.equal(a, b)
+    queue = torch.load(next(tmp_path.glob("*step=3.ckpt")), weights_only=False)["rollout_queue"]
+    assert len(queue["by_rank"]) == 2
+    first = [q["items"][0][1]["packed"]["ids"] for q in queue["by_rank"]]  # (version, batch): each rank's own
+    assert not torch.equal(*first)
+
+
 def test_the_fsdp_gpu_config_is_the_gpu_config_sharded_over_its_devices():
     """tasks/llm/qwen3-1.7b-fsdp-gpu.yaml (parsed, not run: no GPU here): its strategy builds as Lightning's
     FSDPStrategy wrapping each Qwen3 decoder layer, the prompts split evenly over the ranks, and apart from the

@@ -127,6 +127,29 @@ def test_loading_a_state_replaces_what_the_queue_holds():
     assert busy.versions == [3, 4] and q.versions == [3, 4, 5]
 
 
+class _Ranks:
+    def __init__(self, world_size: int, global_rank: int) -> None:
+        self.world_size, self.global_rank = world_size, global_rank
+
+
+def test_a_queue_checkpointed_across_processes_resumes_only_with_as_many():
+    """Each rank's queue holds its own rollouts: a checkpoint holds them by rank, and another number of processes
+    cannot share them out."""
+    m = SoftmaxBandit(staleness=2, steps=4)
+    m.queue.push({"ids": torch.arange(3)}, 0)
+    one = m.queue.state_dict()
+    m.trainer = _Ranks(1, 0)
+    with pytest.raises(ValueError, match="those of 2 processes, this run has 1.*resume with 2 devices"):
+        m.on_load_checkpoint({"rollout_queue": {"by_rank": [one, one]}})
+    m.trainer = _Ranks(2, 1)
+    with pytest.raises(ValueError, match="one process's, this run has 2.*resume with 1 device"):
+        m.on_load_checkpoint({"rollout_queue": one})
+    other = StaleRolloutQueue(2)
+    other.push({"ids": torch.arange(5)}, 1)
+    m.on_load_checkpoint({"rollout_queue": {"by_rank": [one, other.state_dict()]}})  # rank 1 takes its own
+    assert m.queue.versions == [1] and torch.equal(m.queue.pop(1)[0]["ids"], torch.arange(5))
+
+
 def test_advantage_estimators_match_hand_computations():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: all equal

@@ -196,15 +196,41 @@ class Objective(pl.LightningModule):
             self.log_scalars({f"eval/{self.metric_name}": self.metric()})
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """A rollout objective's stale-rollout queue (``self.queue``) goes into the checkpoint with the run."""
+        """A rollout objective's stale-rollout queue (``self.queue``) goes into the checkpoint with the run. Across
+        processes (DDP) each rank's queue holds its own rollouts, while Lightning writes the checkpoint from rank 0:
+        every rank's queue is gathered into it (one collective; every rank runs this hook) and each rank takes its
+        own back on resume."""
         queue = getattr(self, "queue", None)
-        if queue is not None:
-            checkpoint["rollout_queue"] = queue.state_dict()
+        if queue is None:
+            return
+        state = queue.state_dict()
+        world = self.trainer.world_size
+        if world > 1:
+            from lightning.fabric.utilities.apply_func import move_data_to_device
+
+            states: list[Any] = [None] * world
+            torch.distributed.all_gather_object(states, move_data_to_device(state, "cpu"))
+            state = {"by_rank": states}
+        checkpoint["rollout_queue"] = state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         queue = getattr(self, "queue", None)
-        if queue is not None:
-            queue.load_state_dict(checkpoint["rollout_queue"])
+        if queue is None:
+            return
+        state = checkpoint["rollout_queue"]
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        if "by_rank" in state:
+            if len(state["by_rank"]) != world:
+                raise ValueError(f"the checkpoint's rollout queues are those of {len(state['by_rank'])} processes, "
+                                 f"this run has {world}: each rank's queue holds its own rollouts; resume with "
+                                 f"{len(state['by_rank'])} devices")
+            from lightning.fabric.utilities.apply_func import move_data_to_device
+
+            state = move_data_to_device(state["by_rank"][rank], self.device)
+        elif world > 1 and state["items"]:
+            raise ValueError(f"the checkpoint's rollout queue is one process's, this run has {world}: its rollouts "
+                             "cannot be shared out among the ranks; resume with 1 device")
+        queue.load_state_dict(state)
 
     def log_scalars(self, metrics: dict) -> None:
         """Scalars to ``trainer.callback_metrics`` and the loggers (gacbench.callbacks._common.log_metrics says how)."""
