@@ -57,6 +57,7 @@ def test_the_warm_start_of_an_arithmetic_run_never_trains_on_its_eval_problems()
 def test_exact_reward():
     assert exact_reward("31", "31") == 1.0 and exact_reward("3 1\nxyz", "31") == 1.0
     assert exact_reward("310", "31") == 0.0 and exact_reward("", "31") == 0.0
+    assert exact_reward("(35, 36)", "(35, 36)") == 1.0 and exact_reward("(35,36)\n", "(35, 36)") == 1.0  # a spaced gold
 
 
 def test_a_completion_is_scored_on_what_it_wrote_up_to_its_end_with_inner_special_tokens_kept():

@@ -70,6 +70,7 @@ def test_final_line_reward_on_hand_cases():
     assert final_line_reward(right, "9") == 1.0
     assert final_line_reward(right.rstrip("\n"), "9") == 1.0  # no trailing newline
     assert final_line_reward("3*4=12\n2+12=14\n14-5=9\n 9 \n", "9") == 1.0  # spaces ignored
+    assert final_line_reward("so\n(35, 36)", "(35, 36)") == 1.0  # in the gold too
     assert final_line_reward("3*4=12\n2+12=14\n14-5=9\n8\n", "9") == 0.0  # wrong answer
     assert final_line_reward("3*4=12\n2+12=14\n14-5=9\n9\n7\n", "9") == 0.0  # extra text after the answer
     assert final_line_reward("3*4=12\n2+12=14\n14-5=", "9") == 0.0  # cut off mid-scratchpad
@@ -164,6 +165,27 @@ def test_the_medium_size_has_at_least_15m_parameters_and_the_shared_vocabulary()
     assert sized_config("medium").head_dim >= 32  # vLLM's CPU attention
     with pytest.raises(ValueError, match="model.size='huge' is not one of tiny, small, medium"):
         sized_config("huge")
+
+
+def test_a_task_the_tokenizer_erases_or_whose_targets_cannot_fit_is_refused(tmp_path):
+    """The tiny tokenizer encodes a character it does not know as its padding token, and a max_tokens shorter than
+    every scratchpad would leave every rollout unrewarded: both are refused when the module is built."""
+    from gacbench.llm.datasets import MathDataset
+    from gacbench.llm.grpo import check_task_text
+    from gacbench.llm.model import cached_model_dir, load
+
+    _, tok = load(cached_model_dir(tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128), tmp_path))
+    spaced = tmp_path / "spaced.jsonl"
+    spaced.write_text("".join(f'{{"problem": "{i} + {i} =", "answer": "{2 * i}"}}\n' for i in range(40)))
+    with pytest.raises(ValueError, match=r"task 'math': the tokenizer of M has no token for ' ' in the (train|eval) "
+                                         r"prompt '\d+ \+ \d+ ='.*model.path"):
+        check_task_text(MathDataset(spaced, eval_fraction=0.3), tok, 6, "math", "M")
+    task = ScratchpadTask()
+    need = max(len(tok.encode(p.target, add_special_tokens=False)) for p in task.batch("train", 0, 256))
+    with pytest.raises(ValueError, match=f"max_tokens=6 is shorter than every target .* at least {need}"):
+        check_task_text(task, tok, 6, "scratchpad", "M")
+    check_task_text(task, tok, 24, "scratchpad", "M")  # some fit: the rest are cut, as the length axis studies
+    check_task_text(ArithmeticTask(), tok, 6, "arithmetic", "M")
 
 
 def test_grpo_logs_the_response_length_and_parameter_count(tmp_path):

@@ -160,6 +160,34 @@ def test_rows_with_line_separators_inside_strings_load_and_numeric_golds_are_rea
     assert sorted((p.prompt, p.answer) for p in got) == sorted((r["problem"], str(r["answer"])) for r in rows)
 
 
+def test_numbers_with_a_fraction_are_read_as_written_in_positional_notation(tmp_path):
+    """A float's text (1e-05) is, to math-verify, an expression in Euler's number e: the gold would never verify."""
+    written = ["1e-05", "0.5", "2.50", "1E+2", "-0.125"]
+    want = {"1e-05": "0.00001", "0.5": "0.5", "2.50": "2.50", "1E+2": "100", "-0.125": "-0.125"}
+    lines = [f'{{"problem": "Q{i} {w}?", "answer": {w}}}' for i in range(8) for w in written]
+    path = _write(tmp_path, lines)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # a byte-order mark before line 1
+    d = MathDataset(path, eval_fraction=0.3)
+    got = {p.prompt: p.answer for s in ("train", "eval") for p in d.batch(s, 0, d.sizes[s])}
+    assert len(got) == 40 and all(answer == want[prompt.split()[1][:-1]] for prompt, answer in got.items())
+    assert math_verify_reward(r"\boxed{0.00001}", want["1e-05"]) == 1.0
+    assert math_verify_reward(r"\boxed{10^{-5}}", want["1e-05"]) == 1.0
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"problem": [f"Q{i}?" for i in range(40)], "answer": [1e-05 * (i + 1) for i in range(40)]}),
+                   tmp_path / "double.parquet")
+    d = MathDataset(tmp_path / "double.parquet", eval_fraction=0.3)
+    answers = {p.answer for s in ("train", "eval") for p in d.batch(s, 0, d.sizes[s])}
+    assert "0.00001" in answers and not any("e" in a.lower() for a in answers)
+
+
+def test_a_template_that_reads_beyond_the_problem_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"template '\{problem.text\}' must use only \{problem\}"):
+        MathDataset(EXAMPLE, template="{problem.text}")
+    with pytest.raises(ValueError, match="must use only"):
+        MathDataset(EXAMPLE, template="{problem[0]}")
+
+
 def test_copies_of_a_problem_that_differ_in_spacing_fall_in_one_split(tmp_path):
     texts = [f"What is {i} + {i}?" for i in range(40)]
     lines = [json.dumps({"problem": t, "answer": "1"}) for t in texts]

@@ -63,7 +63,7 @@ def _read_rows(path: Path) -> tuple[str, list[tuple[int, Any]]]:
     if suffix == ".jsonl":
         rows = []
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, if any, is not part of line 1
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); a .jsonl dataset is one JSON "
                              "object per line in UTF-8 (or give a .parquet file)") from None
@@ -73,7 +73,9 @@ def _read_rows(path: Path) -> tuple[str, list[tuple[int, Any]]]:
             if not line.strip():
                 continue
             try:
-                rows.append((n, json.loads(line)))
+                # numbers with a fraction as written (1e-05 read as a float would become the text "1e-05",
+                # which math-verify reads as an expression in Euler's number e)
+                rows.append((n, json.loads(line, parse_float=decimal.Decimal)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {n}: invalid JSON ({e.msg} at column {e.colno}); "
                                  f"write one JSON object per line") from e
@@ -113,7 +115,7 @@ class MathDataset:
             raise ValueError(f"MathDataset: eval_fraction={self.eval_fraction} must be in (0, 1)")
         try:
             self.template.format(problem="")
-        except (KeyError, IndexError, ValueError) as e:
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
             raise ValueError(f"MathDataset: template {self.template!r} must use only {{problem}}; "
                              f"write literal braces doubled, e.g. \\boxed{{{{}}}} ({e!r})") from None
         unit, rows = _read_rows(path)
@@ -157,7 +159,10 @@ class MathDataset:
                     isinstance(raw, decimal.Decimal) and not raw.is_finite()):
                 raise ValueError(f"{where}: answer field {akey!r} is {raw!r} ({type(raw).__name__}); give the gold "
                                  "answer as a string (or a finite number)")
-            answer: str | None = str(raw).strip()
+            if isinstance(raw, float):  # a .parquet double: its shortest decimal form
+                raw = decimal.Decimal(repr(raw))
+            # a number in positional notation (str would write 1E-7 or 1e-05, which math-verify reads with e)
+            answer: str | None = (format(raw, "f") if isinstance(raw, decimal.Decimal) else str(raw)).strip()
             if "\\boxed" in answer or "\\fbox" in answer:
                 answer = extract_boxed(answer)
                 if answer is None:

@@ -99,6 +99,36 @@ class EngineConfig:
     compile: bool = False
 
 
+def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, sample: int = 256) -> None:
+    """Refuse a task the model cannot read, or whose completions cannot fit, from its first ``sample`` train and
+    eval problems: a character of a prompt or target that the tokenizer encodes as its padding or unknown token
+    (the model would see it erased: the tiny model's tokenizer knows digits and +-*= only), and a
+    ``max_tokens`` shorter than every train target (the target is what the task's warm start teaches: the
+    scratchpad task's lines, else the answer), so that no rollout could end where the reward reads it."""
+    lost = {i for i in (tok.pad_token_id, tok.unk_token_id) if i is not None}
+    sizes = getattr(task, "sizes", {})
+    problems = {split: task.batch(split, 0, min(sample, sizes.get(split, sample))) for split in ("train", "eval")}
+
+    def erased(text: str) -> bool:
+        return bool(lost & set(tok.encode(text, add_special_tokens=False)))
+
+    for split, batch in problems.items():
+        for prob in batch:
+            for what, text in (("prompt", prob.prompt), ("target", prob.target)):
+                if erased(text):
+                    char = next((c for c in text if erased(c)), None)
+                    which = f"no token for {char!r}" if char is not None else "no tokens for part of it"
+                    raise ValueError(f"GRPO: task {name!r}: the tokenizer of {model_path} has {which} in the {split} "
+                                     f"{what} {text[:60]!r}, which it encodes as its padding or unknown token: the "
+                                     "model would read it erased. Use a checkpoint whose tokenizer covers the task's "
+                                     "text (model.path), or write the task in the characters it knows.")
+    need = [len(tok.encode(prob.target, add_special_tokens=False)) for prob in problems["train"]]
+    if need and min(need) > max_tokens:
+        raise ValueError(f"GRPO: task {name!r}: rollout.max_tokens={max_tokens} is shorter than every target of its "
+                         f"first {len(need)} train problems ({min(need)} to {max(need)} tokens), so that no rollout "
+                         f"could end where the reward reads it; set rollout.max_tokens to at least {max(need)}.")
+
+
 @dataclass
 class RolloutConfig:
     """prompts per step, group (samples per prompt, >= 2), max_tokens per completion, advantage (a registered
@@ -339,6 +369,7 @@ class GRPOModule(Objective):
                                          f"{r.max_tokens} it exceeds the model's context of {self.context}. Lower "
                                          "max_tokens, shorten or drop the row, or use "
                                          "a model with a longer context.")
+        check_task_text(self.task, self.tok, r.max_tokens, self.task_cfg.name, model_path)
         # the frozen reference policy (not a submodule: it is neither optimised nor checkpointed)
         self._ref = [copy.deepcopy(self.policy).eval().requires_grad_(False)] if lc.kl_coef > 0 else []
         self.engine = None

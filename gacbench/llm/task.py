@@ -160,12 +160,12 @@ class ScratchpadTask:
 
 
 def exact_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion, up to its first newline or end, is exactly the answer (spaces ignored)."""
-    return float(completion.split("\n", 1)[0].replace(" ", "") == answer)
+    """1.0 when the completion, up to its first newline or end, is exactly the answer (spaces ignored in both)."""
+    return float(completion.split("\n", 1)[0].replace(" ", "") == answer.replace(" ", ""))
 
 
 def final_line_reward(completion: str, answer: str) -> float:
-    """1.0 when the completion's final line is exactly the answer (spaces ignored). The final line is the last
+    """1.0 when the completion's final line is exactly the answer (spaces ignored in both). The final line is the last
     one after trailing newlines are dropped, so ``...\n14-5=9\n9\n`` ends in ``9``; the lines before it (the
     scratchpad) are not checked, and a completion cut off by ``max_tokens`` ends in whatever line it reached."""
-    return float(completion.rstrip("\n").rsplit("\n", 1)[-1].replace(" ", "") == answer)
+    return float(completion.rstrip("\n").rsplit("\n", 1)[-1].replace(" ", "") == answer.replace(" ", ""))
