@@ -208,8 +208,17 @@ def test_a_seed_on_two_cpu_kinds_or_two_code_versions_on_two_kinds_is_not_blocke
     assert not summary["machine_blocks"]["blocked"]
     md = (tmp_path / "summary.md").read_text()
     assert "**This grid mixes 2 code versions**" in md.split("\n## ")[0]
-    assert "Seeds computed on more than one CPU kind: quadratic seed 0 (AMD EPYC AVX2 and Intel(R) Xeon(R) " \
-           "Processor AVX512)." in md
+    assert "Seeds computed on more than one CPU kind (their methods are not compared on one machine): quadratic " \
+           "seed 0 (AMD EPYC AVX2 and Intel(R) Xeon(R) Processor AVX512)." in md
+    # cells stored before the CPU's vendor was recorded: one environment key for both kinds, the seed still named
+    unnamed = tmp_path / "unnamed"
+    for cpu, method, s in ((INTEL, "sync", 0), (AMD, "stale", 2)):
+        _store(unnamed, method, s, 0, 1.0 + s, prov={**_prov("5"), "isa": "AVX2", "cpu_model": cpu["cpu_model"]})
+    summary = build_report(unnamed)["summary"]
+    assert len(summary["versions"]) == 1 and summary["machine_blocks"]["mixed_seeds"]
+    top = (unnamed / "summary.md").read_text().split("\n## ")[0]
+    assert "**Seeds computed on more than one CPU kind (their methods are not compared on one machine): quadratic " \
+           "seed 0 (AMD EPYC AVX2 and Intel(R) Xeon(R) Processor AVX2).**" in top
     other = tmp_path / "other"
     _store(other, "sync", 0, 0, 1.0, prov={**_prov("5"), **INTEL})
     _store(other, "sync", 0, 1, 1.0, prov={**_prov("6"), **AMD})  # another library source on the other machine
@@ -239,8 +248,9 @@ versions = [{{"key": "src 111", "description": "commit aaaaaaaaaa", "cells": 3}}
 summary = {{"versions": versions}}
 if os.environ["FAKE_MIXED"] == "1":
     versions.append({{"key": "src 222", "description": "commit bbbbbbbbbb (dirty)", "cells": 1}})
-elif os.environ["FAKE_MIXED"] in ("blocked", "seeds"):  # one code version on two CPU kinds
-    versions.append({{"key": "src 111 isa AVX2", "description": "commit aaaaaaaaaa", "cells": 2}})
+elif os.environ["FAKE_MIXED"] in ("blocked", "seeds", "seeds-one-key"):  # one code version on two CPU kinds
+    if os.environ["FAKE_MIXED"] != "seeds-one-key":  # else cells stored without the vendor: one key for both kinds
+        versions.append({{"key": "src 111 isa AVX2", "description": "commit aaaaaaaaaa", "cells": 2}})
     blocked = os.environ["FAKE_MIXED"] == "blocked"
     summary["machine_blocks"] = {{
         "kinds": {{"Intel Xeon AVX512": {{"seeds": {{"t": [0, 1]}}, "cells": 3}},
@@ -319,10 +329,13 @@ def test_make_sh_publishes_one_code_version_on_two_cpu_kinds_only_when_each_seed
     assert "grids/grid/summary.json: one code version on 2 CPU kinds, each seed on one (Intel Xeon AVX512: 3 " \
            "cells; AMD EPYC AVX2: 2 cells)" in proc.stderr
     assert (tmp_path / "paper" / "grid" / "summary.json").exists()
-    proc = _make_sh(tmp_path / "seeds", mixed="seeds")
-    assert proc.returncode != 0
-    assert "seeds computed on more than one CPU kind: t seed 1" in proc.stderr
-    assert "mixes 2 code versions" in proc.stderr and not (tmp_path / "seeds" / "paper" / "grid").exists()
+    for mixed in ("seeds", "seeds-one-key"):  # whether or not the environment keys name the kinds
+        proc = _make_sh(tmp_path / mixed, mixed=mixed)
+        assert proc.returncode != 0
+        assert "seeds computed on more than one CPU kind: t seed 1 (AMD EPYC AVX2 and Intel Xeon AVX512); not " \
+               "published" in proc.stderr and "--allow-mixed-versions" in proc.stderr
+        assert not (tmp_path / mixed / "paper" / "grid").exists()
+    assert _make_sh(tmp_path / "allowed", "--allow-mixed-versions", mixed="seeds-one-key").returncode == 0
 
 
 def test_make_sh_refuses_a_summary_without_versions(tmp_path):

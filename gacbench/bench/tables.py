@@ -247,12 +247,16 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     computed on several (:func:`~gacbench.bench.versions.machine_blocks`), named at the top. The findings paragraph
     at the top reads the headline measure (:func:`findings`)."""
     lines = [f"# Benchmark summary: `{root}`", "",
-             "Regenerate with `gacbench report " + str(root) + "`. Definitions: see `gacbench/bench/report.py`.", ""]
+             "Regenerate with `gacbench report " + str(root) + "` (add `--suite` and the name of the suite that made "
+             "it where the folder holds no summary.json, as in a new clone). Definitions: see "
+             "`gacbench/bench/report.py`.", ""]
     if machine_blocks and machine_blocks["blocked"]:
         lines += [_blocks_note(machine_blocks), ""]
     elif versions and len(versions) > 1:
         lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
                   + _mixed_note(mixed or []), ""]
+    if machine_blocks and machine_blocks["mixed_seeds"]:
+        lines += [f"**{_mixed_seeds_note(machine_blocks)}**", ""]
     lines += findings(shares, reward_shares or [], aligned or [])
     lines += _regime_checks_section(regime_checks or [])
     tasks = sorted({g["task"] for g in groups})
@@ -521,10 +525,17 @@ def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | No
         lines += ["", _blocks_note(blocks)]
     elif len(versions) > 1:
         lines += ["", f"This grid mixes {len(versions)} code versions: " + _mixed_note(mixed)]
-        if blocks and blocks["mixed_seeds"]:
-            lines.append("Seeds computed on more than one CPU kind: " + ", ".join(
-                f"{m['task']} seed {m['seed']} ({' and '.join(m['kinds'])})" for m in blocks["mixed_seeds"]) + ".")
+    if blocks and blocks["mixed_seeds"]:
+        lines += ["", _mixed_seeds_note(blocks)]
     return lines
+
+
+def _mixed_seeds_note(blocks: dict) -> str:
+    """The seeds whose cells ran on more than one CPU kind (:func:`~gacbench.bench.versions.machine_blocks`), named
+    whatever the code versions: their methods were not compared on one machine. Cells stored without the CPU's
+    vendor share one environment key across vendors of one instruction set, which compute differently."""
+    return ("Seeds computed on more than one CPU kind (their methods are not compared on one machine): " + ", ".join(
+        f"{m['task']} seed {m['seed']} ({' and '.join(m['kinds'])})" for m in blocks["mixed_seeds"]) + ".")
 
 
 def _share_cell(r: dict) -> str:
