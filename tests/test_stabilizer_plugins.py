@@ -135,3 +135,21 @@ def test_the_registry_holds_every_builtin_whatever_else_is_installed():
     found = available()
     assert BUILTINS <= set(found)  # a subset: an installed third-party plug-in adds names
     assert all(found[n]["source"] == "gacbench" for n in BUILTINS)
+
+
+def test_the_installed_entry_points_are_read_once_per_search_path(tmp_path, monkeypatch):
+    """A grid parses its methods hundreds of times; each call still gets dicts of its own."""
+    reads = []
+
+    def counting(group):
+        reads.append(group)
+        return []
+
+    monkeypatch.setattr(registry, "entry_points", counting)
+    first = available()
+    first["gac"]["kind"] = "changed by a caller"
+    assert available()["gac"]["kind"] == "gradient" and set(available()) == BUILTINS
+    assert reads == [ENTRY_POINT_GROUP]
+    monkeypatch.syspath_prepend(str(tmp_path))  # where a newly installed package would be found
+    available()
+    assert reads == [ENTRY_POINT_GROUP] * 2

@@ -8,6 +8,7 @@ available."""
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -20,6 +21,8 @@ NAME_PATTERN = "[A-Za-z0-9_-]+"  # what a method spec reads as one name (no "+",
 
 # entry point (name, value) -> the error it raised on load; each is warned about once per process
 _BROKEN: dict[tuple[str, str], str] = {}
+# (entry_points, sys.path) -> the registry read with them (available)
+_READ: dict[tuple[Any, tuple[str, ...]], dict[str, dict[str, Any]]] = {}
 
 
 def _builtins() -> dict[str, type]:
@@ -45,7 +48,18 @@ def available() -> dict[str, dict[str, Any]]:
     """name -> {"cls", "kind", "source", "package", "help", "on_policy_identity"} (the class's declaration with its
     default settings, False where the class declares nothing: :class:`gacbench.stabilizers.base.Stabilizer`); a
     name declared twice (a plug-in with a built-in's
-    name, or two plug-ins with one name) is a UsageError naming both packages."""
+    name, or two plug-ins with one name) is a UsageError naming both packages.
+
+    The installed packages' entry points are read once per process and module search path (a read costs
+    milliseconds, and a grid parses its methods hundreds of times): a package installed into a running process
+    is seen after ``sys.path`` changes, or in the next process. Each call returns its own dicts."""
+    key = (entry_points, tuple(sys.path))  # entry_points too: a test may replace it
+    if key not in _READ:
+        _READ[key] = _read()
+    return {name: dict(info) for name, info in _READ[key].items()}
+
+
+def _read() -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for name, cls in _builtins().items():
         found[name] = {"cls": cls, "source": "gacbench", "package": "gacbench (built in)"}
