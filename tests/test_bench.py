@@ -172,6 +172,35 @@ def test_a_seeded_cell_is_reproducible(tmp_path, objective, method):
     assert cols(tmp_path / "a") == cols(tmp_path / "b")
 
 
+@pytest.mark.parametrize("objective,method", [("quadratic", "gac"), ("bandit", "stale")])
+def test_a_cells_final_metric_is_a_fresh_evaluation_of_its_last_parameters(tmp_path, objective, method, monkeypatch):
+    """The fit's last step is evaluated in the fit; the cell reuses that value only while no parameter changed."""
+    import csv
+
+    import torch
+
+    from gacbench.objectives import objective_class
+
+    calls = []
+    cls = objective_class(objective)
+    metric = cls.metric
+    monkeypatch.setattr(cls, "metric", lambda self: calls.append(self._trainer and self.trainer.global_step)
+                        or metric(self))
+    cell = {"task": "t", "objective": objective, "params": {"eval_every": 10}, "steps": 25, "method": method,
+            "staleness": 3, "seed": 4}
+    out = run_cell(cell, tmp_path)
+    assert calls == [None, 10, 20, 25]  # θ₀ before the fit, then in the fit; none after it
+    with open(cell_dir(tmp_path, cell) / "metrics.csv") as f:
+        logged = [r[f"eval/{out['metric']}"] for r in csv.DictReader(f) if r.get(f"eval/{out['metric']}")]
+    assert out["final"] == float(logged[-1])
+    model = cls(**cell["params"], seed=4, steps=25, **({"staleness": 3} if cls.rollout_staleness else {}))
+    model._last_eval = (model._parameters_state(), 0.125)
+    assert model.final_metric() == 0.125
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # written in place since that evaluation: evaluated again
+    assert model.final_metric() == metric(model) != 0.125
+
+
 def test_recovered_share_arithmetic():
     common = {"final_std": 0.1, "n": 4, "ablation": False}
     groups = [

@@ -25,6 +25,9 @@ def test_problems_are_deterministic_correct_and_splits_disjoint():
         task.problem("test", 0)
     with pytest.raises(ValueError, match="eval_fraction"):
         ArithmeticTask(eval_fraction=0.0)
+    # drawn once per process: a task of equal settings reads the same problems, a draw of its own equals them
+    assert task.problem("eval", 7) is ArithmeticTask(max_ops=3, seed=1).problem("eval", 7) == task._problem("eval", 7)
+    assert ArithmeticTask(max_ops=3, seed=2).problem("eval", 7) != task.problem("eval", 7)
 
 
 @pytest.mark.parametrize("cls", ["ArithmeticTask", "ScratchpadTask"])

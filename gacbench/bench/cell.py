@@ -523,7 +523,7 @@ def _run(cell: dict, out: Path) -> dict:
     trainer.fit(model)
     fit_s = time.perf_counter() - t_fit
     eval_in_fit = evals.seconds - eval_before_fit
-    final = model.metric()
+    final = model.final_metric()
     costs = getattr(model, "cost_s", {})  # an objective's own one-off costs: model load, engine start-up
     model_s, engine_s = costs.get("model", 0.0), costs.get("engine", 0.0)
     setup_s = (t_setup - t_begin) + (t_fit - t_trainer) - model_s

@@ -13,6 +13,7 @@ its text falls in the evaluation bucket.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ def _max_draws(eval_fraction: float) -> int:
     split's share), at least 10,000. A split that holds a share p of the draws is missed that many times in a row
     with probability about exp(-200) when p is its nominal share."""
     return max(10_000, int(200 / min(eval_fraction, 1.0 - eval_fraction)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _drawn(task, split: str, i: int) -> Problem:
+    """``task._problem(split, i)``, a pure function of the (frozen, hashable) task's settings, split and i; a
+    problem costs about ten rejection draws."""
+    return task._problem(split, i)
 
 
 def _check_splits(task) -> None:
@@ -83,7 +91,11 @@ class ArithmeticTask:
         return Problem(expr + "=", str(eval(expr, {"__builtins__": {}})))  # digits and +-* only
 
     def problem(self, split: str, i: int) -> Problem:
-        """Problem ``i`` of ``split`` ("train" or "eval"): deterministic, and in its split's bucket."""
+        """Problem ``i`` of ``split`` ("train" or "eval"): deterministic, and in its split's bucket (drawn once per
+        process: a run reads its evaluation problems again at every evaluation)."""
+        return _drawn(self, split, i)
+
+    def _problem(self, split: str, i: int) -> Problem:
         if split not in ("train", "eval"):
             raise ValueError(f"{type(self).__name__}: split={split!r} is not 'train' or 'eval'")
         rng = random.Random(f"{self.seed}/{split}/{i}")
@@ -156,6 +168,7 @@ class ScratchpadTask:
         return Problem(prompt, str(value), "\n".join([*lines, str(value)]))
 
     problem = ArithmeticTask.problem
+    _problem = ArithmeticTask._problem
     batch = ArithmeticTask.batch
 
 
