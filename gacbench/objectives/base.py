@@ -198,17 +198,18 @@ class Objective(pl.LightningModule):
             self.log_scalars({f"eval/{self.metric_name}": value})
 
     def final_metric(self) -> float:
-        """:meth:`metric` of the parameters as they are now: the last evaluation in the fit when no parameter has
-        been replaced or changed in place since it (the run's last step is evaluated in the fit), else a new one."""
+        """:meth:`metric` of the parameters as they are now: the last evaluation in the fit when no parameter or
+        buffer has been replaced or changed in place since it (the run's last step is evaluated in the fit), else
+        a new one."""
         last = getattr(self, "_last_eval", None)
         if last is not None and last[0] == self._parameters_state():
             return last[1]
         return self.metric()
 
     def _parameters_state(self) -> tuple:
-        """Each parameter's storage and in-place version counter: equal only while no parameter was replaced or
-        written in place."""
-        return tuple((p.data_ptr(), p._version) for p in self.parameters())
+        """Each parameter's and buffer's storage and in-place version counter: equal only while none was replaced
+        or written in place (a BatchNorm's running statistics are buffers)."""
+        return tuple((t.data_ptr(), t._version) for t in (*self.parameters(), *self.buffers()))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """A rollout objective's stale-rollout queue (``self.queue``) goes into the checkpoint with the run. Across
