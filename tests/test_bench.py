@@ -173,10 +173,13 @@ def test_a_seeded_cell_is_reproducible(tmp_path, objective, method):
 
 
 @pytest.mark.parametrize("objective,method", [("quadratic", "gac"), ("bandit", "stale")])
-def test_a_cells_final_metric_is_a_fresh_evaluation_of_its_last_parameters(tmp_path, objective, method, monkeypatch):
-    """The fit's last step is evaluated in the fit; the cell reuses that value only while no parameter changed."""
+def test_a_cells_final_metric_is_the_fits_evaluation_of_its_last_step_until_something_changes(
+        tmp_path, objective, method, monkeypatch):
+    """The fit's last step is evaluated in the fit, and the cell reuses that value; a fit stopped between
+    evaluations, or parameters written since, are evaluated again."""
     import csv
 
+    import lightning.pytorch as pl
     import torch
 
     from gacbench.objectives import objective_class
@@ -193,8 +196,19 @@ def test_a_cells_final_metric_is_a_fresh_evaluation_of_its_last_parameters(tmp_p
     with open(cell_dir(tmp_path, cell) / "metrics.csv") as f:
         logged = [r[f"eval/{out['metric']}"] for r in csv.DictReader(f) if r.get(f"eval/{out['metric']}")]
     assert out["final"] == float(logged[-1])
+    class StopAt13(pl.Callback):  # as DivergenceStop ends a cell: between two evaluations
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.should_stop = trainer.global_step == 13 or trainer.should_stop
+
     model = cls(**cell["params"], seed=4, steps=25, **({"staleness": 3} if cls.rollout_staleness else {}))
-    model._last_eval = (model._parameters_state(), 0.125)
+    # fused AdamW (GRPO's optimizer) writes the parameters without advancing their version counters
+    model.configure_optimizers = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    trainer = pl.Trainer(max_steps=25, callbacks=[StopAt13()], accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
+    del calls[:]
+    assert trainer.global_step == 13 and model.final_metric() == metric(model) and calls == [13]
+    model._last_eval = ((13, model._parameters_state()), 0.125)
     assert model.final_metric() == 0.125
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # written in place since that evaluation: evaluated again

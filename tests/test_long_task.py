@@ -167,24 +167,31 @@ def test_the_medium_size_has_at_least_15m_parameters_and_the_shared_vocabulary()
         sized_config("huge")
 
 
-def test_a_task_the_tokenizer_erases_or_whose_targets_cannot_fit_is_refused(tmp_path):
-    """The tiny tokenizer encodes a character it does not know as its padding token, and a max_tokens shorter than
-    every scratchpad would leave every rollout unrewarded: both are refused when the module is built."""
+def test_a_task_the_tokenizer_erases_or_whose_answers_cannot_fit_is_refused(tmp_path):
+    """The tiny tokenizer encodes a character it does not know as its padding token (every row of a dataset is
+    read), and a max_tokens shorter than every answer leaves no rollout rewardable: both are refused when the module
+    is built. A scratchpad that does not fit is not refused: the final-line reward reads the answer alone."""
     from gacbench.llm.datasets import MathDataset
     from gacbench.llm.grpo import check_task_text
     from gacbench.llm.model import cached_model_dir, load
 
     _, tok = load(cached_model_dir(tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128), tmp_path))
+    rows = [f'{{"problem": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(1000)]
+    rows[700] = '{"problem": "7 + 7 =", "answer": "14"}\n'  # beyond any sample of the first rows
     spaced = tmp_path / "spaced.jsonl"
-    spaced.write_text("".join(f'{{"problem": "{i} + {i} =", "answer": "{2 * i}"}}\n' for i in range(40)))
+    spaced.write_text("".join(rows))
     with pytest.raises(ValueError, match=r"task 'math': the tokenizer of M has no token for ' ' in the (train|eval) "
-                                         r"prompt '\d+ \+ \d+ ='.*model.path"):
+                                         r"prompt '7 \+ 7 ='.*model.path"):
         check_task_text(MathDataset(spaced, eval_fraction=0.3), tok, 6, "math", "M")
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(f'{{"problem": "{i}+{i}=", "answer": "{123456 + i}"}}\n' for i in range(40)))
+    with pytest.raises(ValueError, match="max_tokens=3 is shorter than every answer .* at least 6"):
+        check_task_text(MathDataset(long, eval_fraction=0.3), tok, 3, "math", "M")
+    check_task_text(MathDataset(long, eval_fraction=0.3), tok, 6, "math", "M")
     task = ScratchpadTask()
-    need = max(len(tok.encode(p.target, add_special_tokens=False)) for p in task.batch("train", 0, 256))
-    with pytest.raises(ValueError, match=f"max_tokens=6 is shorter than every target .* at least {need}"):
-        check_task_text(task, tok, 6, "scratchpad", "M")
-    check_task_text(task, tok, 24, "scratchpad", "M")  # some fit: the rest are cut, as the length axis studies
+    assert min(len(tok.encode(p.target, add_special_tokens=False)) for p in task.batch("train", 0, 256)) > 6
+    check_task_text(task, tok, 6, "scratchpad", "M")  # the answer alone fits, and is rewarded
+    assert final_line_reward("20\n", "20") == 1.0
     check_task_text(ArithmeticTask(), tok, 6, "arithmetic", "M")
 
 

@@ -184,8 +184,11 @@ def test_numbers_with_a_fraction_are_read_as_written_in_positional_notation(tmp_
 def test_a_template_that_reads_beyond_the_problem_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"template '\{problem.text\}' must use only \{problem\}"):
         MathDataset(EXAMPLE, template="{problem.text}")
-    with pytest.raises(ValueError, match="must use only"):
-        MathDataset(EXAMPLE, template="{problem[0]}")
+    for template in ("{problem[0]}", "Q: {problem.strip}", "{problem} {0}"):  # {problem.strip} formats, into text
+        with pytest.raises(ValueError, match="must use only"):  # of str's, that differs from process to process
+            MathDataset(EXAMPLE, template=template)
+    formatted = MathDataset(EXAMPLE, template="Q: {problem!s:>3} \\boxed{{}}").batch("train", 0, 1)[0]
+    assert formatted.prompt.startswith("Q: ") and formatted.prompt.endswith("\\boxed{}")
 
 
 def test_copies_of_a_problem_that_differ_in_spacing_fall_in_one_split(tmp_path):

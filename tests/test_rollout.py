@@ -148,6 +148,14 @@ def test_a_queue_checkpointed_across_processes_resumes_only_with_as_many():
     other.push({"ids": torch.arange(5)}, 1)
     m.on_load_checkpoint({"rollout_queue": {"by_rank": [one, other.state_dict()]}})  # rank 1 takes its own
     assert m.queue.versions == [1] and torch.equal(m.queue.pop(1)[0]["ids"], torch.arange(5))
+    # load_from_checkpoint: no trainer, no run to resume; a process's queue is read, a per-rank one left empty
+    loose = SoftmaxBandit(staleness=2, steps=4)
+    loose.on_load_checkpoint({"rollout_queue": one})
+    assert loose.queue.versions == [0]
+    loose = SoftmaxBandit(staleness=2, steps=4)
+    with pytest.warns(UserWarning, match="queues are those of 2 processes and this module has no trainer"):
+        loose.on_load_checkpoint({"rollout_queue": {"by_rank": [one, one]}})
+    assert loose.queue.versions == []
 
 
 def test_advantage_estimators_match_hand_computations():

@@ -17,6 +17,7 @@ import json
 import math
 import random
 import re
+import string
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,10 +115,14 @@ class MathDataset:
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"MathDataset: eval_fraction={self.eval_fraction} must be in (0, 1)")
         try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None]
             self.template.format(problem="")
+            problem = ValueError(f"fields {fields}") if any(f != "problem" for f in fields) else None
         except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+            problem = e
+        if problem is not None:  # {problem.strip} or {problem[0]} would format, into text of str's
             raise ValueError(f"MathDataset: template {self.template!r} must use only {{problem}}; "
-                             f"write literal braces doubled, e.g. \\boxed{{{{}}}} ({e!r})") from None
+                             f"write literal braces doubled, e.g. \\boxed{{{{}}}} ({problem!r})") from None
         unit, rows = _read_rows(path)
         splits: dict[str, list[Problem]] = {"train": [], "eval": []}
         for n, row in rows:

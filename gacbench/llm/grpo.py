@@ -100,14 +100,14 @@ class EngineConfig:
 
 
 def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, sample: int = 256) -> None:
-    """Refuse a task the model cannot read, or whose completions cannot fit, from its first ``sample`` train and
-    eval problems: a character of a prompt or target that the tokenizer encodes as its padding or unknown token
-    (the model would see it erased: the tiny model's tokenizer knows digits and +-*= only), and a
-    ``max_tokens`` shorter than every train target (the target is what the task's warm start teaches: the
-    scratchpad task's lines, else the answer), so that no rollout could end where the reward reads it."""
+    """Refuse a task the model cannot read or answer, from every problem of a finite dataset (its ``sizes``) or the
+    first ``sample`` of each split of a procedural task: a character of a prompt or target that the tokenizer
+    encodes as its padding or unknown token (the model would see it erased: the tiny model's tokenizer knows
+    digits, +-*= and the newline only), and a ``max_tokens`` shorter than every train answer (no rollout could
+    write one; the rewards read the answer alone, so a scratchpad that does not fit still leaves the answer)."""
     lost = {i for i in (tok.pad_token_id, tok.unk_token_id) if i is not None}
     sizes = getattr(task, "sizes", {})
-    problems = {split: task.batch(split, 0, min(sample, sizes.get(split, sample))) for split in ("train", "eval")}
+    problems = {split: task.batch(split, 0, sizes.get(split, sample)) for split in ("train", "eval")}
 
     def erased(text: str) -> bool:
         return bool(lost & set(tok.encode(text, add_special_tokens=False)))
@@ -122,11 +122,11 @@ def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, samp
                                      f"{what} {text[:60]!r}, which it encodes as its padding or unknown token: the "
                                      "model would read it erased. Use a checkpoint whose tokenizer covers the task's "
                                      "text (model.path), or write the task in the characters it knows.")
-    need = [len(tok.encode(prob.target, add_special_tokens=False)) for prob in problems["train"]]
+    need = [len(tok.encode(prob.answer, add_special_tokens=False)) for prob in problems["train"]]
     if need and min(need) > max_tokens:
-        raise ValueError(f"GRPO: task {name!r}: rollout.max_tokens={max_tokens} is shorter than every target of its "
+        raise ValueError(f"GRPO: task {name!r}: rollout.max_tokens={max_tokens} is shorter than every answer of its "
                          f"first {len(need)} train problems ({min(need)} to {max(need)} tokens), so that no rollout "
-                         f"could end where the reward reads it; set rollout.max_tokens to at least {max(need)}.")
+                         f"could write one; set rollout.max_tokens to at least {max(need)}.")
 
 
 @dataclass

@@ -79,7 +79,12 @@ def build_module(args):
                 "staleness": 1, "steps": 1, "lr": args.lr, "seed": args.seed, "eval_every": 10**9}
     if args.task != "arithmetic":
         settings["task"] = {"name": args.task}
-    module = GRPOModule(**settings)
+    try:
+        module = GRPOModule(**settings)
+    except (ValueError, FileNotFoundError) as exc:  # a setting the module refuses, a missing checkpoint
+        from gacbench.usage import UsageError
+
+        raise UsageError(str(exc)) from exc
     build_trainer(1, [], logger=False, enable_progress_bar=False).fit(module)
     return module
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -194,15 +195,17 @@ class Objective(pl.LightningModule):
         step = self.trainer.global_step
         if step % self.eval_every == 0 or step == self.trainer.max_steps:
             value = self.metric()
-            self._last_eval = (self._parameters_state(), value)
+            self._last_eval = ((step, self._parameters_state()), value)
             self.log_scalars({f"eval/{self.metric_name}": value})
 
     def final_metric(self) -> float:
-        """:meth:`metric` of the parameters as they are now: the last evaluation in the fit when no parameter or
-        buffer has been replaced or changed in place since it (the run's last step is evaluated in the fit), else
-        a new one."""
+        """:meth:`metric` of the parameters as they are now: the fit's last evaluation when it was made at the
+        trainer's current step and no parameter or buffer has been replaced or changed in place since (the run's
+        last step is evaluated in the fit; a run stopped early was not), else a new one. The step comes first: a
+        fused optimizer may write the parameters without advancing their version counters."""
         last = getattr(self, "_last_eval", None)
-        if last is not None and last[0] == self._parameters_state():
+        if last is not None and self._trainer is not None and last[0] == (self.trainer.global_step,
+                                                                           self._parameters_state()):
             return last[1]
         return self.metric()
 
@@ -234,6 +237,14 @@ class Objective(pl.LightningModule):
         if queue is None:
             return
         state = checkpoint["rollout_queue"]
+        if self._trainer is None:  # load_from_checkpoint: no run to resume
+            if "by_rank" in state:
+                warnings.warn(f"{type(self).__name__}: the checkpoint's rollout queues are those of "
+                              f"{len(state['by_rank'])} processes and this module has no trainer: the queue is left "
+                              "empty; trainer.fit(..., ckpt_path=...) on as many devices restores each rank's")
+                return
+            queue.load_state_dict(state)
+            return
         world, rank = self.trainer.world_size, self.trainer.global_rank
         if "by_rank" in state:
             if len(state["by_rank"]) != world:
