@@ -21,6 +21,7 @@ import time
 from gacbench.usage import (  # noqa: F401  (re-exported)
     Interrupted,
     UsageError,
+    check_figure_format,
     check_output_dir,
     check_output_file,
     raise_on_signals,
@@ -294,6 +295,8 @@ def _run(argv: list[str]) -> int:
         value = getattr(args, option, None)
         if isinstance(value, str):
             check_output_file(f"--{option}", value)
+    if isinstance(getattr(args, "figure", None), str):
+        check_figure_format("--figure", args.figure)
     if args.version:
         from gacbench import __version__
 

@@ -106,9 +106,24 @@ def check_output_file(option: str, path: str) -> None:
         raise UsageError(f"{option} {path}: cannot write there (permission denied); give a writable path")
 
 
+def check_figure_format(option: str, path: str) -> None:
+    """Refuse, before any work, a figure file whose suffix matplotlib cannot write (none at all included: it
+    would add .png to the name)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        what = f"its suffix .{suffix} is not a figure format" if suffix else "it has no suffix"
+        raise UsageError(f"{option} {path}: {what}; end the name in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (e.g. .png)")
+
+
 def check_output_dir(option: str, path: str | os.PathLike) -> Path:
     """Create ``path`` (with its parents) if needed and check that files can be written in it; a file in
     the way, a read-only place or any other OSError becomes a UsageError naming ``option``."""
+    if not str(path).strip():
+        raise UsageError(f"{option} is empty; give a folder (it is created if missing)")
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{option} {out} is a file, not a folder; give a folder (it is created if missing)")

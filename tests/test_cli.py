@@ -181,6 +181,21 @@ def test_llm_commands_refuse_bad_input_in_one_line(argv, cause, capsys):
     assert len(err) == 1 and err[0].startswith(f"gacbench {argv[0]}: error: ") and cause in err[0], err
 
 
+def test_an_output_the_command_could_not_write_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
+    """A figure suffix matplotlib cannot write would fail after every check had run; an empty --out would be the
+    current folder."""
+    import gacbench.theory.checks as checks
+
+    monkeypatch.setattr(checks, "run_checks", lambda names=None: pytest.fail("the checks ran"))
+    for figure, words in (("fig.xyz", "its suffix .xyz is not a figure format"), ("fig", "it has no suffix")):
+        assert main(["theory", "--figure", str(tmp_path / figure)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and ".png" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--suite", "synthetic-smoke", "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_warm_start_and_rollout_bench_refuse_a_file_or_an_empty_folder_in_one_line(tmp_path, capsys):
     afile, empty = tmp_path / "afile", tmp_path / "empty"
     afile.write_text("")

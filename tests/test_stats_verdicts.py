@@ -168,6 +168,13 @@ def test_power_command_on_a_pilot_summary(tmp_path, capsys):
         power_main(SimpleNamespace(**{**vars(args), "runs": str(tmp_path / "none")}))
     with pytest.raises(UsageError, match="--power"):
         power_main(SimpleNamespace(**{**vars(args), "power": 1.5}))
+    good = (tmp_path / "summary.json").read_text()
+    for damaged, words in (("", "cannot be read as a summary"), (good[:40], "cannot be read as a summary"),
+                           ("[1, 2]", "holds a JSON list, not a summary")):
+        (tmp_path / "summary.json").write_text(damaged)
+        with pytest.raises(UsageError, match=f"{words}.*gacbench report"):
+            power_main(args)
+    (tmp_path / "summary.json").write_text(good)
     # a method identical to stale on every seed (no spread) and a beyond-the-on-policy-effect entry, whose gap
     # is stored as sync - stale: strict JSON, one orientation of the gap, and no "> 1000" for an entry that no
     # number of seeds would test

@@ -38,6 +38,8 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
     (["--task", "nope"], "--task 'nope'"),
     (["--model", "/nonexistent"], "no config.json"),
     (["--peak-tflops", "0"], "--peak-tflops 0"),
+    (["--peak-tflops", "nan"], "--peak-tflops nan"),
+    (["--peak-tflops", "inf"], "--peak-tflops inf"),
     (["--shape", "tiny-random", "--model", "/x"], "--shape or --model"),
     (["--compile"], "engine.compile=true is for the vllm engine in float32"),
     (["--logit-rows", "0"], "--logit-rows 0"),

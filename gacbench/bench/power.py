@@ -54,7 +54,15 @@ def main(args) -> int:
                                 ("--alpha", args.alpha, 0.0, 1.0)):
         if not lo < value < hi:
             raise UsageError(f"{name}: {value} must lie strictly between {lo:g} and {hi:g}")
-    rows = power_rows(json.loads(path.read_text()), args.target_share, args.power, args.alpha)
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--runs: {path} cannot be read as a summary ({type(exc).__name__}: {exc}); rebuild it with "
+                         f"gacbench report {root}") from None
+    if not isinstance(summary, dict):
+        raise UsageError(f"--runs: {path} holds a JSON {type(summary).__name__}, not a summary; rebuild it with "
+                         f"gacbench report {root}")
+    rows = power_rows(summary, args.target_share, args.power, args.alpha)
     if not rows:
         raise UsageError(f"--runs: {path} has no recovered share with a gap and two paired seeds to size from")
     if args.json:

@@ -35,6 +35,7 @@ bound).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -193,8 +194,8 @@ def profile(args) -> dict:
         raise UsageError(f"--logit-rows {args.logit_rows} must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads} must be >= 1")
-    if args.peak_tflops <= 0:
-        raise UsageError(f"--peak-tflops {args.peak_tflops} must be positive")
+    if not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise UsageError(f"--peak-tflops {args.peak_tflops} must be a positive number")
     if args.precision == "bf16-mixed" and not torch.cuda.is_available():
         raise UsageError("--precision bf16-mixed is for a CUDA device; on the CPU use --precision 32")
     if args.threads:
