@@ -262,6 +262,21 @@ def test_bad_suite_is_refused(tmp_path):
         load_suite(str(bad))
     with pytest.raises(ValueError, match="non-negative"):
         expand_cells(load_suite(str(tiny_suite(tmp_path))), staleness=[-1])
+    with pytest.raises(ValueError, match="task 'bandit'.*warmup: 30 leaves none of its 30 steps"):
+        load_suite(str(tiny_suite(tmp_path, warmup=30)))
+    with pytest.raises(ValueError, match="task 'quadratic'.*warmup: 5 leaves none of its 5 steps"):
+        load_suite(str(tiny_suite(tmp_path, tasks={"quadratic": {"objective": "quadratic", "steps": 5}})))
+    # a key written twice (a task block copied without renaming it): the safe loader would keep the last
+    text = tiny_suite(tmp_path).read_text()
+    copied = tmp_path / "copied.yaml"
+    copied.write_text(text + "steps: 60\n")
+    with pytest.raises(ValueError, match=r"not valid YAML \(line \d+\): the key 'steps' appears twice"):
+        load_suite(str(copied))
+    anchored = tmp_path / "anchored.yaml"  # a merge key's entries may be overridden: not a repeated key
+    anchored.write_text("steps: 30\nmethods: [sync, stale]\nstaleness: [0, 4]\nseeds: [0]\ntasks:\n"
+                        "  a: {objective: bandit, params: &base {lr: 0.1, group: 4}}\n"
+                        "  b: {objective: bandit, params: {<<: *base, lr: 0.05}}\n")
+    assert load_suite(str(anchored))["tasks"]["b"]["params"] == {"lr": 0.05, "group": 4}
 
 
 def test_ray_executor_on_a_local_instance(tmp_path):

@@ -185,13 +185,30 @@ def _known_keys(where: str, mapping: dict, known: tuple[str, ...]) -> None:
             raise UsageError(f"{where}: unknown key {key!r}; {hint}the keys are {', '.join(known)}")
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that holds a key twice (the safe loader keeps the last silently: a
+    task block copied without renaming it replaced the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor, whose keys the mapping's own override
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_suite(name: str) -> dict[str, Any]:
     """A suite YAML file, checked: a malformed or empty file, a missing key, or a value of the wrong kind
     raises a UsageError that names the file and the key."""
     path = suite_path(name)
     where = f"suite {path}"
     try:
-        suite = yaml.safe_load(path.read_text())
+        suite = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or type(exc).__name__
@@ -236,6 +253,10 @@ def load_suite(name: str) -> dict[str, Any]:
             raise UsageError(f"{at}: params: {spec['params']!r} must be a mapping of parameter names to values")
         if "steps" in spec and (not _is_int(spec["steps"]) or spec["steps"] < 1):
             raise UsageError(f"{at}: steps: {spec['steps']!r} is not a positive integer")
+        steps = spec.get("steps", suite["steps"])
+        if suite.get("warmup", 0) >= steps:
+            raise UsageError(f"{at}: warmup: {suite['warmup']} leaves none of its {steps} steps for the c_t "
+                             "statistics; lower warmup or raise steps")
         if suite.get("assumptions") and not has_loss_on(spec["objective"]):
             raise UsageError(f"{at}: assumptions: objective {spec['objective']!r} has no side-effect-free loss_on, "
                              "which AssumptionMonitor needs; drop assumptions: from the suite, or use an objective "
