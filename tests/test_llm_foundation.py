@@ -137,6 +137,22 @@ def test_bad_model_path_and_config_are_refused(tmp_path):
         (tmp_path / name / "config.json").write_text(text)
         with pytest.raises(UsageError, match=f"model path {tmp_path / name} has a config.json but cannot be loaded"):
             load(tmp_path / name)
+    # a checkpoint missing files, or cut short: transformers would build an empty tokenizer, or one that does not
+    # fit the embedding, and fail later in the run
+    import shutil
+
+    src = cached_model_dir(tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128), tmp_path)
+    for case, words in (("tokenizer.json", "has no tokenizer files"),
+                        ("tokenizer_config.json", "its tokenizer has 19 tokens, more than the model's 18 embedding"),
+                        ("cut", "cannot be loaded as a Hugging Face checkpoint \\(SafetensorError")):
+        d = tmp_path / f"without-{case}"
+        shutil.copytree(src, d)
+        if case == "cut":
+            (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:50])
+        else:
+            (d / case).unlink()
+        with pytest.raises(UsageError, match=f"model path {d}.*{words}"):
+            load(d)
 
 
 def _tiny(tmp_path):

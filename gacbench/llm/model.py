@@ -149,6 +149,10 @@ def check_checkpoint_option(option: str, path: str | os.PathLike) -> None:
                          f"directory written by save_pretrained, or leave {option} unset for the built-in model")
 
 
+#: the files a Hugging Face tokenizer is read from (one of them must be there)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local checkpoint directory; a clear error if it is not one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -165,14 +169,25 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     from gacbench.usage import UsageError
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per load would fill a grid's log
+    fix = ("Give a directory written by save_pretrained (config.json, the weights and the tokenizer files), or leave "
+           "the model path unset to build the tiny model.")
     try:
-        model, tok = AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
-    except (OSError, ValueError, KeyError) as exc:  # a damaged config.json, no weights, no tokenizer files
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
+        if not any((p / name).is_file() for name in TOKENIZER_FILES):  # transformers would build an empty one
+            raise UsageError(f"model path {p} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}). {fix}")
+        tok = AutoTokenizer.from_pretrained(p)
+    except UsageError:
+        raise
+    except Exception as exc:  # a damaged config.json, no weights, cut-off weights (safetensors' own error), ...
         reason = " ".join(str(exc).split())[:300]
         raise UsageError(f"model path {p} has a config.json but cannot be loaded as a Hugging Face checkpoint "
-                         f"({type(exc).__name__}: {reason}). Give a directory written by save_pretrained (config.json, "
-                         "the weights and the tokenizer files), or leave the model path unset to build the tiny "
-                         "model.") from exc
+                         f"({type(exc).__name__}: {reason}). {fix}") from exc
+    rows = model.get_input_embeddings().weight.shape[0]
+    if not tok.encode("1", add_special_tokens=False) or len(tok) > rows:
+        why = ("encodes text to no tokens" if not tok.encode("1", add_special_tokens=False)
+               else f"has {len(tok)} tokens, more than the model's {rows} embedding rows")
+        raise UsageError(f"model path {p}: its tokenizer {why}: the tokenizer files do not belong to this model, "
+                         f"or some are missing (e.g. tokenizer_config.json). {fix}")
     if tok.pad_token_id is None:  # many released checkpoints have none; padding positions are masked anyway
         tok.pad_token = tok.eos_token
     return model, tok
