@@ -3,6 +3,7 @@ runs in one run directory, another run's checkpoint, a redundant resume of a fin
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,39 @@ def test_a_task_setting_the_task_does_not_read_or_out_of_range_is_refused_naming
     with pytest.raises(SettingError) as exc:
         GRPOModule.check_settings({"task": {"template": "Q: {problem}"}})
     assert "takes task.name, task.reward, task.max_ops, task.max_operand, task.eval_fraction" in str(exc.value)
+
+
+def test_settings_a_run_would_meet_only_at_its_engine_or_first_rollout_are_refused_up_front(tmp_path):
+    """A grid of such cells ran and failed every cell (a bogus engine dtype, a KV cache of -1 GiB, a negative sync
+    tolerance blaming the sync, max_tokens beyond the context) or ran from an untrained model (warm_steps -1)."""
+    from gacbench.llm.grpo import GRPOModule
+    from gacbench.objectives.base import SettingError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"problem": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(20)))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"max_position_embeddings": 32}')
+    cases = [  # (settings, key named, text of the message)
+        ({"engine": {"dtype": "fp32"}}, "engine.dtype", "engine.dtype='fp32' is not one of auto, float32"),
+        ({"engine": {"kv_cache_gib": -1}}, "engine.kv_cache_gib", "engine.kv_cache_gib"),
+        ({"engine": {"kv_cache_gib": 0}}, "engine.kv_cache_gib", "engine.kv_cache_gib"),
+        ({"engine": {"sync_tol": -1}}, "engine.sync_tol", "engine.sync_tol"),
+        ({"engine": {"sync_tol": float("nan")}}, "engine.sync_tol", "engine.sync_tol"),
+        ({"model": {"warm_steps": -1}}, "model.warm_steps", "0 starts from the untrained model"),
+        ({"rollout": {"max_tokens": 64}}, "rollout.max_tokens", "no room for a prompt in the model's context of 64"),
+        ({"model": {"path": str(ckpt)}, "rollout": {"max_tokens": 40}}, "rollout.max_tokens", "context of 32"),
+        ({"task": {"name": "math", "path": str(data)}}, "model.path", "task 'math' is text"),
+    ]
+    for settings, key, text in cases:
+        with pytest.raises(SettingError, match=re.escape(text)) as exc:
+            GRPOModule.check_settings(settings)
+        assert exc.value.key == key, (settings, exc.value)
+    for settings in ({"engine": {"kv_cache_gib": None, "sync_tol": 0, "dtype": "bfloat16"}},
+                     {"model": {"warm_steps": 0}, "rollout": {"max_tokens": 48}},
+                     {"model": {"path": str(ckpt)}, "task": {"name": "math", "path": str(data)},
+                      "rollout": {"max_tokens": 16}}):
+        GRPOModule.check_settings(settings)
 
 
 def test_the_arithmetic_task_holds_out_its_eval_fraction():

@@ -99,6 +99,51 @@ class EngineConfig:
     compile: bool = False
 
 
+#: the engine dtypes vLLM takes (the hf engine runs in the policy's dtype and ignores the setting)
+ENGINE_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+
+def _check_engine_and_context(owner: str, m: "ModelConfig", e: "EngineConfig", t, r: "RolloutConfig") -> None:
+    """The settings a run would otherwise meet only once the model is loaded or the engine started: engine.dtype,
+    kv_cache_gib and sync_tol, model.warm_steps, a text task on the built-in model (its tokenizer knows digits and
+    operators), and max_tokens against the model's context (read from its config.json, or the built-in size's)."""
+    import json
+
+    from gacbench.llm.model import sized_config
+    from gacbench.llm.tasks import task_factory
+    from gacbench.objectives.base import SettingError, check_range
+
+    if e.dtype not in ENGINE_DTYPES:
+        raise SettingError(f"{owner}: engine.dtype={e.dtype!r} is not one of {', '.join(ENGINE_DTYPES)}",
+                           "engine.dtype", e.dtype)
+    if e.kv_cache_gib is not None:
+        check_range(owner, "engine.kv_cache_gib", e.kv_cache_gib, 0, lo_open=True,
+                    why="null lets vLLM reserve its default share of the device")
+    check_range(owner, "engine.sync_tol", e.sync_tol, 0, why="the largest gap in nats between the engine's and the "
+                "trainer's log-probs after the first update")
+    check_range(owner, "model.warm_steps", m.warm_steps, 0, integer=True, why="0 starts from the untrained model")
+    if m.path is None:
+        try:
+            task = task_factory(t.name)(t, 0)
+        except (ValueError, OSError):  # a dataset's own error: check_task_data names it
+            task = None
+        if task is not None and not getattr(task, "tiny_tokenizer", False):
+            raise SettingError(f"{owner}: task {t.name!r} is text; the built-in model's tokenizer knows only digits "
+                               "and +-*=. Set model.path to a local checkpoint directory (e.g. Qwen3-1.7B).",
+                               "model.path", m.path)
+        context = sized_config(m.size).max_position_embeddings
+    else:
+        try:
+            config = json.loads((pathlib.Path(m.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}  # the load names a damaged config.json
+        context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(context, int) and not isinstance(r.max_tokens, bool) and r.max_tokens >= context:
+        raise SettingError(f"{owner}: rollout.max_tokens={r.max_tokens} leaves no room for a prompt in the model's "
+                           f"context of {context} tokens (max_position_embeddings); lower it below {context}",
+                           "rollout.max_tokens", r.max_tokens)
+
+
 def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, sample: int = 256) -> None:
     """Refuse a task the model cannot read or answer, from every problem of a finite dataset (its ``sizes``) or the
     first ``sample`` of each split of a procedural task: a character of a prompt or target that the tokenizer
@@ -339,11 +384,7 @@ class GRPOModule(Objective):
         self.reward = reward_fn(self.task_cfg.reward or self.task.default_reward)
         model_path = self.model_cfg.path
         t_model = time.perf_counter()
-        if model_path is None:
-            if not getattr(self.task, "tiny_tokenizer", False):
-                raise ValueError(f"GRPOModule: task {self.task_cfg.name!r} is text; the tiny model's tokenizer knows "
-                                 "only digits and +-*=. Set model.path to a local checkpoint directory "
-                                 "(e.g. Qwen3-1.7B).")
+        if model_path is None:  # a task the built-in tokenizer can read (check_settings)
             from gacbench.llm.warmstart import built_in_model_dir
 
             model_path = str(built_in_model_dir(self.model_cfg.size, self.model_cfg.warm_steps, self.task_cfg,
@@ -399,9 +440,10 @@ class GRPOModule(Objective):
         engine.name a registered engine, engine.compile a bool and true only for vllm in float32, task.name a
         registered task and its settings (:func:`gacbench.llm.tasks.check_task_settings`), task.reward None or a
         registered reward, model.size a known size (without model.path), model.path a directory with a config.json
-        (a stat, nothing read), staleness >= 0 and the rollout mode's settings
-        (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts, max_tokens and
-        logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
+        (read for the context), the engine's dtype, KV cache and sync tolerance, model.warm_steps >= 0, a task the
+        built-in model's tokenizer can read, max_tokens below the model's context, staleness >= 0 and the rollout
+        mode's settings (:func:`gacbench.llm.async_source.resolve_mode`), rollout.group >= 2, rollout.prompts,
+        max_tokens and logprob_rows >= 1, rollout.advantage a registered estimator, loss.agg one of the aggregations,
         loss.kl_coef >= 0, loss.clip_low in [0, 1), loss.clip_high >= 0, eval_size >= 1, and the checks of every
         objective (finite numbers, lr > 0, steps and eval_every >= 1), optimizer.betas two numbers in [0, 1),
         optimizer.eps > 0 and optimizer.weight_decay >= 0."""
@@ -464,6 +506,7 @@ class GRPOModule(Objective):
         check_range(owner, "policy_eval.samples", pe.samples, 1, integer=True)
         if pe.every is not None:
             check_range(owner, "policy_eval.every", pe.every, 1, integer=True)
+        _check_engine_and_context(owner, m, e, t, r)
         if pe.prompts and r.mode == "async":
             raise SettingError(f"{owner}: policy_eval.prompts={pe.prompts} needs the trainer's own rollout engine, "
                                "which rollout.mode async does not start; use mode sync or uniform, or set "
