@@ -75,7 +75,7 @@ def test_overhead_holds_at_most_eight_gradient_sized_copies(monkeypatch):
     assert len(held) == 8 and max(held) / (4 * record["params"]) <= overhead.GRADIENT_COPIES + 0.01
 
 
-def test_overhead_refuses_a_gpu_without_room_before_building_anything(monkeypatch):
+def test_overhead_refuses_a_device_without_room_before_building_anything(monkeypatch):
     """The Qwen3-1.7B shape needs nine float32 copies of 1.72B elements (62 GB): a GPU with 40 GB free is refused
     in one message that names the need, the free memory and a --params that fits."""
     import torch
@@ -90,6 +90,17 @@ def test_overhead_refuses_a_gpu_without_room_before_building_anything(monkeypatc
         check_memory(torch.device("cuda"), QWEN3_1_7B.numel())
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (79e9, 80e9))
     check_memory(torch.device("cuda"), QWEN3_1_7B.numel())  # an 80 GB GPU, nearly empty: room
+    # the CPU: the machine's available memory (it had failed in the allocator, or been killed for memory)
+    from gacbench.bench import overhead
+
+    free, total = overhead._available_memory()  # this Linux machine's /proc/meminfo
+    assert 0 < free <= total
+    monkeypatch.setattr(overhead, "_available_memory", lambda: (20e9, 24e9))
+    with pytest.raises(UsageError, match=r"need about 62 GB of memory .* cpu has 20 GB free of 24 GB; free memory"):
+        check_memory(torch.device("cpu"), QWEN3_1_7B.numel())
+    check_memory(torch.device("cpu"), 20_000_000)
+    monkeypatch.setattr(overhead, "_available_memory", lambda: (None, None))  # not Linux: not checked
+    check_memory(torch.device("cpu"), QWEN3_1_7B.numel())
 
 
 def test_shapes():

@@ -207,18 +207,35 @@ GRADIENT_COPIES = 8
 
 
 def check_memory(dev: torch.device, numel: int) -> None:
-    """On a GPU, a usage error before anything is built when its free memory cannot hold :data:`GRADIENT_COPIES`
+    """A usage error before anything is built when the device's free memory (a GPU's, or the machine's available
+    memory on the CPU: /proc/meminfo's MemAvailable, where Linux gives it) cannot hold :data:`GRADIENT_COPIES`
     float32 copies of ``numel`` elements and one more for a path's temporaries."""
-    if dev.type != "cuda":
-        return
-    torch.cuda.empty_cache()  # memory this process's allocator caches but no tensor holds counts as free
-    free, total = torch.cuda.mem_get_info(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # memory this process's allocator caches but no tensor holds counts as free
+        free, total = torch.cuda.mem_get_info(dev)
+        what = "GPU memory"
+        fix = "free the GPU"
+    else:
+        free, total = _available_memory()
+        if free is None:
+            return
+        what = "memory"
+        fix = "free memory"
     need = (GRADIENT_COPIES + 1) * 4 * numel
     if need > free:
-        raise UsageError(f"overhead: {numel:,} parameters need about {need / 1e9:.0f} GB of GPU memory "
+        raise UsageError(f"overhead: {numel:,} parameters need about {need / 1e9:.0f} GB of {what} "
                          f"({GRADIENT_COPIES + 1} float32 copies), and {dev} has {free / 1e9:.0f} GB free of "
-                         f"{total / 1e9:.0f} GB; free the GPU, or time a smaller list: --params "
+                         f"{total / 1e9:.0f} GB; {fix}, or time a smaller list: --params "
                          f"{int(free / need * numel * 0.9):,} without --shape")
+
+
+def _available_memory() -> tuple[int | None, int | None]:
+    """(available, total) bytes of this machine from /proc/meminfo; (None, None) where it cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        return (int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None, None
 
 
 def default_kernels(device: str | None) -> tuple[str, ...]:
