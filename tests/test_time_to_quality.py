@@ -55,6 +55,38 @@ def test_jobs_go_to_the_first_free_worker_by_hand():
     assert split.gen_end == [2, 5] and split.train_end == [3, 6]
 
 
+def _reference_schedule(gen_s, train_s, workers, staleness, steps, chunks):
+    """The model's rule read literally: each job on the first free worker (the lowest index on a tie), scanning
+    every worker."""
+    free, t1 = [0.0] * workers, []
+    out = {"gen_start": [], "gen_end": [], "train_start": [], "train_end": t1}
+    for t in range(steps):
+        admit = 0.0 if t - staleness <= 0 else t1[t - staleness - 1]
+        starts, ends = [], []
+        for _ in range(chunks):
+            w = min(range(workers), key=lambda i: (free[i], i))
+            starts.append(max(admit, free[w]))
+            free[w] = starts[-1] + gen_s / chunks
+            ends.append(free[w])
+        begin = max(max(ends), t1[-1] if t1 else 0.0)
+        out["gen_start"].append(min(starts)), out["gen_end"].append(max(ends)), out["train_start"].append(begin)
+        t1.append(begin + train_s)
+    return out
+
+
+def test_the_schedule_is_the_rule_read_literally_on_random_settings():
+    """simulate keeps the free workers in a heap: the same jobs on the same workers, bit for bit."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        g, t = rng.choice([0.0, rng.uniform(0, 5)]), rng.uniform(0.01, 5)
+        n, s, steps, c = rng.randint(1, 9), rng.randint(0, 6), rng.randint(0, 40), rng.randint(1, 12)
+        sched = simulate(g, t, n, s, steps, chunks=c)
+        want = _reference_schedule(g, t, n, s, steps, c)
+        assert {k: getattr(sched, k) for k in want} == want, (g, t, n, s, steps, c)
+
+
 # -- the closed forms and limiting cases ------------------------------------------------------------------------
 SETTINGS = [(g, t, n, c) for g, t, n, c in itertools.product((0.5, 1.0, 3.0), (0.25, 1.0, 2.0), (1, 2, 3, 4),
                                                              (1, None, "2n"))]

@@ -39,6 +39,8 @@ Left out: weight-sync stalls beyond T, batches or responses of unequal length, d
 from __future__ import annotations
 
 import bisect
+import functools
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -104,18 +106,18 @@ def simulate(gen_s: float, train_s: float, workers: int, staleness: int, steps: 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps = {steps!r} must be an integer >= 0")
     job = gen_s / c
-    free = [0.0] * workers
+    free = [(0.0, w) for w in range(workers)]  # a heap of (free at, worker): the first free, the lowest on a tie
     g0, g1, t0, t1, lags = [], [], [], [], []
     for t in range(steps):
         needed = t - staleness  # the oldest version step t's rollouts may come from
         admit = 0.0 if needed <= 0 else t1[needed - 1]
         starts, ends, lag = [], [], 0.0
         for _ in range(c):
-            w = min(range(workers), key=lambda i: (free[i], i))
-            start = max(admit, free[w])
-            free[w] = start + job
+            free_at, w = free[0]
+            start = max(admit, free_at)
+            heapq.heapreplace(free, (start + job, w))
             starts.append(start)
-            ends.append(free[w])
+            ends.append(start + job)
             lag += t - bisect.bisect_right(t1, start)  # versions published by the job's start: steps ended by then
         begin = max(max(ends), t1[-1] if t1 else 0.0)
         g0.append(min(starts))
@@ -145,11 +147,12 @@ def steady_step_s(gen_s: float, train_s: float, workers: int, staleness: int,
     return float(max(train_s, gen_s / workers, (latency + train_s) / (staleness + 1)))
 
 
+@functools.lru_cache(maxsize=256)
 def mean_step_s(gen_s: float, train_s: float, workers: int, staleness: int, chunks: int | None = None,
                 cycles: int = 50) -> float:
     """The simulated steady step time: the mean step over a window of ``cycles`` x m steps after as many steps
     of run-in, m = (s + 1) n c (a multiple of every circuit's length, so that a periodic schedule averages
-    exactly)."""
+    exactly). Remembered per setting: a report asks it for every method at one staleness."""
     c = check_setting(gen_s, train_s, workers, chunks)
     m = (staleness + 1) * workers * c
     window = cycles * m
