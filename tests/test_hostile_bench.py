@@ -220,6 +220,13 @@ def test_an_unknown_theory_check_is_one_line_and_exit_2(capsys):
     assert main(["theory", "--checks", "no-such-check"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("gacbench theory: error: --checks: unknown check(s) no-such-check; the checks are: ")
+    from gacbench.theory.checks import CHECKS
+
+    one = next(iter(CHECKS))
+    for checks in ("", f"{one},{one}", f"{one},"):  # '' had run every check, a repeat ran one twice
+        assert main(["theory", "--checks", checks]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert "give each check once, comma-separated, without empty items" in line
 
 
 # -- a diverged run counts at its starting value ---------------------------------------------------------------

@@ -335,7 +335,11 @@ def main(args) -> int:
     from rich.table import Table
 
     t0 = time.perf_counter()
-    results = run_checks(args.checks.split(",") if args.checks else None)
+    names = None if args.checks is None else args.checks.split(",")
+    if names is not None and (not all(n.strip() for n in names) or len(set(names)) < len(names)):
+        raise UsageError(f"--checks {args.checks!r}: give each check once, comma-separated, without empty items "
+                         f"(leave --checks out for all of them: {', '.join(CHECKS)})")
+    results = run_checks(names)
     table = Table(title=f"gacbench theory ({time.perf_counter() - t0:.0f} s)")
     for col in ("check", "statement", "symbolic", "numeric", "max ratio", "violations"):
         table.add_column(col, overflow="fold")
