@@ -185,6 +185,7 @@ def test_overhead_cuda_without_cuda_is_one_line(capsys):
     (["async-bench", "--steps", "3", "--max-staleness", "1", "--engine", "hf", "--workers", "0"],
      "GRPOModule: rollout.workers=0 must be >= 1"),
     (["step-profile", "--engine", "hf", "--group", "1"], "rollout.group=1 must be an integer >= 2"),
+    (["async-bench", "--steps", "0"], "--steps 0 must be >= 1"),
 ])
 def test_llm_commands_refuse_bad_input_in_one_line(argv, cause, capsys):
     assert main(argv) == 2

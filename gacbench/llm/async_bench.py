@@ -218,6 +218,8 @@ def final_reward(rewards: list[float]) -> float:
 def main(args) -> int:
     from gacbench.usage import UsageError
 
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be >= 1")
     if args.max_staleness < 0:
         raise UsageError(f"--max-staleness {args.max_staleness} must be >= 0")
     if args.max_staleness >= args.steps:
