@@ -277,6 +277,17 @@ def test_bad_suite_is_refused(tmp_path):
                         "  a: {objective: bandit, params: &base {lr: 0.1, group: 4}}\n"
                         "  b: {objective: bandit, params: {<<: *base, lr: 0.05}}\n")
     assert load_suite(str(anchored))["tasks"]["b"]["params"] == {"lr": 0.05, "group": 4}
+    chained = tmp_path / "chained.yaml"  # an overriding merge, itself merged deeper down: still no repeat
+    chained.write_text("steps: 30\nmethods: [sync, stale]\nstaleness: [0, 4]\nseeds: [0]\ntasks:\n"
+                       "  b: {objective: bandit, params: {<<: *mid}}\n"
+                       "  a: {objective: bandit, params: &mid {<<: &base {lr: 0.1, group: 4}, lr: 0.05}}\n"
+                       .replace("  b: {objective: bandit, params: {<<: *mid}}\n", "") +
+                       "  b: {objective: bandit, params: {<<: *mid, group: 8}}\n")
+    assert load_suite(str(chained))["tasks"]["b"]["params"] == {"lr": 0.05, "group": 8}
+    listed = tmp_path / "listed.yaml"
+    listed.write_text(text + "? [a, b]\n: 1\n")
+    with pytest.raises(ValueError, match="suite .*listed.yaml"):
+        load_suite(str(listed))
 
 
 def test_ray_executor_on_a_local_instance(tmp_path):

@@ -142,17 +142,27 @@ def test_bad_model_path_and_config_are_refused(tmp_path):
     import shutil
 
     src = cached_model_dir(tiny_config(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128), tmp_path)
-    for case, words in (("tokenizer.json", "has no tokenizer files"),
-                        ("tokenizer_config.json", "its tokenizer has 19 tokens, more than the model's 18 embedding"),
+    for case, words in (("tokenizer.json", "cannot be loaded as a Hugging Face checkpoint"),
+                        ("tokenizer.json tokenizer_config.json", "encodes text to no tokens \\(no tokenizer files"),
+                        ("tokenizer_config.json", "token 18 lies beyond the model's 18 embedding rows"),
                         ("cut", "cannot be loaded as a Hugging Face checkpoint \\(SafetensorError")):
-        d = tmp_path / f"without-{case}"
+        d = tmp_path / f"without-{case.replace(' ', '-')}"
         shutil.copytree(src, d)
         if case == "cut":
             (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:50])
         else:
-            (d / case).unlink()
+            for name in case.split():
+                (d / name).unlink()
         with pytest.raises(UsageError, match=f"model path {d}.*{words}"):
             load(d)
+    # an unused extra token beyond the embedding rows (released tokenizers have some) is not a refusal
+    model, tok = load(src)
+    tok.add_special_tokens({"additional_special_tokens": ["<unused>"]})
+    extra = tmp_path / "extra-token"
+    model.save_pretrained(extra)
+    tok.save_pretrained(extra)
+    model, tok = load(extra)
+    assert len(tok) == model.get_input_embeddings().weight.shape[0] + 1
 
 
 def _tiny(tmp_path):

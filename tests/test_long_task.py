@@ -192,7 +192,9 @@ def test_a_task_the_tokenizer_erases_or_whose_answers_cannot_fit_is_refused(tmp_
     assert min(len(tok.encode(p.target, add_special_tokens=False)) for p in task.batch("train", 0, 256)) > 6
     check_task_text(task, tok, 6, "scratchpad", "M")  # the answer alone fits, and is rewarded
     assert final_line_reward("20\n", "20") == 1.0
-    check_task_text(ArithmeticTask(), tok, 6, "arithmetic", "M")
+    check_task_text(ArithmeticTask(), tok, 6, "arithmetic", "M", rows=18)
+    with pytest.raises(ValueError, match="with a token beyond the model's 5 embedding rows"):
+        check_task_text(ArithmeticTask(), tok, 6, "arithmetic", "M", rows=5)  # a tokenizer not of this model
 
 
 def test_grpo_logs_the_response_length_and_parameter_count(tmp_path):

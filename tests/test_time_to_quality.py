@@ -74,6 +74,12 @@ def _reference_schedule(gen_s, train_s, workers, staleness, steps, chunks):
     return out
 
 
+def test_the_remembered_steady_step_still_refuses_what_it_cannot_take():
+    assert mean_step_s(1.0, 2.0, 1, 0) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="workers"):
+        mean_step_s(1.0, 2.0, True, 0)  # equal to 1 as a key: the cache must not answer for it
+
+
 def test_the_schedule_is_the_rule_read_literally_on_random_settings():
     """simulate keeps the free workers in a heap: the same jobs on the same workers, bit for bit."""
     import random

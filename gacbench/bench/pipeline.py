@@ -147,7 +147,7 @@ def steady_step_s(gen_s: float, train_s: float, workers: int, staleness: int,
     return float(max(train_s, gen_s / workers, (latency + train_s) / (staleness + 1)))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256, typed=True)  # typed: True is not taken for 1
 def mean_step_s(gen_s: float, train_s: float, workers: int, staleness: int, chunks: int | None = None,
                 cycles: int = 50) -> float:
     """The simulated steady step time: the mean step over a window of ``cycles`` x m steps after as many steps

@@ -187,19 +187,21 @@ def _known_keys(where: str, mapping: dict, known: tuple[str, ...]) -> None:
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a mapping that holds a key twice (the safe loader keeps the last silently: a
-    task block copied without renaming it replaced the first)."""
+    task block copied without renaming it replaced the first). Checked on the parsed nodes, as written: a merge
+    key (``<<: *anchor``) and the keys it brings, which the mapping's own may override, are not repeats."""
 
-    def construct_mapping(self, node, deep=False):
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
         seen = set()
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor, whose keys the mapping's own override
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = self.construct_object(key_node, deep=deep)
+            key = (key_node.tag, key_node.value)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
-                                                        key_node.start_mark)
+                raise yaml.composer.ComposerError(None, None, f"the key {key_node.value!r} appears twice in one "
+                                                  "mapping", key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep)
+        return node
 
 
 def load_suite(name: str) -> dict[str, Any]:

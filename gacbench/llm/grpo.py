@@ -144,18 +144,24 @@ def _check_engine_and_context(owner: str, m: "ModelConfig", e: "EngineConfig", t
                            "rollout.max_tokens", r.max_tokens)
 
 
-def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, sample: int = 256) -> None:
+def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, sample: int = 256,
+                    rows: int | None = None) -> None:
     """Refuse a task the model cannot read or answer, from every problem of a finite dataset (its ``sizes``) or the
     first ``sample`` of each split of a procedural task: a character of a prompt or target that the tokenizer
     encodes as its padding or unknown token (the model would see it erased: the tiny model's tokenizer knows
     digits, +-*= and the newline only), and a ``max_tokens`` shorter than every train answer (no rollout could
-    write one; the rewards read the answer alone, so a scratchpad that does not fit still leaves the answer)."""
+    write one; the rewards read the answer alone, so a scratchpad that does not fit still leaves the answer);
+    with ``rows`` (the model's embedding rows), a token of that text beyond them."""
     lost = {i for i in (tok.pad_token_id, tok.unk_token_id) if i is not None}
     sizes = getattr(task, "sizes", {})
     problems = {split: task.batch(split, 0, sizes.get(split, sample)) for split in ("train", "eval")}
 
     def erased(text: str) -> bool:
-        return bool(lost & set(tok.encode(text, add_special_tokens=False)))
+        ids = tok.encode(text, add_special_tokens=False)
+        if rows is not None and any(i >= rows for i in ids):
+            raise ValueError(f"GRPO: task {name!r}: the tokenizer of {model_path} encodes {text[:60]!r} with a token "
+                             f"beyond the model's {rows} embedding rows: the tokenizer does not belong to the model")
+        return bool(lost & set(ids))
 
     for split, batch in problems.items():
         for prob in batch:
@@ -410,7 +416,8 @@ class GRPOModule(Objective):
                                          f"{r.max_tokens} it exceeds the model's context of {self.context}. Lower "
                                          "max_tokens, shorten or drop the row, or use "
                                          "a model with a longer context.")
-        check_task_text(self.task, self.tok, r.max_tokens, self.task_cfg.name, model_path)
+        check_task_text(self.task, self.tok, r.max_tokens, self.task_cfg.name, model_path,
+                        rows=self.policy.get_input_embeddings().weight.shape[0])
         # the frozen reference policy (not a submodule: it is neither optimised nor checkpointed)
         self._ref = [copy.deepcopy(self.policy).eval().requires_grad_(False)] if lc.kl_coef > 0 else []
         self.engine = None

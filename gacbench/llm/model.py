@@ -149,10 +149,6 @@ def check_checkpoint_option(option: str, path: str | os.PathLike) -> None:
                          f"directory written by save_pretrained, or leave {option} unset for the built-in model")
 
 
-#: the files a Hugging Face tokenizer is read from (one of them must be there)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local checkpoint directory; a clear error if it is not one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -172,22 +168,20 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     fix = ("Give a directory written by save_pretrained (config.json, the weights and the tokenizer files), or leave "
            "the model path unset to build the tiny model.")
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
-        if not any((p / name).is_file() for name in TOKENIZER_FILES):  # transformers would build an empty one
-            raise UsageError(f"model path {p} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}). {fix}")
-        tok = AutoTokenizer.from_pretrained(p)
-    except UsageError:
-        raise
+        model, tok = AutoModelForCausalLM.from_pretrained(p, dtype=dtype), AutoTokenizer.from_pretrained(p)
     except Exception as exc:  # a damaged config.json, no weights, cut-off weights (safetensors' own error), ...
         reason = " ".join(str(exc).split())[:300]
         raise UsageError(f"model path {p} has a config.json but cannot be loaded as a Hugging Face checkpoint "
                          f"({type(exc).__name__}: {reason}). {fix}") from exc
-    rows = model.get_input_embeddings().weight.shape[0]
-    if not tok.encode("1", add_special_tokens=False) or len(tok) > rows:
-        why = ("encodes text to no tokens" if not tok.encode("1", add_special_tokens=False)
-               else f"has {len(tok)} tokens, more than the model's {rows} embedding rows")
-        raise UsageError(f"model path {p}: its tokenizer {why}: the tokenizer files do not belong to this model, "
-                         f"or some are missing (e.g. tokenizer_config.json). {fix}")
+    if not tok.encode("1", add_special_tokens=False):  # what transformers builds from no tokenizer files at all
+        raise UsageError(f"model path {p}: its tokenizer encodes text to no tokens (no tokenizer files?). {fix}")
     if tok.pad_token_id is None:  # many released checkpoints have none; padding positions are masked anyway
         tok.pad_token = tok.eos_token
+    rows = model.get_input_embeddings().weight.shape[0]
+    special = {name: getattr(tok, f"{name}_token_id") for name in ("eos", "pad", "bos", "unk")}
+    outside = {name: i for name, i in special.items() if isinstance(i, int) and i >= rows}
+    if outside:  # an unused extra token beyond the rows is fine (some released tokenizers have one); these are read
+        raise UsageError(f"model path {p}: its tokenizer's " + ", ".join(f"{n} token {i}" for n, i in outside.items())
+                         + f" lies beyond the model's {rows} embedding rows: the tokenizer files do not belong to this "
+                         f"model, or some are missing (e.g. tokenizer_config.json). {fix}")
     return model, tok
