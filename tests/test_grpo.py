@@ -382,7 +382,9 @@ def test_a_dead_engine_stops_the_run_and_is_not_handed_to_a_later_run(model_dir,
 
 
 def test_a_prompt_longer_than_the_context_is_refused(model_dir):
-    m = module(model_dir, max_tokens=80)  # the tiny model's context is 64 tokens
+    with pytest.raises(ValueError, match="max_tokens=80 leaves no room for a prompt in the model's context of 64"):
+        module(model_dir, max_tokens=80)  # the tiny model's context is 64 tokens: refused with the settings
+    m = module(model_dir, max_tokens=62)  # room for a prompt of 2 tokens, not for these
     with pytest.raises(ValueError, match="exceeds the model's context of 64 tokens.*Lower max_tokens"):
         make_trainer([], max_steps=1).fit(m)
 

@@ -442,7 +442,7 @@ def test_a_worker_killed_by_sigkill_ends_the_grid_in_one_line_with_the_summary(t
 def test_a_signal_while_the_summary_is_written_ends_in_one_line_naming_gacbench_report(tmp_path, monkeypatch, capsys):
     from gacbench.bench import executors, runner
 
-    suite = tiny_suite(tmp_path, steps=5, seeds=[0])
+    suite = tiny_suite(tmp_path, steps=5, warmup=2, seeds=[0])
     out = tmp_path / "out"
     assert main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1"]) == 0
     capsys.readouterr()
