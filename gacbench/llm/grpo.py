@@ -145,13 +145,14 @@ def _check_engine_and_context(owner: str, m: "ModelConfig", e: "EngineConfig", t
 
 
 def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, sample: int = 256,
-                    rows: int | None = None) -> None:
+                    rows: int | None = None, context: int | None = None) -> None:
     """Refuse a task the model cannot read or answer, from every problem of a finite dataset (its ``sizes``) or the
     first ``sample`` of each split of a procedural task: a character of a prompt or target that the tokenizer
     encodes as its padding or unknown token (the model would see it erased: the tiny model's tokenizer knows
     digits, +-*= and the newline only), and a ``max_tokens`` shorter than every train answer (no rollout could
     write one; the rewards read the answer alone, so a scratchpad that does not fit still leaves the answer);
-    with ``rows`` (the model's embedding rows), a token of that text beyond them."""
+    with ``rows`` (the model's embedding rows), a token of that text beyond them; with ``context``, a dataset's
+    prompt that does not fit in it beside ``max_tokens`` (a procedural task's prompts are checked as they come)."""
     lost = {i for i in (tok.pad_token_id, tok.unk_token_id) if i is not None}
     sizes = getattr(task, "sizes", {})
     problems = {split: task.batch(split, 0, sizes.get(split, sample)) for split in ("train", "eval")}
@@ -165,6 +166,11 @@ def check_task_text(task, tok, max_tokens: int, name: str, model_path: str, samp
 
     for split, batch in problems.items():
         for prob in batch:
+            n = len(tok.encode(prob.prompt, add_special_tokens=False))
+            if context and sizes and n + max_tokens > context:
+                raise ValueError(f"GRPO: task {name!r}: a {split} prompt ({prob.prompt[:60]!r}...) has {n} tokens; "
+                                 f"with rollout.max_tokens={max_tokens} it exceeds the model's context of {context}. "
+                                 "Lower max_tokens, shorten or drop the row, or use a model with a longer context.")
             for what, text in (("prompt", prob.prompt), ("target", prob.target)):
                 if erased(text):
                     char = next((c for c in text if erased(c)), None)
@@ -406,18 +412,9 @@ class GRPOModule(Objective):
         # one-off costs a bench cell reports apart: the model's load (and warm start) here, the engine's start-up
         self.cost_s = {"model": time.perf_counter() - t_model, "engine": 0.0}
         self.context = int(getattr(self.policy.config, "max_position_embeddings", 0) or 0)
-        if self.context and hasattr(self.task, "sizes"):  # a finite dataset: fail now, not in the middle of a run
-            for split, size in self.task.sizes.items():
-                for prob in self.task.batch(split, 0, size):
-                    n = len(self.tok.encode(prob.prompt, add_special_tokens=False))
-                    if n + r.max_tokens > self.context:
-                        raise ValueError(f"GRPO: task {self.task_cfg.name!r}: a {split} prompt "
-                                         f"({prob.prompt[:60]!r}...) has {n} tokens; with rollout.max_tokens="
-                                         f"{r.max_tokens} it exceeds the model's context of {self.context}. Lower "
-                                         "max_tokens, shorten or drop the row, or use "
-                                         "a model with a longer context.")
+        # a finite dataset's every row, a procedural task's first problems: fail now, not in the middle of a run
         check_task_text(self.task, self.tok, r.max_tokens, self.task_cfg.name, model_path,
-                        rows=self.policy.get_input_embeddings().weight.shape[0])
+                        rows=self.policy.get_input_embeddings().weight.shape[0], context=self.context)
         # the frozen reference policy (not a submodule: it is neither optimised nor checkpointed)
         self._ref = [copy.deepcopy(self.policy).eval().requires_grad_(False)] if lc.kl_coef > 0 else []
         self.engine = None
