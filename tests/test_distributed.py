@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import run_ranks
 
 from gacbench.functional.alignment import alignment_scalars, cosine_from_scalars
 from gacbench.functional.gac import GACTransform
@@ -35,8 +35,7 @@ def test_ddp_ranks_take_the_same_decisions(tmp_path):
     assert len({row["lag"] for row in r0["rows"][3:]}) > 1  # the uniform schedule varied
 
 
-def _sharded_worker(rank: int, world: int, rendezvous: str, queue) -> None:
-    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world)
+def _sharded_worker(rank: int, world: int) -> tuple:
     gen = torch.Generator().manual_seed(0)
     prev, cur = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
     cur = cur + 0.8 * prev  # strongly aligned: GAC projects
@@ -51,21 +50,12 @@ def _sharded_worker(rank: int, world: int, rendezvous: str, queue) -> None:
     for g in (prev, cur):
         p.grad = g[shard].clone()
         out = gac.step([p], reduce=reduce, swap=False)
-    queue.put((rank, out.decision.cos, p.grad.tolist()))  # plain lists: no shared memory outliving the worker
-    dist.destroy_process_group()
+    return out.decision.cos, p.grad.tolist()  # plain lists: no shared memory outliving the worker
 
 
 def test_sharded_scalars_match_the_full_vector(tmp_path):
     rendezvous = str(tmp_path / "rendezvous")  # a file, not a port another process could take meanwhile
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_sharded_worker, args=(r, world, rendezvous, queue)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    results = sorted(queue.get(timeout=120) for _ in range(world))
-    for pr in procs:
-        pr.join(timeout=60)
+    results = run_ranks(_sharded_worker, 2, rendezvous)
     gen = torch.Generator().manual_seed(0)
     prev, cur = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
     cur = cur + 0.8 * prev
@@ -74,13 +64,13 @@ def test_sharded_scalars_match_the_full_vector(tmp_path):
     for g in (prev, cur):
         q.grad = g.clone()
         out = full.step([q], swap=False)
-    assert results[0][1] == pytest.approx(out.decision.cos, rel=1e-6) == results[1][1]
+    assert results[0][0] == pytest.approx(out.decision.cos, rel=1e-6) == results[1][0]
     assert out.decision.changed
-    torch.testing.assert_close(torch.tensor(results[0][2] + results[1][2]), q.grad)
+    torch.testing.assert_close(torch.tensor(results[0][1] + results[1][1]), q.grad)
     assert cosine_from_scalars(alignment_scalars([cur], [prev])) == pytest.approx(out.decision.cos, rel=1e-6)
 
 
-def _dtensor_lowp_worker(rendezvous: str, queue) -> None:
+def _dtensor_lowp_worker(rank: int, world: int) -> tuple:
     """One rank: GAC(kernels="fused-adamw") with a bfloat16 reference on FSDP2's DTensor parameters."""
     import warnings
 
@@ -88,7 +78,6 @@ def _dtensor_lowp_worker(rendezvous: str, queue) -> None:
 
     from gacbench.functional import kernels
 
-    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
     torch.manual_seed(0)
     net = fully_shard(torch.nn.Linear(6, 3))
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
@@ -100,23 +89,13 @@ def _dtensor_lowp_worker(rendezvous: str, queue) -> None:
             net(torch.randn(4, 6)).square().mean().backward()
             gac.step(list(net.parameters()), keep_alias=True, optimizer=optimizer)
             optimizer.step()
-    queue.put((list(kernels._FAILED), [str(w.message)[:200] for w in caught if "compile" in str(w.message)]))
-    dist.destroy_process_group()
+    return list(kernels._FAILED), [str(w.message)[:200] for w in caught if "compile" in str(w.message)]
 
 
 def test_fused_adamw_with_a_bfloat16_reference_runs_eager_on_dtensor_parameters(tmp_path):
     """Its compiled update is for plain tensors: on DTensor shards it is not tried (a failed compile would warn
     and turn the compiled kernels off for the rest of the process)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_dtensor_lowp_worker, args=(str(tmp_path / "rendezvous"), queue))
-    proc.start()
-    try:
-        failed, warned = queue.get(timeout=120)
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+    [(failed, warned)] = run_ranks(_dtensor_lowp_worker, 1, str(tmp_path / "rendezvous"))
     assert failed == [] and warned == []
 
 
@@ -153,16 +132,14 @@ M2PO_SPLIT = [[True, False, True], [False, True, True], [False, True, True], [Tr
 M2PO_TOGETHER = [[True, False, True], [False, True, True], [False, False, True], [True, False, True]]
 
 
-def _m2po_worker(rank: int, world: int, rendezvous: str, queue) -> None:
+def _m2po_worker(rank: int, world: int) -> dict:
     from gacbench.stabilizers.m2po import m2po_mask, m2po_mask_areal
 
-    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world)
     lr = torch.tensor(M2PO_LOG_R, dtype=torch.float64)[2 * rank: 2 * rank + 2]
     ones = torch.ones_like(lr)
     masks = {ties: m2po_mask(lr, ones, ones.bool(), 0.035, ties=ties).tolist() for ties in ("split", "together")}
     masks["areal"] = m2po_mask_areal(lr**2, ones.bool(), 0.035).tolist()
-    queue.put((rank, masks))
-    dist.destroy_process_group()
+    return masks
 
 
 @pytest.mark.slow  # two spawned processes that import torch and gacbench: 30-55 s on a loaded 2-core machine
@@ -178,15 +155,7 @@ def test_m2po_masks_over_the_batch_of_all_ranks_with_ties_in_rank_order(tmp_path
     # three of them on rank 0 (each rank alone would drop (0, 1), (1, 0) and (2, 0), (2, 1))
     areal = m2po_mask_areal(lr**2, ones.bool(), 0.035).tolist()
     assert areal == [[True, False, True], [False, True, False], [False, True, True], [True, True, True]]
-    rendezvous = str(tmp_path / "rendezvous")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_m2po_worker, args=(r, 2, rendezvous, queue)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    (_, m0), (_, m1) = sorted(queue.get(timeout=120) for _ in range(2))
-    for pr in procs:
-        pr.join(timeout=60)
+    m0, m1 = run_ranks(_m2po_worker, 2, str(tmp_path / "rendezvous"))
     assert m0["split"] + m1["split"] == M2PO_SPLIT
     assert m0["together"] + m1["together"] == M2PO_TOGETHER
     assert m0["areal"] + m1["areal"] == areal

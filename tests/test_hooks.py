@@ -2,14 +2,13 @@
 The same model, data and seed give the same parameters as the Lightning callbacks; closures are refused
 before anything is touched; skips leave the optimizer state alone; GradScaler and clipping act first."""
 
-import datetime
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import UserRegressor, flat_params, make_trainer
+from spawned_ranks import run_ranks
 
 import gacbench
 from gacbench import GAC, AlignmentMonitor, attach_alignment_monitor, attach_gac
@@ -428,9 +427,7 @@ def test_adding_parameters_after_attaching_is_refused():
 
 # -- torch.distributed: 2 ranks on gloo against 1 process -------------------------------------------------------
 
-def _dist_worker(rank: int, world: int, rendezvous: str, steps: int, wrap: str, queue) -> None:
-    dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _dist_worker(rank: int, world: int, steps: int, wrap: str) -> tuple:
     model = regressor()
     if wrap == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model.net)
@@ -466,8 +463,7 @@ def _dist_worker(rank: int, world: int, rendezvous: str, steps: int, wrap: str, 
         setattr(dist, name, fn)
     params = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
                         for p in model.parameters()])
-    queue.put((rank, actions, cos, params.tolist(), calls))
-    dist.destroy_process_group()
+    return actions, cos, params.tolist(), calls
 
 
 @pytest.mark.distributed
@@ -478,19 +474,8 @@ def test_two_ranks_agree_and_match_one_process(wrap, collective, tmp_path):
     the partial scalars are summed), each with half the batch per rank, against one process with all of it."""
     steps, world = 30 if wrap == "ddp" else 12, 2
     rendezvous = str(tmp_path / "rendezvous")  # a file, not a port another process could take meanwhile
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_dist_worker, args=(r, world, rendezvous, steps, wrap, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(queue.get(timeout=240) for _ in range(world))
-    finally:  # a rank that failed leaves the other waiting in a collective: end both
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    (_, a0, c0, p0, n0), (_, a1, c1, p1, n1) = results
+    results = run_ranks(_dist_worker, world, rendezvous, (steps, wrap))
+    (a0, c0, p0, n0), (a1, c1, p1, n1) = results
     assert a0 == a1 and c0 == c1 and p0 == p1  # every rank took the same decision from the same scalars
     assert n0 == n1 == [collective] * steps  # one collective per optimizer step
 
