@@ -52,6 +52,22 @@ def test_step_profile_refuses_bad_options_in_one_line(args, words, capsys):
 
 
 
+def test_a_shape_beyond_the_machines_memory_is_refused_before_it_is_built(monkeypatch, capsys):
+    """On the CPU, --shape qwen3-1.7b needs 20 bytes a parameter (34 GB) before activations: refused in one line
+    where less is available, before the 7 GB checkpoint is built; tiny-random (about 1.3M parameters) fits."""
+    from gacbench.bench import overhead
+    from gacbench.llm import step_profile
+
+    monkeypatch.setattr(overhead, "_available_memory", lambda: (24 * 10**9, 32 * 10**9))
+    built = []
+    monkeypatch.setattr(step_profile, "shape_model_dir", lambda *a, **k: built.append(a) or "/nonexistent")
+    assert main(["step-profile", "--engine", "hf", "--shape", "qwen3-1.7b"]) == 2
+    err = capsys.readouterr().err
+    assert "--shape qwen3-1.7b: 1.72B parameters need about 34 GB" in err and "24 GB available" in err
+    assert len(err.strip().splitlines()) == 1 and built == []
+    step_profile.check_shape_fits("tiny-random")  # no error
+
+
 def test_flop_floor_by_hand():
     """1e9 parameters, 1000 tokens at 100 TFLOP/s: forward 2e12 FLOPs = 20 ms, backward 4e12 = 40 ms."""
     from gacbench.llm.step_profile import flop_floor

@@ -25,7 +25,8 @@ The phases run on the device the one trained step ran on (the GPU where there is
 --max-tokens 512 --precision bf16-mixed --gradient-checkpointing --logit-rows 8`` (without the last two the whole
 batch's logits and activations do not fit one GPU: docs/llm.md, "Memory of the training forward"); ``--shape
 tiny-random`` is the built-in tiny architecture with random weights and a 4,096-token vocabulary (the same code path
-at a size a CPU runs in seconds). Random weights rarely emit the end-of-sequence token, so every sample runs to
+at a size a CPU runs in seconds; on the CPU a shape is refused before it is built where its parameters, at 20 bytes
+each, exceed the available memory). Random weights rarely emit the end-of-sequence token, so every sample runs to
 ``--max-tokens``. The record then also gives the training device's peak memory, the tokens per second of generation
 and of the whole step, and the forward and backward against the FLOP floor (2 N and 4 N FLOPs per token of the
 batch, N the parameters, at ``--peak-tflops``; the attention's own FLOPs are left out, so the floor is a lower
@@ -51,6 +52,30 @@ SHAPES = {
     "qwen3-1.7b": {"hidden": 2048, "layers": 28, "heads": 16, "kv_heads": 8, "intermediate": 6144, "vocab": 151936},
     "tiny-random": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 384, "vocab": 4096},
 }
+
+
+#: Bytes a float32 parameter costs a step on the CPU before any activation: the trainer's weight, its gradient,
+#: AdamW's two moments and the rollout engine's own copy
+CPU_BYTES_PER_PARAMETER = 20
+
+
+def check_shape_fits(shape: str) -> None:
+    """A usage error before anything is built when ``shape``'s parameters, at :data:`CPU_BYTES_PER_PARAMETER`
+    bytes each, exceed this machine's available memory (profiled on the CPU: the GPU's memory is what a CUDA run
+    reports as its peak)."""
+    from gacbench.bench.overhead import Qwen3Shape, _available_memory
+    from gacbench.usage import UsageError
+
+    s = SHAPES[shape]
+    numel = Qwen3Shape(hidden=s["hidden"], layers=s["layers"], intermediate=s["intermediate"], heads=s["heads"],
+                       kv_heads=s["kv_heads"], head_dim=s["hidden"] // s["heads"], vocab=s["vocab"]).numel()
+    free, total = _available_memory()
+    need = CPU_BYTES_PER_PARAMETER * numel
+    if free is not None and need > free:
+        raise UsageError(f"--shape {shape}: {numel / 1e9:.2f}B parameters need about {need / 1e9:.0f} GB on the CPU "
+                         f"(float32 weights, gradients, AdamW's moments and the engine's copy) before activations, "
+                         f"and this machine has {free / 1e9:.0f} GB available of {total / 1e9:.0f} GB; profile it "
+                         "on a GPU, or use --shape tiny-random")
 
 
 def shape_model_dir(shape: str, max_len: int) -> str:
@@ -205,6 +230,8 @@ def profile(args) -> dict:
             raise UsageError("--shape builds its own random-weight model: give --shape or --model, not both")
         if args.task != "arithmetic":
             raise UsageError("--shape uses the tiny tokenizer (digits and operators): only --task arithmetic")
+        if not torch.cuda.is_available():
+            check_shape_fits(args.shape)
         args.model = shape_model_dir(args.shape, max_len=64 + args.max_tokens)
     resolve_engine_and_model(args)
     if args.compile and args.engine != "vllm":
