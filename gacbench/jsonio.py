@@ -53,6 +53,20 @@ def write_text(path: Path, text: str) -> None:
         raise
 
 
+def save_figure(fig, path: Path, **kwargs: Any) -> None:
+    """``fig.savefig`` to ``path`` atomically, as :func:`write_text` writes: a stop in the middle leaves the
+    earlier figure (or none), never a cut-off image. ``kwargs`` go to ``savefig``; the format is ``path``'s
+    suffix."""
+    path = Path(path)
+    tmp = temporary_path(path)
+    try:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or None, **kwargs)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 

@@ -328,3 +328,45 @@ def test_the_reliability_table_counts_its_rows_and_names_tests_that_exist():
         missing += [f"{t} (in {', '.join(files)})" for t in names
                     if not any(re.search(rf"^(async )?def {t}\(", src, re.M) for src in sources)]
     assert not missing
+
+
+def test_a_figure_stopped_while_it_is_written_leaves_the_earlier_one_whole(tmp_path):
+    """save_figure writes beside the target and renames: a stop in the middle (here an exception from the writer
+    after some bytes) leaves the earlier figure as it was and no temporary; a finished save replaces it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gacbench.jsonio import save_figure
+
+    path = tmp_path / "fig.png"
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    save_figure(fig, path, dpi=50)
+    earlier = path.read_bytes()
+    assert earlier.startswith(b"\x89PNG")
+
+    class Stopped(BaseException):
+        pass
+
+    def stopping_print(self, target, *args, **kwargs):
+        if hasattr(target, "write"):
+            target.write(b"\x89PNG partial")
+        else:
+            Path(target).write_bytes(b"\x89PNG partial")
+        raise Stopped
+
+    backend = type(fig.canvas)
+    original = backend.print_png
+    backend.print_png = stopping_print
+    try:
+        with pytest.raises(Stopped):
+            save_figure(fig, path, dpi=80)
+    finally:
+        backend.print_png = original
+    assert path.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["fig.png"]
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, path, dpi=80)
+    assert path.read_bytes() != earlier and path.read_bytes().startswith(b"\x89PNG")
+    plt.close(fig)

@@ -306,6 +306,28 @@ def test_the_outside_figures_add_up_from_process_start_to_the_written_report():
     assert nothing["startup_s"] is None and nothing["first_cell_started_at"] is None
 
 
+def test_a_record_whose_run_stopped_before_its_report_says_so_in_the_summary_note():
+    """A timing.json still pending for the outside figures: while its process runs (this one) the note points to
+    timing.json; once that process is gone (a run killed in its report, which no later run completes) it says that
+    share was not measured."""
+    import subprocess
+    import sys
+
+    from gacbench.bench.tables import _step_share_note
+    from gacbench.bench.timing import startup_fields, stopped_before_report
+
+    results = [_cell(7, 110.0, 150.0, steps=30.0)]
+    record = {"ran": 1, **timing_record(results, wall=45.0, workers=1, grid_started_at=106.0),
+              **startup_fields(results, {"process_started_at": 100.0, "process_clock": "proc"})}
+    assert not stopped_before_report(record) and "in timing.json" in _step_share_note(record)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stopped = {**record, "pid": int(gone.stdout)}
+    assert stopped_before_report(stopped)
+    assert "10 s of start-up before its first cell; it stopped before its report, so its share from the process's " \
+           "start was not measured" in _step_share_note(stopped)
+    assert not stopped_before_report({**stopped, "outside_pending": None})  # completed: nothing pending
+
+
 def _tiny_suite(tmp_path: Path) -> Path:
     suite = {"name": "tiny", "steps": 15, "warmup": 2,
              "tasks": {"q": {"objective": "quadratic", "params": {"optimizer": "sgd", "lr": 0.1}},

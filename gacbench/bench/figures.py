@@ -12,6 +12,7 @@ from gacbench.bench.groups import BAND_RANGE_SEEDS, VERSION_SMOOTH, version_curv
 from gacbench.bench.records import POLICY_REWARD, read_metrics
 from gacbench.bench.regime import PAPER_TABLE3, law_points, size_sync_cells
 from gacbench.bench.stats import REFERENCE_METHODS, ablation_key, ablation_share_rows, significant
+from gacbench.jsonio import save_figure
 
 #: At most this many methods besides sync and stale share a panel of a curve figure; a task with more gets one
 #: row of panels per method group (:func:`method_panels`)
@@ -77,7 +78,7 @@ class Canvas:
             handles, labels = figure_legend_entries(fig)
             legend_ax.legend(handles, labels, fontsize=7)
         fig.tight_layout()
-        fig.savefig(self.root / name, dpi=110, **({"bbox_inches": "tight"} if outside else {}))
+        save_figure(fig, self.root / name, dpi=110, **({"bbox_inches": "tight"} if outside else {}))
         self.plt.close(fig)
         self.out.append(self.root / name)
 

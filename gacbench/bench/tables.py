@@ -805,12 +805,17 @@ def _size_section(points: list[dict], trend: dict | None) -> list[str]:
 
 
 def _step_share_note(timing: dict | None) -> str:
+    from gacbench.bench.timing import stopped_before_report
+
     if not timing or timing.get("step_share") is None:
         return ""
     outside = ""
     if timing.get("outside_step_share") is not None:
         outside = (f"; {timing['outside_step_share']:.0%} of the {timing['outside_wall_s']:.0f} s from the process's "
                    "start to its written report")
+    elif timing.get("startup_s") is not None and stopped_before_report(timing):
+        outside = (f"; {timing['startup_s']:.0f} s of start-up before its first cell; it stopped before its report, "
+                   "so its share from the process's start was not measured")
     elif timing.get("startup_s") is not None:
         outside = (f"; {timing['startup_s']:.0f} s of start-up before its first cell, and its share from the "
                    "process's start to the written report in timing.json")

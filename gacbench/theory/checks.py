@@ -20,6 +20,7 @@ import torch
 
 from gacbench.callbacks import GAC, AlignmentMonitor, StalenessSimulator
 from gacbench.functional import gac_project
+from gacbench.jsonio import save_figure
 from gacbench.objectives import NoisyQuadratic
 from gacbench.theory import bounds
 from gacbench.theory import delayed_quadratic as dq
@@ -323,7 +324,7 @@ def alignment_figure(path: str, rows: list[dict] | None = None) -> None:
     axes[1].set(xlabel="staleness s", title="closer to the stability limit, more aligned")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
