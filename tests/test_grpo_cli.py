@@ -144,7 +144,7 @@ def test_a_killed_resume_is_merged_by_the_next_resume(tiny_llm_dir, tmp_path, mo
 
     args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
     assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
-    monkeypatch.setattr(MetricsKeeper, "after_resume", lambda self, start: None)  # as if killed: no clean-up ran
+    monkeypatch.setattr(MetricsKeeper, "after_resume", lambda self, start, every=1: [])  # killed: no clean-up ran
     _fail_at(monkeypatch, 5)
     with pytest.raises(RuntimeError, match="injected failure"):
         main(["grpo", *args, "--trainer.max_steps", "8", "--ckpt_path", "last"])
@@ -154,6 +154,98 @@ def test_a_killed_resume_is_merged_by_the_next_resume(tiny_llm_dir, tmp_path, mo
     assert _logged_steps(run_dir) == list(range(6)) and not (run_dir / "metrics.earlier.csv").exists()
     summary = _strict_json(run_dir / "summary.json")  # 2 steps < the alignment warm-up: null statistics, not NaN
     assert summary["alignment"]["median"] is None
+
+
+_KILLED_IN_EVALUATION = """
+import os, sys
+from gacbench.llm.grpo import GRPOModule
+original = GRPOModule.metric
+def metric(self):  # the process dies as under SIGKILL: no logger or trainer teardown runs
+    if self.global_step == int(os.environ["KILL_AT"]):
+        os._exit(9)
+    return original(self)
+GRPOModule.metric = metric
+from gacbench.cli import main
+sys.exit(main(["grpo", *sys.argv[1:]]))
+"""
+
+
+def _rows(path: Path) -> list[dict]:
+    import csv
+
+    return [{k: v for k, v in r.items() if v and not k.startswith("time/")} for r in csv.DictReader(path.open())]
+
+
+@pytest.mark.slow  # three short runs, one in a new process
+@RESUME_WARNINGS
+def test_a_run_killed_after_a_checkpoint_resumes_to_every_row_of_an_uninterrupted_run(tiny_llm_dir, tmp_path):
+    """Killed in the evaluation that follows its step-4 checkpoint (Lightning logs it after the checkpoint), the run
+    resumed from that checkpoint has every metrics.csv row of an uninterrupted run, with the same values: the rows
+    before the checkpoint were written at the checkpoint (CSVLogger buffers 100 steps), and the evaluation the
+    killed process did not write runs again at the resumed step."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "killed").mkdir()
+    ref_args, ref_dir = _ckpt_run(tiny_llm_dir, tmp_path / "ref")
+    assert main(["grpo", *ref_args, "--trainer.max_steps", "6"]) == 0
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path / "killed")
+    done = subprocess.run([sys.executable, "-c", _KILLED_IN_EVALUATION, *args, "--trainer.max_steps", "6"],
+                          env={**os.environ, "KILL_AT": "4", "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 9, done.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "epoch=0-step=4.ckpt").exists()
+    assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
+    assert _rows(run_dir / "metrics.csv") == _rows(ref_dir / "metrics.csv")
+    assert "metrics_lost_steps" not in _strict_json(run_dir / "summary.json")
+
+
+@RESUME_WARNINGS
+def test_a_run_interrupted_before_its_first_checkpoint_is_told_to_start_again(tiny_llm_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Ctrl-C at step 1 of a run that checkpoints every 2 steps: nothing to resume, so the message says to start
+    again with --overwrite (not --ckpt_path last), and --ckpt_path last names --overwrite too."""
+    import signal
+
+    from gacbench.llm.grpo import GRPOModule
+    from gacbench.usage import Interrupted
+
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    original = GRPOModule.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1:
+            raise Interrupted(signal.SIGINT)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(GRPOModule, "training_step", training_step)
+    assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (SIGINT) after 1 of 4 steps; no checkpoint was written" in err and "--overwrite" in err
+    assert "--ckpt_path last" not in err
+    monkeypatch.undo()
+    assert main(["grpo", *args, "--trainer.max_steps", "4", "--ckpt_path", "last"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint in" in err and "with --overwrite" in err
+    assert main(["grpo", *args, "--trainer.max_steps", "4", "--overwrite"]) == 0
+    assert _strict_json(run_dir / "summary.json")["status"] == "finished"
+
+
+def test_a_resume_names_the_steps_whose_rows_an_earlier_session_lost(tmp_path):
+    """Rows logged every 2 steps (log_every_n_steps 2: steps 1, 3, 5, ...), the earlier sessions' rows holding
+    steps 1 and 7 of the 10 before the checkpoint: 3 and 5 are named lost, 9 and later are the resumed session's."""
+    from gacbench.llm.cli import MetricsKeeper, _spans, write_rows
+
+    write_rows(tmp_path / "metrics.csv", [{"step": 1, "loss": 0.5}, {"step": 7, "loss": 0.4},
+                                          {"step": 10, "eval/acc": 0.25}])
+    keeper = MetricsKeeper(tmp_path)
+    keeper.before_resume()
+    assert keeper.logged_at(10) == {"eval/acc"} and keeper.logged_at(7) == frozenset()
+    assert keeper.after_resume(10, every=2) == [3, 5, 9]
+    assert keeper.after_resume(10, every=1) == [0, 2, 3, 4, 5, 6, 8, 9]
+    assert _spans([0, 2, 3, 4, 5, 6, 8, 9]) == "0, 2-6, 8-9"
 
 
 @RESUME_WARNINGS

@@ -242,6 +242,29 @@ def test_the_run_hash_leaves_out_steps_only_and_another_runs_checkpoint_is_refus
         "--model.staleness 5 in the checkpoint, 2 in this run; and 1 more")  # at most four, the rest counted
 
 
+def test_the_run_hash_holds_the_trainer_settings_that_change_the_update():
+    """Gradient clipping, accumulation and precision change every step after a resume: set off Lightning's defaults
+    they are part of the run (a resume that changes one is refused by name); at a default, spelt out or not, they
+    leave the hash of a run recorded without them unchanged."""
+    from jsonargparse import Namespace
+
+    from gacbench.llm.cli import differing_settings, run_hash, run_identity
+
+    def config(**trainer):
+        return Namespace(method="stale", seed_everything=0, model=Namespace(staleness=2, seed=0, steps=4),
+                         trainer=Namespace(**{"max_steps": 4, "devices": 1, **trainer}))
+
+    h = run_hash(Namespace(method="stale", seed_everything=0, model=Namespace(staleness=2, seed=0, steps=4)))
+    assert run_hash(config()) == h == run_hash(config(gradient_clip_val=None, gradient_clip_algorithm="norm",
+                                                      accumulate_grad_batches=1, precision="32-true"))
+    assert run_hash(config(precision=32, devices=2, max_steps=9)) == h
+    changed = [config(gradient_clip_val=0.001), config(gradient_clip_algorithm="value"),
+               config(accumulate_grad_batches=2), config(precision="bf16-mixed")]
+    assert len({h, *map(run_hash, changed)}) == 1 + len(changed)
+    assert differing_settings(run_identity(config()), run_identity(changed[0])) == (
+        '--trainer.gradient_clip_val "unset" in the checkpoint, 0.001 in this run')
+
+
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
 def test_a_shared_checkpoint_dir_and_a_redundant_resume_of_a_finished_run(tiny_llm_dir, tmp_path, capsys):
     from conftest import TINY_TASK

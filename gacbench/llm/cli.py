@@ -27,8 +27,9 @@ A run claims its directory (the logger's) for as long as it runs, as the bench r
 ``flock`` on ``.claim`` there, recording its pid. A second run on a directory held by a live run is refused in one
 line naming the holder's pid; a claim left by a run that was killed is taken over, saying so on stderr.
 
-Every checkpoint records the run's config hash (:func:`run_hash`: the method, ``seed_everything`` and the ``model``
-section less ``model.steps``, since a resume with a larger ``trainer.max_steps`` continues the same run). A
+Every checkpoint records the run's config hash (:func:`run_hash`: the method, ``seed_everything``, the ``model``
+section less ``model.steps``, since a resume with a larger ``trainer.max_steps`` continues the same run, and the
+trainer's gradient clipping, accumulation and precision where they are set). A
 checkpoint of another run (a ``ModelCheckpoint`` directory shared by two runs) is refused at ``--ckpt_path``,
 naming it and both hashes. A resume of a finished run (its checkpoint at ``max_steps`` and its summary
 ``finished``) changes nothing: it says so in one line and exits 0; ``--refresh_summary`` evaluates it again and
@@ -248,11 +249,24 @@ HASH_EXCLUDED = ("steps",)  # model settings a resume may change: more steps con
 HASH_AT_DEFAULT = {("engine", "compile"): False}
 
 
+#: Trainer settings that change the update, with the values at which they change nothing (Lightning's defaults):
+#: a run identity holds those set otherwise, so that a resume cannot clip, accumulate or round differently from the
+#: steps before its checkpoint
+UPDATE_TRAINER_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "gradient_clip_val": (None, 0, 0.0),
+    "gradient_clip_algorithm": (None, "norm"),
+    "accumulate_grad_batches": (1,),
+    "precision": (None, 32, "32", "32-true"),
+}
+
+
 def run_identity(config) -> dict[str, Any]:
     """What identifies a run, as plain JSON values: its method, ``seed_everything`` and ``model`` section (every
     GRPOModule argument), less ``model.steps`` (``trainer.max_steps``: resuming with more steps continues the same
-    run) and the settings of :data:`HASH_AT_DEFAULT` at their listed values. The trainer's other settings (devices,
-    logging, checkpointing) are left out too: a run may resume on another machine or with another logger."""
+    run) and the settings of :data:`HASH_AT_DEFAULT` at their listed values, and under ``trainer`` the settings of
+    :data:`UPDATE_TRAINER_DEFAULTS` set to change the update (gradient clipping, accumulation, precision). The
+    trainer's other settings (devices, logging, checkpointing) are left out: a run may resume on another machine
+    or with another logger."""
     model = config.model.as_dict() if hasattr(config.model, "as_dict") else dict(config.model)
     model = {k: v for k, v in model.items() if k not in HASH_EXCLUDED}
     for (section, key), value in HASH_AT_DEFAULT.items():
@@ -260,6 +274,12 @@ def run_identity(config) -> dict[str, Any]:
         if isinstance(part, dict) and key in part and part[key] == value:
             model[section] = {k: v for k, v in part.items() if k != key}
     ident = {"method": config.method, "seed_everything": config.get("seed_everything"), "model": model}
+    trainer = config.get("trainer") or {}
+    trainer = trainer.as_dict() if hasattr(trainer, "as_dict") else dict(trainer)
+    update = {k: trainer[k] for k, unchanged in UPDATE_TRAINER_DEFAULTS.items()
+              if k in trainer and trainer[k] not in unchanged}
+    if update:
+        ident["trainer"] = update
     return json.loads(json.dumps(ident, default=str))
 
 
@@ -273,16 +293,35 @@ def run_hash(config) -> str:
 
 class RunRecorder(Callback):
     """Writes the run's :func:`run_hash` and :func:`run_identity` into every checkpoint it saves
-    (``checkpoint["gacbench_run"]``), so that a resume of another run is refused naming the settings that differ."""
+    (``checkpoint["gacbench_run"]``), so that a resume of another run is refused naming the settings that differ.
+
+    It also writes the loggers' rows to disk at each checkpoint and again at the start of the next step (Lightning
+    logs a step's row after the checkpoint taken at its end): a resume starts from the checkpoint, so rows held in
+    a logger's buffer (CSVLogger writes every 100 steps) would otherwise be lost with a killed process, and never
+    be logged again."""
 
     def __init__(self, config_hash: str, identity: dict[str, Any] | None = None) -> None:
         self.config_hash, self.identity = config_hash, identity
+        self._saved = False  # a checkpoint was saved whose step's rows are not yet on disk
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         record: dict[str, Any] = {"config_hash": self.config_hash}
         if self.identity is not None:
             record["identity"] = self.identity
         checkpoint[RUN_KEY] = record
+        self._write_rows(trainer)
+        self._saved = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._saved:
+            self._write_rows(trainer)
+            self._saved = False
+
+    @staticmethod
+    def _write_rows(trainer) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
 
 
 def read_checkpoint(path: Path) -> tuple[int, dict[str, Any] | None]:
@@ -405,7 +444,9 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None,
     ckpt_dir = _ckpt_dir(trainer)
     found = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir and ckpt_dir.is_dir() else []
     if not found:
-        raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path")
+        again = (" (with --overwrite: the files there are of a run stopped before its first checkpoint)"
+                 if earlier_run_files(trainer) else "")
+        raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path{again}")
     good: list[tuple[int, Path, dict[str, Any] | None]] = []  # (step, path, the run record it holds)
     bad: list[tuple[Path, str]] = []
     for path in found:
@@ -435,6 +476,17 @@ def _step(row: dict) -> int | None:
         return int(float(row.get("step") or ""))
     except (TypeError, ValueError):
         return None
+
+
+def _spans(steps: list[int]) -> str:
+    """Sorted integers as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for t in steps:
+        if spans and t == spans[-1][1] + 1:
+            spans[-1][1] = t
+        else:
+            spans.append([t, t])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -486,11 +538,20 @@ class MetricsKeeper:
         if saved:
             write_rows(self.earlier_path, saved)
 
-    def after_resume(self, start: int) -> None:
-        """metrics.csv := the earlier rows before step ``start``, then this session's; the copy removed."""
+    def logged_at(self, step: int) -> frozenset[str]:
+        """The ``eval/`` keys of the earlier rows at ``step``."""
+        return frozenset(k for r in self.earlier if _step(r) == step for k, v in r.items()
+                         if k.startswith("eval/") and v not in ("", None))
+
+    def after_resume(self, start: int, every: int = 1) -> list[int]:
+        """metrics.csv := the earlier rows before step ``start``, then this session's; the copy removed. Returns
+        the steps before ``start`` at which a row was logged (every ``every`` steps: Lightning's
+        ``log_every_n_steps``) and none is kept: rows an earlier session lost."""
         if self.earlier:
             write_rows(self.path, combine_rows(self.earlier, read_rows(self.path), start))
         self.earlier_path.unlink(missing_ok=True)
+        kept = {_step(r) for r in self.earlier}
+        return [t for t in range(start) if (t + 1) % every == 0 and t not in kept]
 
 
 ROLLOUT_RECORD = ("max_staleness", "min_staleness", "admission", "lag_mean", "lag_min", "lag_max", "lag_hist",
@@ -544,6 +605,7 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
     initial = model.metric()
     if keeper is not None:
         keeper.before_resume()
+        model.resume_logged = keeper.logged_at(ckpt_step)  # what a killed session left unwritten is evaluated again
     t0 = time.perf_counter()
     terminated = 0  # the signal that ended the fit
     try:
@@ -553,8 +615,7 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
     except Interrupted as exc:  # SIGINT (gacbench.usage.raise_on_signals): at once, in the middle of the step
         terminated = exc.signum
     finally:  # also when the session fails: the earlier rows go back into metrics.csv
-        if keeper is not None:
-            keeper.after_resume(ckpt_step)
+        lost = keeper.after_resume(ckpt_step, trainer.log_every_n_steps) if keeper is not None else []
     wall = time.perf_counter() - t0
     model.policy.to(device)
     mode = model.rollout_cfg.mode
@@ -563,6 +624,8 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
                "steps": trainer.global_step, "max_steps": trainer.max_steps, "resumed_from": ckpt,
                "eval_acc_initial": initial, "eval_acc_final": None if terminated else model.metric(), "wall_s": wall,
                **model.run_stats}
+    if lost:
+        summary["metrics_lost_steps"] = lost
     if mode != "sync":
         summary["rollout"] = {"mode": mode, **rollout_record(getattr(model, "source_summary", None) or {})}
     # c_t's end-of-fit statistics: the AlignmentMonitor's, or, where it stays passive, those of the c_t trace of the
@@ -586,10 +649,20 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
     (out / "summary.json").write_text(text)
     print(text)
     print(f"wrote {out / 'summary.json'}")
+    if lost:
+        print(f"gacbench grpo: metrics.csv holds no row for {len(lost)} step(s) before the checkpoint this session "
+              f"resumed from (steps {_spans(lost)}): an earlier session ended before writing them; the training "
+              "itself is whole (summary.json lists them as metrics_lost_steps)", file=sys.stderr)
     if terminated:
         how = "terminated (SIGTERM)" if terminated == signal.SIGTERM else "interrupted (SIGINT)"
-        print(f"gacbench grpo: {how} after {trainer.global_step} of {trainer.max_steps} steps; resume "
-              "with --ckpt_path last (from the run's last checkpoint)", file=sys.stderr)
+        ckpt_dir = _ckpt_dir(trainer)
+        if ckpt_dir is not None and any(ckpt_dir.glob("*.ckpt")):
+            how_on = "resume with --ckpt_path last (from the run's last checkpoint)"
+        else:
+            how_on = ("no checkpoint was written (ModelCheckpoint every_n_train_steps, or none configured): start "
+                      "it again with --overwrite")
+        print(f"gacbench grpo: {how} after {trainer.global_step} of {trainer.max_steps} steps; {how_on}",
+              file=sys.stderr)
         return 128 + terminated
     return 0
 

@@ -428,6 +428,9 @@ class GRPOModule(Objective):
         self._times = {"time/generate_s": 0.0, "time/behav_s": 0.0}
         self._history: list[tuple[float, float, int]] = []  # per step: (step s, generation s, tokens generated)
         self._theta0_measured = False  # the policy reward of θ_0, once per run
+        # set by a resume (gacbench grpo --ckpt_path): the eval/ keys the earlier sessions logged at the
+        # checkpoint's step; the evaluations due there and not among them run before the first resumed step
+        self.resume_logged: frozenset[str] | None = None
         self._tokens = 0
 
     @classmethod
@@ -522,9 +525,15 @@ class GRPOModule(Objective):
 
     # -- the engine --------------------------------------------------------------------------------
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones
+        super().on_train_start()  # one batch per optimizer step
+        self._start_rollouts()
+        if self.resume_logged is not None and self.global_step > 0:  # (a resume does not start the epoch again)
+            logged, self.resume_logged = self.resume_logged, None
+            self._evaluate(missing_from=logged)
+
+    def _start_rollouts(self) -> None:
         from gacbench.rollout.engines import acquire_engine
 
-        super().on_train_start()  # one batch per optimizer step
         t0 = time.perf_counter()
         if self.rollout_cfg.mode != "sync":  # async: Ray rollout workers; uniform: the random-lag simulator
             from gacbench.llm.async_source import build_source
@@ -570,6 +579,20 @@ class GRPOModule(Objective):
             self._theta0_measured = True  # θ_0, where every run of one seed starts: once per run
             self.log_scalars(self.policy_reward())
 
+    def _evaluate(self, missing_from: frozenset[str] = frozenset()) -> None:
+        """The evaluations due at the trainer's step (greedy ``eval/acc`` every ``eval_every`` steps, the policy's
+        own reward every ``policy_eval.every``, both at the last step), less those whose keys ``missing_from``
+        holds. At the checkpoint's step of a resume these are the evaluations that closed that step in the earlier
+        session, which Lightning logs after writing the checkpoint: a session killed in between had not written
+        them, and the weights and engine version are the same now."""
+        step, last = self.trainer.global_step, self.trainer.max_steps
+        if f"eval/{self.metric_name}" not in missing_from:
+            self.evaluate_metric()
+        pe = self.policy_eval_cfg
+        if (pe.prompts and (step % (pe.every or self.eval_every) == 0 or step == last)
+                and "eval/policy_reward" not in missing_from):
+            self.log_scalars(self.policy_reward())
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._t_step = time.perf_counter()
 
@@ -590,10 +613,7 @@ class GRPOModule(Objective):
                 raise
             self.policy.train()
             self._sync_verified = True
-        super().on_train_batch_end(outputs, batch, batch_idx)  # eval/acc every eval_every steps (not timed)
-        pe, step = self.policy_eval_cfg, self.trainer.global_step
-        if pe.prompts and (step % (pe.every or self.eval_every) == 0 or step == self.trainer.max_steps):
-            self.log_scalars(self.policy_reward())
+        self._evaluate()  # eval/acc and the policy's reward when due (not timed)
 
     @torch.no_grad()
     def policy_reward(self) -> dict[str, float]:

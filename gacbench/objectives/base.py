@@ -192,6 +192,10 @@ class Objective(pl.LightningModule):
         raise NotImplementedError
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.evaluate_metric()
+
+    def evaluate_metric(self) -> None:
+        """``eval/<metric_name>`` when due at the trainer's step: every ``eval_every`` steps and at the last."""
         step = self.trainer.global_step
         if step % self.eval_every == 0 or step == self.trainer.max_steps:
             value = self.metric()
