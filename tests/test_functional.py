@@ -188,6 +188,25 @@ def test_alignment_summary_matches_numpy():
     assert s["max_abs"] == pytest.approx(a.max())
     assert s["frac_le_tol"] == pytest.approx(np.mean(a <= 0.05))
     assert math.isnan(alignment_summary([0.1], warmup=5)["q90_abs"])
+    assert alignment_summary([0.05, -0.05, 0.2], tol=0.05)["frac_le_tol"] == pytest.approx(2 / 3)  # |c| = tol counts
+
+
+def test_a_skipped_step_leaves_the_applied_reference_as_it_was():
+    """reference="applied", high_mode="skip": step 2 (c = 0.995 against (1, 0)) is skipped, so nothing is applied
+    and the reference stays (1, 0); step 3's (0, 1) is then orthogonal to it (c = 0, kept), where against the
+    skipped raw gradient (1, 0.1) it would read 0.0995 and be shrunk."""
+    gac = GACTransform(c_low=0.05, c_high=0.3, reference="applied", high_mode="skip")
+    p = torch.nn.Parameter(torch.zeros(2))
+    actions, cos = [], []
+    for g in ([1.0, 0.0], [1.0, 0.1], [0.0, 1.0]):
+        p.grad = torch.tensor(g)
+        d = gac.step([p]).decision
+        actions.append(d.action)
+        cos.append(d.cos)
+        if len(actions) == 2:
+            assert gac.state.ref[0].tolist() == [1.0, 0.0]
+    assert actions[1:] == [SKIP, KEEP]
+    assert cos[1] == pytest.approx(1 / math.sqrt(1.01)) and cos[2] == 0.0
 
 
 def _run_transform(gac: GACTransform, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> list:

@@ -518,6 +518,8 @@ def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_d
     monkeypatch.setattr(grpo, "policy_loss", lambda stab, pb: (seen.append(pb), (pb.logp.sum(), {}))[1])
     m.policy_loss(data)
     (pb,) = seen
+    G = m.rollout_cfg.group  # rows are prompt-major: row i holds a sample of prompt i // G (VCPO's baseline groups)
+    assert pb.group.tolist() == [i // G for i in range(m.rollout_cfg.prompts * G)]
     rows = torch.tensor([0, 5, pb.logp.shape[0] - 1])
     assert torch.allclose(pb.row_logp(rows), pb.logp[rows], rtol=1e-4, atol=1e-5)
     params = [p for p in m.parameters() if p.requires_grad]

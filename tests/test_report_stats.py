@@ -39,6 +39,20 @@ def _family_cells(methods=tuple(DIFFS)):
             + [report_cell("t", m, 8, k, STALE[k] + DIFFS[m][k]) for m in methods for k in range(3)])
 
 
+def test_the_gap_of_methods_run_on_unequal_seeds_is_read_on_their_common_seeds_with_sample_deviations():
+    """sync {1, 3, 5} and stale {2, 4, 6} on seeds 0-2, the method on seeds 0-3: the three means over the common
+    seeds 0-2 and the gap's standard error sqrt((4 + 4) / 3) from the sample (ddof = 1) variances."""
+    from gacbench.bench.stats import _unequal_seed_means
+
+    seeds = {("t", "sync", 0): {0: 1.0, 1: 3.0, 2: 5.0}, ("t", "stale", 2): {0: 2.0, 1: 4.0, 2: 6.0},
+             ("t", "m", 2): {0: 1.5, 1: 3.5, 2: 5.5, 3: 9.0}}
+    n, sync, stale, method, se = _unequal_seed_means(seeds, "t", "m", 2)
+    assert (n, sync, stale, method) == (3, 3.0, 4.0, 3.5)
+    assert se == pytest.approx(math.sqrt(8 / 3))
+    seeds[("t", "m", 2)].pop(3)
+    assert _unequal_seed_means(seeds, "t", "m", 2) is None  # the same seeds: the paired path
+
+
 def test_the_table_marks_only_the_entries_significant_after_adjustment():
     cells = _family_cells()
     groups = group_records(cells)

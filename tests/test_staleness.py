@@ -330,3 +330,43 @@ def test_an_optimizer_that_evaluates_its_closure_several_times_a_step_is_refused
     stale, and GAC would measure the cosines between the evaluations of one step."""
     with pytest.raises(RuntimeError, match="ran twice in optimizer step 0: the optimizer \\(LBFGS\\)"):
         make_trainer([_callback(name)], max_steps=4).fit(WithLBFGS())
+
+
+class _WeightSeen(pl.LightningModule):
+    """One weight pulled toward 1; records the weight each training micro-batch saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple[int, int, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.global_step, batch_idx, float(self.w)))
+        return ((self.w - batch[0]) ** 2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(12, 1)), batch_size=1)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(1, 1)), batch_size=1)
+
+
+def test_a_validation_inside_an_accumulation_window_leaves_the_window_on_the_stale_iterate():
+    """s = 1 with two micro-batches a step and a validation after every third batch (inside a window): validation
+    sees θ_t, and the window's remaining micro-batch again sees θ_{t-1}, so every micro-batch sees what it sees in
+    the same run without validation."""
+    runs = {}
+    for label, val in (("validated", dict(val_check_interval=3)), ("plain", dict(limit_val_batches=0))):
+        m = _WeightSeen()
+        make_trainer([StalenessSimulator(1)], max_steps=6, accumulate_grad_batches=2, **val).fit(m)
+        runs[label] = m.seen
+    assert runs["validated"] == runs["plain"] and len(runs["plain"]) == 12
+    for k in range(6):  # both micro-batches of a window see one iterate
+        assert runs["plain"][2 * k][2] == runs["plain"][2 * k + 1][2]
+    assert [w for _, _, w in runs["plain"][::2]][:3] == [0.0, 0.0, 1.0]  # θ_0, θ_{1-1}, θ_{2-1} (θ_1 = 1)

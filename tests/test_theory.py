@@ -116,7 +116,8 @@ def test_bound_holds_on_measured_runs():
 
 
 def test_eta_max_solves_the_step_size_condition():
-    for L, s, d in [(1.0, 0, 0.0), (2.0, 8, 0.0), (0.5, 32, 0.45)]:
+    assert eta_max(2.0, 0, 0.5) == 0.25  # s = 0: L eta <= 1 - delta
+    for L, s, d in [(1.0, 0, 0.0), (1.0, 0, 0.3), (2.0, 8, 0.0), (0.5, 32, 0.45)]:
         e = eta_max(L, s, d)
         assert L * e + L**2 * e**2 * s**2 == pytest.approx(1 - d)
         assert L * (e * 1.01) + L**2 * (e * 1.01) ** 2 * s**2 > 1 - d  # the largest such step
