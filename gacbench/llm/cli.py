@@ -39,9 +39,14 @@ A resume keeps what the earlier sessions wrote. Lightning's CSVLogger deletes ``
 starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed session ends,
 whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows before the checkpoint's
 step followed by the new rows, and the copy removed. If the process is killed, the copy stays and the
-next resume merges it. A resumed session saves its config as ``config.resume-N.yaml`` beside the first
-session's ``config.yaml``. The summary's c_t statistics cover the resumed segment only. At the end the
-run writes ``summary.json`` (``method``, ``status`` ``finished``, ``steps`` and ``max_steps``, initial and final
+next resume merges it. The loggers write their rows at every checkpoint and at the start of the step after it
+(:class:`RunRecorder`), and a resumed session runs the evaluations due at its checkpoint's step that the earlier rows
+lack (Lightning logs them after writing the checkpoint: a session killed in between had not written them); steps
+still without rows before the checkpoint are named on stderr and in the summary's ``metrics_lost_steps``. A run
+stopped before its first checkpoint is started again with ``--overwrite``. A resumed session saves its config as
+``config.resume-N.yaml`` beside the first session's ``config.yaml``. The summary's c_t statistics cover the
+resumed segment only. At the end the run writes ``summary.json`` (``method``, ``status`` ``finished``, ``steps``
+and ``max_steps``, initial and final
 ``eval/acc``, c_t statistics, time shares; non-finite numbers as null) into the logger's directory and prints
 it. The summary of an async or uniform run records under ``rollout`` its mode, bound, admission, realised lags
 (``lag_mean``, ``lag_min``, ``lag_max`` and ``lag_hist``, samples per lag 0..K, of this session) and the
