@@ -56,11 +56,17 @@ def write_text(path: Path, text: str) -> None:
 def save_figure(fig, path: Path, **kwargs: Any) -> None:
     """``fig.savefig`` to ``path`` atomically, as :func:`write_text` writes: a stop in the middle leaves the
     earlier figure (or none), never a cut-off image. ``kwargs`` go to ``savefig``; the format is ``path``'s
-    suffix."""
+    suffix, or without one matplotlib's ``savefig.format``, its suffix added (as ``savefig`` names the file)."""
+    import matplotlib
+
     path = Path(path)
+    fmt = path.suffix.lstrip(".")
+    if not fmt:
+        fmt = matplotlib.rcParams["savefig.format"]
+        path = path.with_name(f"{path.name}.{fmt}")
     tmp = temporary_path(path)
     try:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or None, **kwargs)
+        fig.savefig(tmp, format=fmt, **kwargs)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -171,18 +171,25 @@ sys.exit(main(["grpo", *sys.argv[1:]]))
 
 
 def _rows(path: Path) -> list[dict]:
+    """metrics.csv's rows less their time/ columns and the end-of-fit c_t summary rows (one per session, of that
+    session's steps: docs/llm.md)."""
     import csv
 
-    return [{k: v for k, v in r.items() if v and not k.startswith("time/")} for r in csv.DictReader(path.open())]
+    rows = [{k: v for k, v in r.items() if v and not k.startswith("time/")} for r in csv.DictReader(path.open())]
+    return [r for r in rows if "align/median" not in r]
 
 
-@pytest.mark.slow  # three short runs, one in a new process
+@pytest.mark.slow  # three or four short runs, one in a new process
 @RESUME_WARNINGS
-def test_a_run_killed_after_a_checkpoint_resumes_to_every_row_of_an_uninterrupted_run(tiny_llm_dir, tmp_path):
-    """Killed in the evaluation that follows its step-4 checkpoint (Lightning logs it after the checkpoint), the run
-    resumed from that checkpoint has every metrics.csv row of an uninterrupted run, with the same values: the rows
-    before the checkpoint were written at the checkpoint (CSVLogger buffers 100 steps), and the evaluation the
-    killed process did not write runs again at the resumed step."""
+@pytest.mark.parametrize("kill_at,first,resumed,every", [(4, 6, 6, 2), (6, 6, 6, 2), (4, 4, 6, 3)])
+def test_a_run_killed_after_a_checkpoint_resumes_to_every_row_of_an_uninterrupted_run(tiny_llm_dir, tmp_path,
+                                                                                      kill_at, first, resumed, every):
+    """Killed in the evaluation that follows its checkpoint at step ``kill_at`` (Lightning logs it after the
+    checkpoint) of a run to ``first`` steps, then resumed to ``resumed`` steps: metrics.csv has every row of a run
+    to ``first`` steps continued to ``resumed``, with the same values. The rows before the checkpoint were written
+    at the checkpoint (CSVLogger buffers 100 steps); the evaluation the killed process did not write runs again:
+    at the resumed step (4), after a fit with no step left (6 of 6), and where it was due only as the killed
+    session's last step (4, resumed to 6, with evaluations every 3 steps)."""
     import os
     import subprocess
     import sys
@@ -190,14 +197,17 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_every_row_of_an_uninterrupte
     (tmp_path / "ref").mkdir()
     (tmp_path / "killed").mkdir()
     ref_args, ref_dir = _ckpt_run(tiny_llm_dir, tmp_path / "ref")
-    assert main(["grpo", *ref_args, "--trainer.max_steps", "6"]) == 0
+    ref_args += ["--model.eval_every", str(every)]
+    assert main(["grpo", *ref_args, "--trainer.max_steps", str(first)]) == 0
+    if resumed != first:
+        assert main(["grpo", *ref_args, "--trainer.max_steps", str(resumed), "--ckpt_path", "last"]) == 0
     args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path / "killed")
-    done = subprocess.run([sys.executable, "-c", _KILLED_IN_EVALUATION, *args, "--trainer.max_steps", "6"],
-                          env={**os.environ, "KILL_AT": "4", "PYTHONWARNINGS": "ignore"}, capture_output=True,
-                          text=True, timeout=300)
+    args += ["--model.eval_every", str(every)]
+    done = subprocess.run([sys.executable, "-c", _KILLED_IN_EVALUATION, *args, "--trainer.max_steps", str(first)],
+                          env={**os.environ, "KILL_AT": str(kill_at), "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 9, done.stderr[-2000:]
-    assert (run_dir / "checkpoints" / "epoch=0-step=4.ckpt").exists()
-    assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
+    assert main(["grpo", *args, "--trainer.max_steps", str(resumed), "--ckpt_path", "last"]) == 0
     assert _rows(run_dir / "metrics.csv") == _rows(ref_dir / "metrics.csv")
     assert "metrics_lost_steps" not in _strict_json(run_dir / "summary.json")
 
@@ -234,18 +244,57 @@ def test_a_run_interrupted_before_its_first_checkpoint_is_told_to_start_again(ti
 
 
 def test_a_resume_names_the_steps_whose_rows_an_earlier_session_lost(tmp_path):
-    """Rows logged every 2 steps (log_every_n_steps 2: steps 1, 3, 5, ...), the earlier sessions' rows holding
-    steps 1 and 7 of the 10 before the checkpoint: 3 and 5 are named lost, 9 and later are the resumed session's."""
+    """Rows logged every 2 steps (log_every_n_steps 2: the steps that are multiples of 2, as log_metrics writes
+    them), the earlier sessions' rows holding steps 0 and 6 of the 10 before the checkpoint: 2, 4 and 8 are named
+    lost; every step counts at log_every_n_steps 1."""
     from gacbench.llm.cli import MetricsKeeper, _spans, write_rows
 
-    write_rows(tmp_path / "metrics.csv", [{"step": 1, "loss": 0.5}, {"step": 7, "loss": 0.4},
+    write_rows(tmp_path / "metrics.csv", [{"step": 0, "loss": 0.5}, {"step": 6, "loss": 0.4},
                                           {"step": 10, "eval/acc": 0.25}])
     keeper = MetricsKeeper(tmp_path)
     keeper.before_resume()
-    assert keeper.logged_at(10) == {"eval/acc"} and keeper.logged_at(7) == frozenset()
-    assert keeper.after_resume(10, every=2) == [3, 5, 9]
-    assert keeper.after_resume(10, every=1) == [0, 2, 3, 4, 5, 6, 8, 9]
-    assert _spans([0, 2, 3, 4, 5, 6, 8, 9]) == "0, 2-6, 8-9"
+    assert keeper.logged_at(10) == {"eval/acc"} and keeper.logged_at(6) == frozenset()
+    assert keeper.after_resume(10, every=2) == [2, 4, 8]
+    assert keeper.after_resume(10, every=1) == [1, 2, 3, 4, 5, 7, 8, 9]
+    assert _spans([1, 2, 3, 4, 5, 7, 8, 9]) == "1-5, 7-9" and _spans([3]) == "3"
+
+
+def test_only_a_csv_loggers_metrics_file_is_kept_across_a_resume(tmp_path):
+    """The rows kept, and the evaluations a resume repeats, are those of a CSVLogger's metrics.csv in the run's
+    directory: another logger (TensorBoard, a user's own) keeps its own records, so nothing is read or named lost."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    from gacbench.llm.cli import _writes_metrics_csv
+
+    csv_logger = CSVLogger(str(tmp_path), name="run", version="v")
+
+    class Other(Logger):
+        name, version, log_dir = "other", "v", csv_logger.log_dir
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+        def log_hyperparams(self, params):
+            pass
+
+    assert _writes_metrics_csv(SimpleNamespace(loggers=[Other(), csv_logger]), csv_logger.log_dir)
+    assert not _writes_metrics_csv(SimpleNamespace(loggers=[Other()]), csv_logger.log_dir)
+    assert not _writes_metrics_csv(SimpleNamespace(loggers=[csv_logger]), str(tmp_path / "elsewhere"))
+
+
+@RESUME_WARNINGS
+def test_a_finished_run_without_a_checkpoint_is_not_told_to_overwrite_itself(tiny_llm_dir, tmp_path, capsys):
+    """tiny.yaml checkpoints every 20 steps: a 2-step run finishes without one. --ckpt_path last says the finished
+    run cannot be continued and names both ways on (another directory, or replacing it)."""
+    args = _small(tiny_llm_dir, tmp_path) + ["--trainer.max_steps", "2"]
+    assert main(["grpo", *args]) == 0
+    capsys.readouterr()
+    assert main(["grpo", *args[:-1], "4", "--ckpt_path", "last"]) == 2
+    err = capsys.readouterr().err
+    assert "finished without writing a checkpoint" in err and "cannot be continued" in err
+    assert "--trainer.logger.init_args.version" in err and "--overwrite" in err
 
 
 @RESUME_WARNINGS

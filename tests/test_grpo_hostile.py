@@ -258,11 +258,36 @@ def test_the_run_hash_holds_the_trainer_settings_that_change_the_update():
     assert run_hash(config()) == h == run_hash(config(gradient_clip_val=None, gradient_clip_algorithm="norm",
                                                       accumulate_grad_batches=1, precision="32-true"))
     assert run_hash(config(precision=32, devices=2, max_steps=9)) == h
-    changed = [config(gradient_clip_val=0.001), config(gradient_clip_algorithm="value"),
+    changed = [config(gradient_clip_val=0.001), config(gradient_clip_val=0.001, gradient_clip_algorithm="value"),
                config(accumulate_grad_batches=2), config(precision="bf16-mixed")]
     assert len({h, *map(run_hash, changed)}) == 1 + len(changed)
     assert differing_settings(run_identity(config()), run_identity(changed[0])) == (
         '--trainer.gradient_clip_val "unset" in the checkpoint, 0.001 in this run')
+    assert run_hash(config(gradient_clip_algorithm="value", gradient_clip_val=None)) == h  # no value: no clipping
+
+
+def test_a_checkpoint_recorded_before_the_trainer_settings_joined_the_identity_resumes_on_the_rest(tmp_path):
+    """A run record without a version (written before the trainer's clipping, accumulation and precision were part
+    of a run's identity) is the same run when the rest agrees, whatever the trainer settings now; a record of this
+    version that holds none of them is another run when they are set now."""
+    from jsonargparse import Namespace
+
+    from gacbench.llm.cli import RUN_RECORD_VERSION, identity_hash, refuse_other_run, run_hash, run_identity
+
+    def config(**trainer):
+        return Namespace(method="stale", seed_everything=0, model=Namespace(staleness=2, seed=0, steps=4),
+                         trainer=Namespace(max_steps=4, **trainer))
+
+    plain, clipped = config(), config(gradient_clip_val=1.0, precision="bf16-mixed")
+    old_record = {"config_hash": identity_hash(run_identity(plain)), "identity": run_identity(plain)}
+    refuse_other_run(tmp_path / "old.ckpt", old_record, run_hash(clipped), run_identity(clipped))  # accepted
+    new_record = {**old_record, "version": RUN_RECORD_VERSION}
+    with pytest.raises(UsageError, match=r"--trainer.gradient_clip_val \"unset\" in the checkpoint, 1.0 in this run"):
+        refuse_other_run(tmp_path / "new.ckpt", new_record, run_hash(clipped), run_identity(clipped))
+    other = config(gradient_clip_val=1.0)
+    other.model.seed = 1
+    with pytest.raises(UsageError, match="belongs to another run"):  # the rest differs: refused as before
+        refuse_other_run(tmp_path / "old.ckpt", old_record, run_hash(other), run_identity(other))
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")

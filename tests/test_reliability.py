@@ -369,4 +369,6 @@ def test_a_figure_stopped_while_it_is_written_leaves_the_earlier_one_whole(tmp_p
     ax.plot([0, 1], [1, 0])
     save_figure(fig, path, dpi=80)
     assert path.read_bytes() != earlier and path.read_bytes().startswith(b"\x89PNG")
+    save_figure(fig, tmp_path / "plain")  # no suffix: matplotlib's default format, its suffix added
+    assert (tmp_path / "plain.png").read_bytes().startswith(b"\x89PNG")
     plt.close(fig)

@@ -55,10 +55,13 @@ def test_step_profile_refuses_bad_options_in_one_line(args, words, capsys):
 def test_a_shape_beyond_the_machines_memory_is_refused_before_it_is_built(monkeypatch, capsys):
     """On the CPU, --shape qwen3-1.7b needs 20 bytes a parameter (34 GB) before activations: refused in one line
     where less is available, before the 7 GB checkpoint is built; tiny-random (about 1.3M parameters) fits."""
+    import torch
+
     from gacbench.bench import overhead
     from gacbench.llm import step_profile
 
     monkeypatch.setattr(overhead, "_available_memory", lambda: (24 * 10**9, 32 * 10**9))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # profiled on the CPU
     built = []
     monkeypatch.setattr(step_profile, "shape_model_dir", lambda *a, **k: built.append(a) or "/nonexistent")
     assert main(["step-profile", "--engine", "hf", "--shape", "qwen3-1.7b"]) == 2

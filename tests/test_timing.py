@@ -326,6 +326,7 @@ def test_a_record_whose_run_stopped_before_its_report_says_so_in_the_summary_not
     assert "10 s of start-up before its first cell; it stopped before its report, so its share from the process's " \
            "start was not measured" in _step_share_note(stopped)
     assert not stopped_before_report({**stopped, "outside_pending": None})  # completed: nothing pending
+    assert not stopped_before_report({**stopped, "host": "another-host"})  # its pids are not this host's
 
 
 def _tiny_suite(tmp_path: Path) -> Path:

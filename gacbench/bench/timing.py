@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from typing import Any
 
@@ -110,23 +111,25 @@ def startup_fields(results: list[dict], started: dict[str, Any]) -> dict[str, An
     (:func:`process_start`), the first cell's start and the last cell's end among ``results`` (the cells run,
     None if none started), ``startup_s``, and ``report_s``, ``outside_wall_s`` and ``outside_step_share`` as
     None with ``outside_pending`` saying where they are (:func:`outside_fields` fills them), and the process's
-    ``pid`` (a record still pending whose process is gone was stopped before its report)."""
+    ``pid`` and ``host`` (a record still pending whose process is gone was stopped before its report)."""
     starts = [r["started_at"] for r in results if _finite(r.get("started_at"))]
     ends = [r["ended_at"] for r in results if _finite(r.get("ended_at"))]
     first, last = (min(starts), max(ends)) if starts and ends else (None, None)
-    return {**started, "pid": os.getpid(), "first_cell_started_at": first, "last_cell_ended_at": last,
+    return {**started, "pid": os.getpid(), "host": socket.gethostname(), "first_cell_started_at": first,
+            "last_cell_ended_at": last,
             "startup_s": None if first is None else first - started["process_started_at"],
             "report_s": None, "outside_wall_s": None, "outside_step_share": None, "outside_pending": OUTSIDE_PENDING}
 
 
 def stopped_before_report(timing: dict[str, Any]) -> bool:
     """Whether ``timing`` is a record still waiting for its outside figures whose process is no longer running on
-    this host: a run stopped (killed, interrupted) before its report, which no later run completes."""
+    this host: a run stopped (killed, interrupted) before its report, which no later run completes. A record of
+    another host (or without one) is not judged."""
     from gacbench.jsonio import pid_alive
 
     pid = timing.get("pid")
-    return (bool(timing.get("outside_pending")) and isinstance(pid, int) and pid != os.getpid()
-            and not pid_alive(pid))
+    return (bool(timing.get("outside_pending")) and isinstance(pid, int) and timing.get("host") == socket.gethostname()
+            and pid != os.getpid() and not pid_alive(pid))
 
 
 def outside_fields(timing: dict[str, Any], ended_at: float) -> dict[str, Any]:

@@ -29,21 +29,24 @@ line naming the holder's pid; a claim left by a run that was killed is taken ove
 
 Every checkpoint records the run's config hash (:func:`run_hash`: the method, ``seed_everything``, the ``model``
 section less ``model.steps``, since a resume with a larger ``trainer.max_steps`` continues the same run, and the
-trainer's gradient clipping, accumulation and precision where they are set). A
+trainer's gradient clipping, accumulation and precision where they are set; a record written before those joined it
+is matched on the rest). A
 checkpoint of another run (a ``ModelCheckpoint`` directory shared by two runs) is refused at ``--ckpt_path``,
 naming it and both hashes. A resume of a finished run (its checkpoint at ``max_steps`` and its summary
 ``finished``) changes nothing: it says so in one line and exits 0; ``--refresh_summary`` evaluates it again and
 rewrites its summary.json.
 
-A resume keeps what the earlier sessions wrote. Lightning's CSVLogger deletes ``metrics.csv`` when fit
-starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed session ends,
-whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows before the checkpoint's
+A resume keeps what the earlier sessions wrote to a CSVLogger's ``metrics.csv``. Lightning's CSVLogger deletes
+``metrics.csv`` when fit starts, so the earlier rows are first copied to ``metrics.earlier.csv``; when the resumed
+session ends, whether it finished or failed, ``metrics.csv`` is rewritten as the earlier rows before the checkpoint's
 step followed by the new rows, and the copy removed. If the process is killed, the copy stays and the
 next resume merges it. The loggers write their rows at every checkpoint and at the start of the step after it
-(:class:`RunRecorder`), and a resumed session runs the evaluations due at its checkpoint's step that the earlier rows
-lack (Lightning logs them after writing the checkpoint: a session killed in between had not written them); steps
+(:class:`RunRecorder`), and a resumed session runs the evaluations due at its checkpoint's step (by the max_steps of
+the session that wrote it) that the earlier rows lack, also when no step is left to run (Lightning logs them after
+writing the checkpoint: a session killed in between had not written them); steps
 still without rows before the checkpoint are named on stderr and in the summary's ``metrics_lost_steps``. A run
-stopped before its first checkpoint is started again with ``--overwrite``. A resumed session saves its config as
+stopped before its first checkpoint is started again with ``--overwrite``; a finished run without a checkpoint cannot
+be continued. A resumed session saves its config as
 ``config.resume-N.yaml`` beside the first session's ``config.yaml``. The summary's c_t statistics cover the
 resumed segment only. At the end the run writes ``summary.json`` (``method``, ``status`` ``finished``, ``steps``
 and ``max_steps``, initial and final
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import os
 import re
@@ -248,6 +252,9 @@ class RunConfigSaver(SaveConfigCallback):
 
 
 RUN_KEY = "gacbench_run"  # a checkpoint's record of the run it belongs to: {"config_hash": ..., "identity": {...}}
+#: The run record's version: 2 holds the trainer settings that change the update in the identity (where set) and the
+#: session's max_steps; a record without a version is older
+RUN_RECORD_VERSION = 2
 HASH_EXCLUDED = ("steps",)  # model settings a resume may change: more steps continue the same run
 # (section, key): value at which a model setting is left out of the hash, so that a config without the key (which
 # runs with that value) and one that spells it out have the same hash
@@ -283,6 +290,8 @@ def run_identity(config) -> dict[str, Any]:
     trainer = trainer.as_dict() if hasattr(trainer, "as_dict") else dict(trainer)
     update = {k: trainer[k] for k, unchanged in UPDATE_TRAINER_DEFAULTS.items()
               if k in trainer and trainer[k] not in unchanged}
+    if "gradient_clip_val" not in update:  # Lightning clips only with a value: the algorithm alone changes nothing
+        update.pop("gradient_clip_algorithm", None)
     if update:
         ident["trainer"] = update
     return json.loads(json.dumps(ident, default=str))
@@ -290,10 +299,12 @@ def run_identity(config) -> dict[str, Any]:
 
 def run_hash(config) -> str:
     """The identity of a run (:func:`run_identity`) as a 16-digit hash, recorded in its checkpoints."""
-    import hashlib
+    return identity_hash(run_identity(config))
 
-    text = json.dumps(run_identity(config), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+def identity_hash(identity: dict[str, Any]) -> str:
+    """A run identity's 16-digit hash (SHA-256 of its sorted JSON)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class RunRecorder(Callback):
@@ -310,7 +321,8 @@ class RunRecorder(Callback):
         self._saved = False  # a checkpoint was saved whose step's rows are not yet on disk
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        record: dict[str, Any] = {"config_hash": self.config_hash}
+        record: dict[str, Any] = {"config_hash": self.config_hash, "version": RUN_RECORD_VERSION,
+                                  "max_steps": trainer.max_steps}
         if self.identity is not None:
             record["identity"] = self.identity
         checkpoint[RUN_KEY] = record
@@ -371,6 +383,12 @@ def refuse_other_run(path: str | Path, recorded: dict[str, Any] | None, config_h
     if config_hash is None or other is None or other == config_hash:
         return
     kept = recorded.get("identity")
+    if identity is not None and "trainer" in identity and recorded.get("version") is None:
+        # a record written before the trainer settings were part of a run's identity (it has no version): the same
+        # run if the rest agrees, since it cannot say how its steps were clipped, accumulated or rounded
+        rest = {k: v for k, v in identity.items() if k != "trainer"}
+        if other == identity_hash(rest):
+            return
     differ = (differing_settings(kept, identity) if isinstance(kept, dict) and identity is not None else "")
     differ = differ or "another method, seed or model setting"
     raise UsageError(f"--ckpt_path: {path} belongs to another run (its config hash {other}, this run's "
@@ -400,16 +418,21 @@ def claim_run_dir(log_dir: Path, stack: contextlib.ExitStack) -> None:
               file=sys.stderr)
 
 
+def _summary_status(log_dir: str | None) -> str | None:
+    """The ``status`` of the run's summary.json in ``log_dir``, None where there is none or it cannot be read."""
+    try:
+        status = json.loads((Path(log_dir) / "summary.json").read_text()).get("status") if log_dir else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
 def finished_run(log_dir: str | None, ckpt_step: int | None, max_steps: int) -> bool:
     """Whether a resume (``ckpt_step`` not None) has nothing left to do: its checkpoint is at ``max_steps`` or
     beyond and the run's summary.json records ``"status": "finished"``."""
     if ckpt_step is None or log_dir is None or ckpt_step < max_steps:
         return False
-    try:
-        summary = json.loads((Path(log_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and summary.get("status") == "finished"
+    return _summary_status(log_dir) == "finished"
 
 
 def _reason(exc: BaseException) -> str:
@@ -449,6 +472,11 @@ def resolve_ckpt(trainer, ckpt_path: str | None, config_hash: str | None = None,
     ckpt_dir = _ckpt_dir(trainer)
     found = sorted(ckpt_dir.glob("*.ckpt")) if ckpt_dir and ckpt_dir.is_dir() else []
     if not found:
+        if _summary_status(trainer.log_dir) == "finished":
+            raise UsageError(f"--ckpt_path last: the run in {trainer.log_dir} finished without writing a checkpoint "
+                             f"(none in {ckpt_dir}: ModelCheckpoint's every_n_train_steps above its steps, or no "
+                             "ModelCheckpoint), so it cannot be continued; run it again in another directory "
+                             "(--trainer.logger.init_args.version NAME), or replace it with --overwrite")
         again = (" (with --overwrite: the files there are of a run stopped before its first checkpoint)"
                  if earlier_run_files(trainer) else "")
         raise UsageError(f"--ckpt_path last: no checkpoint in {ckpt_dir}; start the run without --ckpt_path{again}")
@@ -526,6 +554,14 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def _writes_metrics_csv(trainer, log_dir: str) -> bool:
+    """Whether one of the trainer's loggers is a CSVLogger writing ``log_dir``/metrics.csv (the file
+    :class:`MetricsKeeper` keeps; another logger's records are its own)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    return any(isinstance(lg, CSVLogger) and lg.log_dir == log_dir for lg in trainer.loggers)
+
+
 class MetricsKeeper:
     """Keeps the earlier sessions' rows of a run's metrics.csv across a resumed session (see the module doc)."""
 
@@ -550,13 +586,14 @@ class MetricsKeeper:
 
     def after_resume(self, start: int, every: int = 1) -> list[int]:
         """metrics.csv := the earlier rows before step ``start``, then this session's; the copy removed. Returns
-        the steps before ``start`` at which a row was logged (every ``every`` steps: Lightning's
-        ``log_every_n_steps``) and none is kept: rows an earlier session lost."""
+        the steps before ``start`` at which a row was logged (the multiples of ``every``, the trainer's
+        ``log_every_n_steps``: gacbench.callbacks._common.log_metrics) and none is kept: rows an earlier session
+        lost."""
         if self.earlier:
             write_rows(self.path, combine_rows(self.earlier, read_rows(self.path), start))
         self.earlier_path.unlink(missing_ok=True)
         kept = {_step(r) for r in self.earlier}
-        return [t for t in range(start) if (t + 1) % every == 0 and t not in kept]
+        return [t for t in range(start) if t % every == 0 and t not in kept]
 
 
 ROLLOUT_RECORD = ("max_staleness", "min_staleness", "admission", "lag_mean", "lag_min", "lag_max", "lag_hist",
@@ -604,13 +641,15 @@ def run(argv: list[str]) -> int:
 
 
 def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: str | None) -> int:
-    keeper = MetricsKeeper(log_dir) if ckpt and log_dir else None
+    keeper = MetricsKeeper(log_dir) if ckpt and log_dir and _writes_metrics_csv(trainer, log_dir) else None
     device = trainer.strategy.root_device
     model.policy.to(device)  # evaluate where training runs (Lightning moves the module only inside fit)
     initial = model.metric()
     if keeper is not None:
         keeper.before_resume()
         model.resume_logged = keeper.logged_at(ckpt_step)  # what a killed session left unwritten is evaluated again
+        recorded = read_checkpoint(Path(ckpt))[1] or {}
+        model.resume_max_steps = recorded.get("max_steps") if isinstance(recorded.get("max_steps"), int) else None
     t0 = time.perf_counter()
     terminated = 0  # the signal that ended the fit
     try:
@@ -619,6 +658,11 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
         terminated = signal.SIGTERM
     except Interrupted as exc:  # SIGINT (gacbench.usage.raise_on_signals): at once, in the middle of the step
         terminated = exc.signum
+    else:
+        if keeper is not None and model.resume_logged is not None:  # no step was left to run: nothing started
+            model.evaluate_resumed_step()
+            for logger in trainer.loggers:
+                logger.save()
     finally:  # also when the session fails: the earlier rows go back into metrics.csv
         lost = keeper.after_resume(ckpt_step, trainer.log_every_n_steps) if keeper is not None else []
     wall = time.perf_counter() - t0

@@ -429,8 +429,10 @@ class GRPOModule(Objective):
         self._history: list[tuple[float, float, int]] = []  # per step: (step s, generation s, tokens generated)
         self._theta0_measured = False  # the policy reward of θ_0, once per run
         # set by a resume (gacbench grpo --ckpt_path): the eval/ keys the earlier sessions logged at the
-        # checkpoint's step; the evaluations due there and not among them run before the first resumed step
+        # checkpoint's step, and the max_steps of the session that wrote it; the evaluations due there and not
+        # among those keys run before the first resumed step (evaluate_resumed_step)
         self.resume_logged: frozenset[str] | None = None
+        self.resume_max_steps: int | None = None
         self._tokens = 0
 
     @classmethod
@@ -527,9 +529,7 @@ class GRPOModule(Objective):
     def on_train_start(self) -> None:  # after a checkpoint restore: weights and global_step are the resumed ones
         super().on_train_start()  # one batch per optimizer step
         self._start_rollouts()
-        if self.resume_logged is not None and self.global_step > 0:  # (a resume does not start the epoch again)
-            logged, self.resume_logged = self.resume_logged, None
-            self._evaluate(missing_from=logged)
+        self.evaluate_resumed_step()  # here: a resume does not start the epoch again
 
     def _start_rollouts(self) -> None:
         from gacbench.rollout.engines import acquire_engine
@@ -579,15 +579,27 @@ class GRPOModule(Objective):
             self._theta0_measured = True  # θ_0, where every run of one seed starts: once per run
             self.log_scalars(self.policy_reward())
 
-    def _evaluate(self, missing_from: frozenset[str] = frozenset()) -> None:
+    def evaluate_resumed_step(self) -> None:
+        """After a resume (:attr:`resume_logged` set, once): the evaluations that closed the checkpoint's step in
+        the session that wrote it (due by that session's ``max_steps``) and are not among the keys logged there.
+        Lightning logs them after writing the checkpoint, so a session killed in between had not written them; the
+        weights and the engine's version are the same now. Called when training starts, or by the command after
+        a fit that had no step left to run (the engine is started for it)."""
+        if self.resume_logged is None or self.global_step == 0:
+            return
+        logged, self.resume_logged = self.resume_logged, None
+        if self.policy_eval_cfg.prompts and self.engine is None and self.rollout_source is None:
+            self._start_rollouts()
+        self._evaluate(missing_from=logged, last=self.resume_max_steps)
+
+    def _evaluate(self, missing_from: frozenset[str] = frozenset(), last: int | None = None) -> None:
         """The evaluations due at the trainer's step (greedy ``eval/acc`` every ``eval_every`` steps, the policy's
-        own reward every ``policy_eval.every``, both at the last step), less those whose keys ``missing_from``
-        holds. At the checkpoint's step of a resume these are the evaluations that closed that step in the earlier
-        session, which Lightning logs after writing the checkpoint: a session killed in between had not written
-        them, and the weights and engine version are the same now."""
-        step, last = self.trainer.global_step, self.trainer.max_steps
+        own reward every ``policy_eval.every``, both at the last step: ``last``, default the trainer's
+        ``max_steps``), less those whose keys ``missing_from`` holds."""
+        step = self.trainer.global_step
+        last = self.trainer.max_steps if last is None else last
         if f"eval/{self.metric_name}" not in missing_from:
-            self.evaluate_metric()
+            self.evaluate_metric(last)
         pe = self.policy_eval_cfg
         if (pe.prompts and (step % (pe.every or self.eval_every) == 0 or step == last)
                 and "eval/policy_reward" not in missing_from):

@@ -194,10 +194,11 @@ class Objective(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.evaluate_metric()
 
-    def evaluate_metric(self) -> None:
-        """``eval/<metric_name>`` when due at the trainer's step: every ``eval_every`` steps and at the last."""
+    def evaluate_metric(self, last: int | None = None) -> None:
+        """``eval/<metric_name>`` when due at the trainer's step: every ``eval_every`` steps and at the last
+        (``last``, default the trainer's ``max_steps``)."""
         step = self.trainer.global_step
-        if step % self.eval_every == 0 or step == self.trainer.max_steps:
+        if step % self.eval_every == 0 or step == (self.trainer.max_steps if last is None else last):
             value = self.metric()
             self._last_eval = ((step, self._parameters_state()), value)
             self.log_scalars({f"eval/{self.metric_name}": value})
