@@ -355,11 +355,25 @@ def test_the_uniform_lag_simulator_draws_seeded_lags_within_its_range(tiny_llm_d
             t = row["step"]
             assert min(1, t) <= lag <= min(3, t)  # drawn from min_staleness..min(s, t)
             assert set(row["versions"]) == {t - lag}
+        hist = m.source_summary["lag_hist"]  # samples per lag: 12 steps x 16 samples
+        assert sum(hist) == 12 * 16 and hist == [16 * lags[-1].count(k) for k in range(len(hist))]
     assert lags[0] == lags[1]  # seeded
     assert len(set(lags[0][3:])) > 1  # it varies
     with pytest.raises(ValueError, match="rollout.min_staleness=4 must lie in 0..3"):
         GRPOModule(model={"path": tiny_llm_dir}, engine={"name": "hf"}, staleness=3,
                    rollout={"mode": "uniform", "min_staleness": 4})
+
+
+def test_a_step_below_the_smallest_lag_draws_the_largest_lag_it_can_have():
+    """min_staleness 3, max 4: steps 0-2 cannot be 3 stale, so each draws lag t (its oldest reachable version),
+    never a smaller one; from step 3 on, 3 or 4 (both drawn over 200 draws from step 4 on)."""
+    from types import SimpleNamespace
+
+    from gacbench.llm.lag_schedule import UniformLagSource
+
+    src = UniformLagSource(SimpleNamespace(rollout_cfg=SimpleNamespace(min_staleness=3), staleness=4, seed=0))
+    drawn = {t: {src.draw(t) for _ in range(200)} for t in range(6)}
+    assert drawn == {0: {0}, 1: {1}, 2: {2}, 3: {3}, 4: {3, 4}, 5: {3, 4}}
 
 
 def test_async_bench_refuses_a_bound_no_step_reaches(capsys):

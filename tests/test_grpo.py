@@ -529,6 +529,29 @@ def test_row_logp_recomputes_the_batch_log_probs_and_vcpo_gradient_norms(model_d
     assert recomputed.tolist() == pytest.approx(through_batch.tolist(), rel=1e-3)
 
 
+def test_the_engine_mismatch_kl_is_the_engines_log_prob_less_the_trainers(model_dir):
+    """is/engine_mismatch_kl = E[log p_engine - log p_trainer] over the response tokens: +0.1 with every engine
+    log-prob 0.1 above the trainer's behaviour log-prob (an engine equal to the trainer gives 0, whatever the
+    sign convention)."""
+    m = module(model_dir, staleness=1)
+    make_trainer([], max_steps=1).fit(m)
+    data = m.rollout()
+    mask = data["packed"]["mask"]
+    data["engine_logp"] = (data["logp_behav"] + 0.1) * mask
+    _, metrics = m.policy_loss(data)
+    assert float(metrics["is/engine_mismatch_kl"]) == pytest.approx(0.1, abs=1e-6)
+
+
+def test_the_packed_mask_covers_each_completion_token():
+    """_pack: the mask over completion tokens sums to each completion's length (end token included)."""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(tok=SimpleNamespace(pad_token_id=0), device="cpu")
+    rollouts = [SimpleNamespace(prompt_ids=[5, 6, 7], completion_ids=[8, 9, 2]),
+                SimpleNamespace(prompt_ids=[5], completion_ids=[4])]
+    assert GRPOModule._pack(fake, rollouts)["mask"].sum(-1).tolist() == [3, 1]
+
+
 def test_policy_reward_is_the_current_versions_mean_with_its_sampling_error(model_dir, monkeypatch):
     """eval/policy_reward at the eval points (before the first update, every 3 steps and the end) is the mean
     reward of the engine's samples of the held-out prompts at that version, with the sampling standard error

@@ -454,3 +454,74 @@ def test_equal_differences_beyond_the_on_policy_effect_give_no_detectable_share(
     row = _beyond_row("t", "gac", 16, "final", "gac at s = 0", stale + 0.1, stale, sync, sync)
     assert math.isnan(row["beyond_p"]) and row["sd_diff"] == 0.0
     assert row["min_detectable_share"] is None or math.isnan(row["min_detectable_share"])
+
+
+def test_the_controls_and_beyond_tables_star_the_adjusted_p_only():
+    """Both captions say '*' where p_adj < 0.05: a row with raw p 0.01 but p_adj 0.20 has none, one with p_adj
+    0.012 has it."""
+    from gacbench.bench.tables import _beyond_section, _on_policy_table
+
+    base = dict(task="t", method="tis", sync=0.5, value=0.6, vs_sync_diff=0.1, vs_sync_ci_low=0.02,
+                vs_sync_ci_high=0.18, n=5)
+    rows = [dict(base, vs_sync_p=0.01, vs_sync_p_adj=0.20),
+            dict(base, method="gspo", vs_sync_p=0.004, vs_sync_p_adj=0.012)]
+    lines = [line for line in _on_policy_table("training reward", rows) if line.startswith("| t |")]
+    assert ["*" in line.split("|")[5] for line in lines] == [False, True]
+    b = dict(task="t", staleness=2, method="gac", control="sync", no_gap=False, beyond_ci_kind="bounded",
+             beyond_ci_low=0.1, beyond_ci_high=0.9, beyond_on_policy_share=0.5, raw_share=0.5, on_policy_effect=0.0,
+             gap=0.1, min_detectable_share=0.4, n=5)
+    rows = [dict(b, beyond_p=0.01, beyond_p_adj=0.2), dict(b, method="gspo", beyond_p=0.004, beyond_p_adj=0.012)]
+    lines = [line for line in _beyond_section({"reward_last": rows}, []) if line.startswith("| t |")]
+    assert ["*" in line.split("|")[5] for line in lines] == [False, True]
+
+
+def test_a_comparison_without_a_gap_is_named_once_and_left_out_of_the_share_table():
+    """Stale at s = 4 no worse than sync (sync 0.50/0.52/0.49, stale 0.60/0.63/0.58): gac there has no gap to
+    recover. The findings say so once, not also 'not distinguishable from stale'; the across-s table leaves the
+    entry empty."""
+    from gacbench.bench.tables import _share_cell, findings
+
+    def cell(method, s, seed, final):
+        return {"task": "bandit", "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+                "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
+                "cos_median": 0, "cos_abs_q90": 0, "cos_abs_le_005": 0}
+
+    cells = ([cell("sync", 0, k, v) for k, v in enumerate([0.50, 0.52, 0.49])]
+             + [cell("stale", 4, k, v) for k, v in enumerate([0.60, 0.63, 0.58])]
+             + [cell("gac", 4, k, v) for k, v in enumerate([0.61, 0.60, 0.59])])
+    rows = recovered_shares(group_records(cells), cells=cells)
+    assert rows[0]["no_gap"]
+    text = "\n".join(findings(rows, [], []))
+    assert "no gap to recover there (gac)" in text and "not distinguishable" not in text
+    assert _share_cell(rows[0]) == ""
+
+
+def test_a_share_of_noise_is_given_as_the_difference_with_the_detectable_one_of_the_paired_seeds():
+    """A Fieller interval of two rays ('exclusive': the gap is not distinguishable from 0 at the t level, though
+    above 2 standard errors at 3 seeds) is reported as the difference to stale, not as a share; the detectable
+    difference of a gap within noise is that of the paired test against stale, on its 6 seeds (not the 2 of n)."""
+    from gacbench.bench.tables import _detectable_text, _share_text
+
+    row = {"share": 0.42, "no_gap": False, "gap_within_noise": False, "share_ci_kind": "exclusive",
+           "share_ci_excluded": [-0.3, 1.9], "vs_stale_diff": 0.05, "vs_stale_ci_low": -0.01,
+           "vs_stale_ci_high": 0.11, "n": 3, "vs_stale_n": 3}
+    assert _share_text(row).startswith("gap within noise: difference to stale +0.05 [-0.01, 0.11]")
+    text = _detectable_text({"gap_within_noise": True, "sd_diff": 0.1, "n": 2, "vs_stale_n": 6})
+    assert f"{detectable_multiplier(6) * 0.1:.2g}" in text and f"{detectable_multiplier(2) * 0.1:.2g}" not in text
+
+
+def test_a_sync_run_whose_reward_stayed_flat_is_not_healthy():
+    """Healthy sync training is one whose reward rose from its first to its last 20% of steps: flat at 0 on both
+    seeds (it never learned) is not."""
+    from gacbench.bench.regime import regime_points
+
+    def cell(task, method, s, seed):
+        return {"task": task, "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+                "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": 0.0, "diverged": False,
+                "cos_median": 0.0, "cos_abs_q90": 0.1, "cos_abs_le_005": 0.5, "cos_max_abs": 0.2,
+                "reward_first": 0.0, "reward_last": 0.0, "reward_drop": 0.0, "degraded": False}
+
+    specs = [{"task": f"t-{lr}", "objective": "grpo", "params": {"lr": lr}} for lr in (1e-4, 1e-3)]
+    cells = [cell(sp["task"], m, s, k) for sp in specs for m, s in (("sync", 0), ("stale", 8)) for k in (0, 1)]
+    points = regime_points(cells, specs)
+    assert len(points) == 2 and all(p["sync_healthy"] is False for p in points)

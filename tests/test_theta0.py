@@ -123,7 +123,8 @@ def test_a_build_that_hashes_elsewhere_is_refused_naming_both_hashes(tmp_path, m
     assert pinned.resolve("warm-unpinned", lambda: built) == built  # no pin: built and used as before
 
 
-@pytest.mark.parametrize("value", ["abc", "XYZ123456789abc", 1234567890123, "g" * 12])
+@pytest.mark.parametrize("value", ["abc", "XYZ123456789abc", 1234567890123, "g" * 12, "0123456789abcdefXYZ",
+                                   "0123456789ab-not-a-hash", "a" * 70])
 def test_a_malformed_theta0_is_refused(tmp_path, value):
     from gacbench.bench.validate import load_suite
 
@@ -146,6 +147,10 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
     suite = load_suite("llm-smoke")
     cells = expand_cells(suite, methods=["sync"], seeds=[0])
     pin = check_theta0(suite, cells, tmp_path)["arithmetic"]
+    for piece in (pin[8:24], pin[1:17]):  # a suite's theta0 is a prefix of the pin, not any piece of it
+        with pytest.raises(UsageError):
+            check_theta0({**suite, "tasks": {"arithmetic": {**suite["tasks"]["arithmetic"], "theta0": piece}}},
+                         cells, tmp_path)
     d = cell_dir(tmp_path, cells[0])
     d.mkdir(parents=True)
     monkeypatch.setattr(cell, "stored_done", lambda root, c: {"status": "done"} if c == cells[0] else None)
