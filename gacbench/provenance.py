@@ -216,3 +216,12 @@ def describe(prov: dict | None) -> str:
     if not isinstance(prov, dict):
         return code_label(prov)
     return f"{code_label(prov)}; {environment_key(prov)}"
+
+
+def available_memory() -> tuple[int | None, int | None]:
+    """(available, total) bytes of this machine from /proc/meminfo; (None, None) where it cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        return (int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None, None

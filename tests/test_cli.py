@@ -93,13 +93,13 @@ def test_overhead_refuses_a_device_without_room_before_building_anything(monkeyp
     # the CPU: the machine's available memory (it had failed in the allocator, or been killed for memory)
     from gacbench.bench import overhead
 
-    free, total = overhead._available_memory()  # this Linux machine's /proc/meminfo
+    free, total = overhead.available_memory()  # this Linux machine's /proc/meminfo
     assert 0 < free <= total
-    monkeypatch.setattr(overhead, "_available_memory", lambda: (20e9, 24e9))
+    monkeypatch.setattr(overhead, "available_memory", lambda: (20e9, 24e9))
     with pytest.raises(UsageError, match=r"need about 62 GB of memory .* cpu has 20 GB free of 24 GB; free memory"):
         check_memory(torch.device("cpu"), QWEN3_1_7B.numel())
     check_memory(torch.device("cpu"), 20_000_000)
-    monkeypatch.setattr(overhead, "_available_memory", lambda: (None, None))  # not Linux: not checked
+    monkeypatch.setattr(overhead, "available_memory", lambda: (None, None))  # not Linux: not checked
     check_memory(torch.device("cpu"), QWEN3_1_7B.numel())
 
 

@@ -57,10 +57,10 @@ def test_a_shape_beyond_the_machines_memory_is_refused_before_it_is_built(monkey
     where less is available, before the 7 GB checkpoint is built; tiny-random (about 1.3M parameters) fits."""
     import torch
 
-    from gacbench.bench import overhead
+    from gacbench import provenance
     from gacbench.llm import step_profile
 
-    monkeypatch.setattr(overhead, "_available_memory", lambda: (24 * 10**9, 32 * 10**9))
+    monkeypatch.setattr(provenance, "available_memory", lambda: (24 * 10**9, 32 * 10**9))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # profiled on the CPU
     built = []
     monkeypatch.setattr(step_profile, "shape_model_dir", lambda *a, **k: built.append(a) or "/nonexistent")

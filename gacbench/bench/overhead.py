@@ -27,12 +27,10 @@ for how long), and a compile's start and duration are printed. On a GPU the last
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, TextIO
 
 import torch
@@ -41,6 +39,8 @@ from gacbench.functional import triton_kernels
 from gacbench.functional.alignment import ACTION_NAMES
 from gacbench.functional.gac import GACState, GACTransform
 from gacbench.functional.kernels import measurement_row
+from gacbench.llm.model import Qwen3Shape
+from gacbench.provenance import available_memory
 from gacbench.usage import UsageError
 
 #: GAC's kernel paths (``GAC(kernels=...)``) and the suffix of their keys in the record
@@ -97,32 +97,6 @@ class _Silent:
 
     def doing(self, what: str | None) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class Qwen3Shape:
-    """The parameter shapes of a Qwen3 decoder (tied embeddings)."""
-
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    def shapes(self) -> list[tuple[int, ...]]:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        out: list[tuple[int, ...]] = [(self.vocab, h)]
-        for _ in range(self.layers):
-            out += [(q, h), (kv, h), (kv, h), (h, q), (self.head_dim,), (self.head_dim,)]  # attention, q/k norms
-            out += [(self.intermediate, h), (self.intermediate, h), (h, self.intermediate)]  # gate, up, down
-            out += [(h,), (h,)]  # input and post-attention RMSNorm
-        out.append((h,))  # final norm
-        return out
-
-    def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes())
 
 
 QWEN3_1_7B = Qwen3Shape(hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128, vocab=151936)
@@ -216,7 +190,7 @@ def check_memory(dev: torch.device, numel: int) -> None:
         what = "GPU memory"
         fix = "free the GPU"
     else:
-        free, total = _available_memory()
+        free, total = available_memory()
         if free is None:
             return
         what = "memory"
@@ -227,15 +201,6 @@ def check_memory(dev: torch.device, numel: int) -> None:
                          f"({GRADIENT_COPIES + 1} float32 copies), and {dev} has {free / 1e9:.0f} GB free of "
                          f"{total / 1e9:.0f} GB; {fix}, or time a smaller list: --params "
                          f"{int(free / need * numel * 0.9):,} without --shape")
-
-
-def _available_memory() -> tuple[int | None, int | None]:
-    """(available, total) bytes of this machine from /proc/meminfo; (None, None) where it cannot be read."""
-    try:
-        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
-        return (int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024)
-    except (OSError, KeyError, ValueError):
-        return None, None
 
 
 def default_kernels(device: str | None) -> tuple[str, ...]:

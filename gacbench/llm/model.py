@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -185,3 +187,29 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
                          + f" lies beyond the model's {rows} embedding rows: the tokenizer files do not belong to this "
                          f"model, or some are missing (e.g. tokenizer_config.json). {fix}")
     return model, tok
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """The parameter shapes of a Qwen3 decoder (tied embeddings)."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        out: list[tuple[int, ...]] = [(self.vocab, h)]
+        for _ in range(self.layers):
+            out += [(q, h), (kv, h), (kv, h), (h, q), (self.head_dim,), (self.head_dim,)]  # attention, q/k norms
+            out += [(self.intermediate, h), (self.intermediate, h), (h, self.intermediate)]  # gate, up, down
+            out += [(h,), (h,)]  # input and post-attention RMSNorm
+        out.append((h,))  # final norm
+        return out
+
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes())

@@ -63,13 +63,14 @@ def check_shape_fits(shape: str) -> None:
     """A usage error before anything is built when ``shape``'s parameters, at :data:`CPU_BYTES_PER_PARAMETER`
     bytes each, exceed this machine's available memory (profiled on the CPU: the GPU's memory is what a CUDA run
     reports as its peak)."""
-    from gacbench.bench.overhead import Qwen3Shape, _available_memory
+    from gacbench.llm.model import Qwen3Shape
+    from gacbench.provenance import available_memory
     from gacbench.usage import UsageError
 
     s = SHAPES[shape]
     numel = Qwen3Shape(hidden=s["hidden"], layers=s["layers"], intermediate=s["intermediate"], heads=s["heads"],
                        kv_heads=s["kv_heads"], head_dim=s["hidden"] // s["heads"], vocab=s["vocab"]).numel()
-    free, total = _available_memory()
+    free, total = available_memory()
     need = CPU_BYTES_PER_PARAMETER * numel
     if free is not None and need > free:
         raise UsageError(f"--shape {shape}: {numel / 1e9:.2f}B parameters need about {need / 1e9:.0f} GB on the CPU "
