@@ -38,25 +38,31 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """``text`` in ``path``, atomically: written to :func:`temporary_path` in the same folder, then renamed over
-    ``path`` (``os.replace``), so a failed write leaves the old file whole. A failure removes the temporary and
-    raises its OSError naming ``path`` (a failed ``write()`` names no file)."""
-    path = Path(path)
+    """``text`` in ``path``, atomically (:func:`replacing`)."""
+    with replacing(Path(path)) as tmp:
+        tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Yields :func:`temporary_path` of ``path`` to be written, then renames it over ``path`` (``os.replace``), so a
+    failed or stopped write leaves the old file whole. A failure removes the temporary; an OSError is raised naming
+    ``path`` (a failed ``write()`` names no file)."""
     tmp = temporary_path(path)
     try:
-        tmp.write_text(text)
+        yield tmp
         os.replace(tmp, path)
-    except OSError as exc:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if exc.filename is None:  # a failed write() names no file: name the one being written
+        if isinstance(exc, OSError) and exc.filename is None:  # name the file being written
             exc.filename = str(path)
         raise
 
 
 def save_figure(fig, path: Path, **kwargs: Any) -> None:
-    """``fig.savefig`` to ``path`` atomically, as :func:`write_text` writes: a stop in the middle leaves the
-    earlier figure (or none), never a cut-off image. ``kwargs`` go to ``savefig``; the format is ``path``'s
-    suffix, or without one matplotlib's ``savefig.format``, its suffix added (as ``savefig`` names the file)."""
+    """``fig.savefig`` to ``path`` atomically (:func:`replacing`): a stop in the middle leaves the earlier figure
+    (or none), never a cut-off image. ``kwargs`` go to ``savefig``; the format is ``path``'s suffix, or without one
+    matplotlib's ``savefig.format``, its suffix added (as ``savefig`` names the file)."""
     import matplotlib
 
     path = Path(path)
@@ -64,13 +70,8 @@ def save_figure(fig, path: Path, **kwargs: Any) -> None:
     if not fmt:
         fmt = matplotlib.rcParams["savefig.format"]
         path = path.with_name(f"{path.name}.{fmt}")
-    tmp = temporary_path(path)
-    try:
+    with replacing(path) as tmp:
         fig.savefig(tmp, format=fmt, **kwargs)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_json(path: Path) -> Any:
