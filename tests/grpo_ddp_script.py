@@ -1,6 +1,7 @@
 """Run by test_grpo_ddp.py: two optimizer steps of GRPO under Lightning DDP (2 processes, gloo, CPU), hf engine,
 GAC attached. Each rank writes to OUT_DIR/rank{r}.pt what it generated (its rollouts and rewards), the loss its
-training_step returned, the gradients after DDP's all-reduce (before GAC), GAC's c_t and the final parameters.
+training_step returned, the step's logged scalars, the gradients after DDP's all-reduce (before GAC), GAC's c_t and
+the final parameters.
 
     python grpo_ddp_script.py OUT_DIR MODEL_DIR AGG [METHOD]
 
@@ -36,7 +37,7 @@ class Record(pl.Callback):
     """Listed before GAC: sees the all-reduced gradients as GAC receives them."""
 
     def __init__(self, reject: bool = False) -> None:
-        self.rollouts, self.rewards, self.grads, self.losses = [], [], [], []
+        self.rollouts, self.rewards, self.grads, self.losses, self.logged = [], [], [], [], []
         self.reject = reject
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -61,6 +62,7 @@ class Record(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
 if __name__ == "__main__":
@@ -73,6 +75,6 @@ if __name__ == "__main__":
     module = GRPOModule(**settings(model_dir, agg))
     trainer.fit(module)
     torch.save({"world": trainer.world_size, "rollouts": rec.rollouts, "rewards": rec.rewards, "grads": rec.grads,
-                "losses": rec.losses, "cos": list(gac.trace.values),
+                "losses": rec.losses, "logged": rec.logged, "cos": list(gac.trace.values),
                 "params": [p.detach().clone() for p in module.policy.parameters()]},
                os.path.join(out_dir, f"rank{trainer.global_rank}.pt"))

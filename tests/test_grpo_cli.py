@@ -212,6 +212,42 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_every_row_of_an_uninterrupte
     assert "metrics_lost_steps" not in _strict_json(run_dir / "summary.json")
 
 
+@pytest.mark.slow  # three runs of two processes each
+@pytest.mark.distributed
+def test_a_ddp_run_resumed_by_the_command_has_the_rows_and_one_summary_of_an_uninterrupted_run(tiny_llm_dir, tmp_path):
+    """`gacbench grpo` under DDP (2 processes, gloo): every rank runs the command, rank 0 alone writes the run's
+    files. A 4-step run continued to 6 has the uninterrupted 6-step run's rows (no row twice: the other rank keeps
+    its hands off metrics.csv), one summary printed, and both runs log the same whole-batch scalars."""
+    import os
+    import subprocess
+    import sys
+
+    command = Path(sys.executable).with_name("gacbench")
+    if not command.exists():
+        pytest.skip("the gacbench command is not installed beside this interpreter")
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+
+    def grpo(args: list[str], steps: int, *more: str) -> str:
+        done = subprocess.run([str(command), "grpo", *args, *ddp, "--trainer.max_steps", str(steps), *more],
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True,
+                              timeout=400, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "resumed").mkdir()
+    ref_args, ref_dir = _ckpt_run(tiny_llm_dir, tmp_path / "ref")
+    grpo(ref_args, 6)
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path / "resumed")
+    grpo(args, 4)
+    out = grpo(args, 6, "--ckpt_path", "last")
+    assert out.count("wrote ") == 1  # one rank wrote the summary
+    summary = _strict_json(run_dir / "summary.json")
+    assert summary["steps"] == 6 and summary["processes"] == 2 and summary["resumed_from"].endswith("step=4.ckpt")
+    assert _logged_steps(run_dir) == list(range(6)) and not (run_dir / "metrics.earlier.csv").exists()
+    assert _rows(run_dir / "metrics.csv") == _rows(ref_dir / "metrics.csv")
+
+
 @RESUME_WARNINGS
 def test_a_run_interrupted_before_its_first_checkpoint_is_told_to_start_again(tiny_llm_dir, tmp_path, monkeypatch,
                                                                               capsys):

@@ -1,7 +1,7 @@
 """GRPO across processes: under Lightning DDP (gloo, CPU, 2 processes) each rank generates its share of the prompts
 with its own engine, and one optimizer step equals the single-process step on the same global batch: the loss,
-the gradients after the all-reduce, GAC's c_t and the updated parameters (tolerance: float32 summation order,
-rtol 1e-4 / atol 1e-6). Also: the FSDP GPU configuration parses and is consistent."""
+the logged reward, the gradients after the all-reduce, GAC's c_t and the updated parameters (tolerance: float32
+summation order, rtol 1e-4 / atol 1e-6). Also: the FSDP GPU configuration parses and is consistent."""
 
 import os
 import subprocess
@@ -72,6 +72,13 @@ def test_a_ddp_grpo_step_equals_the_single_process_step_on_the_global_batch(tiny
         loss.backward()
         # the loss: the mean of the ranks' (scaled) losses is the global batch's loss
         assert (r0["losses"][t] + r1["losses"][t]) / 2 == pytest.approx(loss.item(), rel=RTOL, abs=ATOL)
+        # the logged scalars are the global batch's, the same on both ranks: the reward and the response length
+        # (means over the sequences, which the ranks share equally) and the largest ratio
+        assert r0["logged"][t] == r1["logged"][t]
+        logged = r0["logged"][t]
+        assert logged["reward/mean"] == pytest.approx(float(rewards.mean()), rel=1e-12)
+        assert logged["response/tokens_mean"] == pytest.approx(float(packed["mask"].sum(-1).float().mean()))
+        assert logged["is/ratio_max"] == pytest.approx(float(metrics["is/ratio_max"]), rel=RTOL, abs=ATOL)
         g = [p.grad.detach().clone() for p in m.policy.parameters()]
         assert sum(float(x.abs().sum()) for x in g) > 0  # the step has a gradient to compare
         for ddp, ref in zip(r0["grads"][t], g):  # after the all-reduce, before GAC

@@ -51,7 +51,9 @@ be continued. A resumed session saves its config as
 resumed segment only. At the end the run writes ``summary.json`` (``method``, ``status`` ``finished``, ``steps``
 and ``max_steps``, initial and final
 ``eval/acc``, c_t statistics, time shares; non-finite numbers as null) into the logger's directory and prints
-it. The summary of an async or uniform run records under ``rollout`` its mode, bound, admission, realised lags
+it. Under DDP every rank runs the command and rank 0 alone writes the run's files (the summary records
+``processes``; its step times and tokens are rank 0's process's). The summary of an async or uniform run
+records under ``rollout`` its mode, bound, admission, realised lags
 (``lag_mean``, ``lag_min``, ``lag_max`` and ``lag_hist``, samples per lag 0..K, of this session) and the
 counters of the whole run (``dropped``, ``regenerated``, ``worker_restarts``); a plain method (sync, stale)
 there is recorded as the mode (``"method": "async"``).
@@ -563,20 +565,25 @@ def _writes_metrics_csv(trainer, log_dir: str) -> bool:
 
 
 class MetricsKeeper:
-    """Keeps the earlier sessions' rows of a run's metrics.csv across a resumed session (see the module doc)."""
+    """Keeps the earlier sessions' rows of a run's metrics.csv across a resumed session (see the module doc).
+    ``writes``: False on the DDP ranks other than 0, which read the earlier rows (for :meth:`logged_at`) and write
+    nothing: rank 0's logger writes metrics.csv, and rank 0 alone puts the earlier rows back."""
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, writes: bool = True) -> None:
         self.path = Path(log_dir) / "metrics.csv"
         self.earlier_path = Path(log_dir) / EARLIER
         self.earlier: list[dict] = []
+        self.writes = writes
 
     def before_resume(self) -> None:
-        """Copy the rows written so far (with those left by a killed session) to metrics.earlier.csv."""
+        """Copy the rows written so far (with those left by a killed session) to metrics.earlier.csv. The rows
+        read are the same before and after rank 0's copy (its logger has not yet started), so every rank reads
+        the same earlier rows."""
         saved, current = read_rows(self.earlier_path), read_rows(self.path)
         if current:
             saved = combine_rows(saved, current, min(_step(r) for r in current))
         self.earlier = saved
-        if saved:
+        if saved and self.writes:
             write_rows(self.earlier_path, saved)
 
     def logged_at(self, step: int) -> frozenset[str]:
@@ -588,7 +595,9 @@ class MetricsKeeper:
         """metrics.csv := the earlier rows before step ``start``, then this session's; the copy removed. Returns
         the steps before ``start`` at which a row was logged (the multiples of ``every``, the trainer's
         ``log_every_n_steps``: gacbench.callbacks._common.log_metrics) and none is kept: rows an earlier session
-        lost."""
+        lost. Nothing on a rank that does not write (an empty list)."""
+        if not self.writes:
+            return []
         if self.earlier:
             write_rows(self.path, combine_rows(self.earlier, read_rows(self.path), start))
         self.earlier_path.unlink(missing_ok=True)
@@ -641,7 +650,8 @@ def run(argv: list[str]) -> int:
 
 
 def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: str | None) -> int:
-    keeper = MetricsKeeper(log_dir) if ckpt and log_dir and _writes_metrics_csv(trainer, log_dir) else None
+    keeper = (MetricsKeeper(log_dir, writes=trainer.is_global_zero)
+              if ckpt and log_dir and _writes_metrics_csv(trainer, log_dir) else None)
     device = trainer.strategy.root_device
     model.policy.to(device)  # evaluate where training runs (Lightning moves the module only inside fit)
     initial = model.metric()
@@ -675,6 +685,8 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
                **model.run_stats}
     if lost:
         summary["metrics_lost_steps"] = lost
+    if trainer.world_size > 1:  # DDP: rank 0's summary; its step times and tokens are its own process's
+        summary["processes"] = trainer.world_size
     if mode != "sync":
         summary["rollout"] = {"mode": mode, **rollout_record(getattr(model, "source_summary", None) or {})}
     # c_t's end-of-fit statistics: the AlignmentMonitor's, or, where it stays passive, those of the c_t trace of the
@@ -689,7 +701,9 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
         from gacbench.functional.stats import alignment_summary
 
         summary["alignment"] = alignment_summary(provider.trace.values, monitor.trace.warmup, monitor.trace.tol)
-    out = Path(trainer.log_dir or ".")
+    out = Path(trainer.log_dir or ".")  # under DDP a collective (Lightning broadcasts rank 0's directory)
+    if not trainer.is_global_zero:  # DDP: rank 0 writes the summary and says how the run ended
+        return 128 + terminated if terminated else 0
     out.mkdir(parents=True, exist_ok=True)
     from gacbench.jsonio import json_safe
 

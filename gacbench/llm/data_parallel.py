@@ -19,9 +19,18 @@ and the loss is scaled so that one optimizer step equals the single-process step
 - Loss-side stabilizers whose loss uses batch-level statistics (M2PO's masks and bounds, BAPO's bound search,
   VCPO's ESS) compute those statistics over all ranks' tokens (one all-gather or all-reduce), as one process
   holding the whole batch would.
+- **Logged scalars**: each rank computes a step's scalars (``reward/mean``, ``pg/clipfrac``, ``is/*``, ...) on its
+  own share; one all-gather per step makes them one value per step, the same on every rank
+  (:func:`metrics_over_ranks`): a ``*_max`` key the largest of the ranks' values, a ``*_min`` key the smallest, any
+  other key their mean. The ranks hold equal numbers of sequences, so a mean over sequences (``reward/mean``,
+  ``response/tokens_mean``) is the global batch's exactly; a mean over tokens (``is/ratio_mean``, ``pg/clipfrac``)
+  is the mean of the ranks' token means, and ``is/ess_frac`` and ``is/chi2`` the mean of the ranks' values, which
+  differ from one process's figures on the whole batch when the ranks' token counts or weights differ.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -49,6 +58,27 @@ def rank_share(module, problems: list) -> tuple[list, int]:
                          "multiple of the number of processes.")
     share = len(problems) // size
     return problems[rank * share : (rank + 1) * share], rank * RANK_SEED_STRIDE
+
+
+def metrics_over_ranks(module, metrics: dict) -> dict:
+    """A step's scalars as one value for the whole batch under DDP, the same on every rank (see the module
+    docstring: ``*_max`` the maximum, ``*_min`` the minimum, else the mean over the ranks that report the key);
+    ``metrics`` unchanged on one process. Every rank must call it at every step (one all-gather)."""
+    _, size = world(module)
+    if size == 1:
+        return metrics
+    local = {k: float(v) for k, v in metrics.items()}
+    ranks: list = [None] * size
+    torch.distributed.all_gather_object(ranks, local)
+    out = {}
+    for key in [*local, *sorted(set().union(*ranks) - local.keys())]:
+        values = [r[key] for r in ranks if key in r]
+        if any(math.isnan(v) for v in values):  # undefined on a rank: undefined for the batch
+            out[key] = math.nan
+        else:
+            out[key] = (max(values) if key.endswith("_max") else min(values) if key.endswith("_min")
+                        else sum(values) / len(values))
+    return out
 
 
 def data_parallel_loss(module, loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

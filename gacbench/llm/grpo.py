@@ -47,7 +47,7 @@ import torch
 
 from gacbench.callbacks._common import log_metrics
 from gacbench.functional.collective import release_process_group_at_exit
-from gacbench.llm.data_parallel import data_parallel_loss, rank_share
+from gacbench.llm.data_parallel import data_parallel_loss, metrics_over_ranks, rank_share
 from gacbench.llm.model import completion_text, load
 from gacbench.llm.tasks import TaskConfig, reward_fn, score, task_factory
 from gacbench.objectives.base import Objective, given_settings
@@ -706,7 +706,7 @@ class GRPOModule(Objective):
                         "model/params": float(self.n_params)})
         if self.rollout_source is not None:
             metrics.update(self.rollout_source.step_metrics())
-        log_metrics(self.trainer, metrics)
+        log_metrics(self.trainer, metrics_over_ranks(self, metrics))  # under DDP: the whole batch's, on every rank
         return loss
 
     def _last_step(self) -> int | None:
