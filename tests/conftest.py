@@ -161,6 +161,11 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def squash(text: str) -> str:
+    """``text`` with every run of white space as one space (rich wraps long lines)."""
+    return " ".join(text.split())
+
+
 def bench(suite: Path, out: Path, *extra: str) -> int:
     """``gacbench bench --suite SUITE --out OUT --workers 1 EXTRA...`` in this process; its exit status."""
     from gacbench.cli import main

@@ -153,3 +153,88 @@ def test_the_installed_entry_points_are_read_once_per_search_path(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))  # where a newly installed package would be found
     available()
     assert reads == [ENTRY_POINT_GROUP] * 2
+
+
+_DAMP = '''import lightning.pytorch as pl
+
+FACTOR = {factor}
+
+
+class Damp(pl.Callback):
+    """Scales the gradient by FACTOR."""
+
+    kind = "gradient"
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(FACTOR)
+'''
+
+
+def test_a_plugins_code_is_part_of_its_cells_version_and_an_edit_in_place_is_another(tmp_path, monkeypatch, capsys):
+    """A bench cell whose method uses a plug-in records the plug-in's distribution, version and code hash. After an
+    edit of the plug-in in place (its version unchanged) the stored cells of that method are from another
+    environment: a note, and --rerun-other-versions recomputes them and no other; a seed run with the edited code
+    beside one run with the first is a group that mixes versions, named in the summary."""
+    import json
+    import re
+
+    from conftest import bench, quadratic_suite, squash
+
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.runner import expand_cells, load_suite
+
+    site = tmp_path / "site"
+    (site / "dampplugin").mkdir(parents=True)
+    code = site / "dampplugin" / "__init__.py"
+    code.write_text(_DAMP.format(factor=0.5))
+    dist = site / "dampplugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dampplugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ndamp = dampplugin:Damp\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_READ", {})
+
+    def edit(factor: float) -> None:  # a new process would import the edited file
+        code.write_text(_DAMP.format(factor=factor))
+        monkeypatch.delitem(sys.modules, "dampplugin", raising=False)
+        registry._READ.clear()
+
+    out = tmp_path / "out"
+    suite = quadratic_suite(tmp_path, methods=["sync", "stale", "damp"], seeds=[0])
+    cells = {(c["method"], c["seed"]): c for c in expand_cells(load_suite(str(suite)))}
+    assert bench(suite, out) == 0
+    damp = cell_dir(out, cells[("damp", 0)])
+    first = json.loads((damp / "config.json").read_text())["provenance"]["plugins"]
+    assert set(first) == {"damp"} and first["damp"]["distribution"] == "dampplugin"
+    assert first["damp"]["version"] == "0.1" and re.fullmatch("[0-9a-f]{64}", first["damp"]["sha256"])
+    assert "plugins" not in json.loads((cell_dir(out, cells[("sync", 0)]) / "config.json").read_text())["provenance"]
+    final = json.loads((damp / "status.json").read_text())["final"]
+
+    edit(0.25)
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+    capsys.readouterr()
+    assert bench(suite, out) == 0
+    said = squash(capsys.readouterr().out)
+    assert "1 stored done cell(s) of this grid come from another environment" in said
+    assert f"plugin damp {first['damp']['sha256'][:12]}" in said and "ran 0 cells" in said
+    assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("cells/**/status.json")}
+
+    seeds01 = quadratic_suite(tmp_path, "seeds01.yaml", methods=["sync", "stale", "damp"], seeds=[0, 1])
+    assert bench(seeds01, out) == 0  # seed 1 with the edited plug-in, seed 0 kept from the first
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["versions"]) == 1
+    assert {(p["sha256"] == first["damp"]["sha256"], p["cells"]) for p in summary["plugins"]} == {(True, 1),
+                                                                                                  (False, 1)}
+    assert [(g["method"], g["staleness"]) for g in summary["mixed_version_groups"]] == [("damp", 4)]
+    assert "This grid mixes the code of a stabilizer plug-in" in (out / "summary.md").read_text()
+
+    capsys.readouterr()
+    assert bench(seeds01, out, "--rerun-other-versions") == 0
+    assert "ran 1 cells" in squash(capsys.readouterr().out)  # seed 0's damp cell alone
+    again = json.loads((damp / "config.json").read_text())["provenance"]["plugins"]["damp"]
+    assert again["version"] == "0.1" and again["sha256"] != first["damp"]["sha256"]
+    assert json.loads((damp / "status.json").read_text())["final"] != final  # computed by the edited code
+    summary = json.loads((out / "summary.json").read_text())
+    assert "mixed_version_groups" not in summary and len(summary["plugins"]) == 1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import alive, bench, child_pids, quadratic_suite
+from conftest import alive, bench, child_pids, quadratic_suite, squash
 
 from gacbench.bench import cell as cell_mod
 from gacbench.bench.cell import (
@@ -44,10 +44,6 @@ CELL = {"task": "q", "objective": "quadratic", "params": {"lr": 0.1}, "steps": 6
 
 def tiny_suite(tmp_path: Path, name: str = "tiny.yaml", **over) -> Path:
     return quadratic_suite(tmp_path, name, **{"methods": ["sync", "stale"], **over})
-
-
-def squash(text: str) -> str:
-    return " ".join(text.split())
 
 
 def steps_of(metrics: Path) -> list[int]:

@@ -50,7 +50,7 @@ from gacbench.jsonio import (  # noqa: F401  (json_safe, CLAIM_FILE, hold and fl
     read_json,
     write_json,
 )
-from gacbench.methods import method_callbacks, parse_method
+from gacbench.methods import method_callbacks, parse_method, plugin_provenance
 from gacbench.objectives import objective_class
 from gacbench.provenance import environment_key, provenance, source_changed
 from gacbench.trainer import build_trainer
@@ -420,6 +420,14 @@ def stored_provenance(root: Path, cell: dict, config: Any = None) -> dict | None
     return prov if isinstance(prov, dict) else None
 
 
+def cell_provenance(cell: dict) -> dict[str, Any]:
+    """What ``cell`` records as its provenance when it runs in this process: :func:`gacbench.provenance.provenance`
+    and, where its method uses stabilizer plug-ins, ``plugins`` (:func:`gacbench.methods.plugin_provenance`)."""
+    prov = provenance()
+    plugins = plugin_provenance(cell["method"]) if cell.get("method") else {}
+    return {**prov, "plugins": plugins} if plugins else prov
+
+
 def stored_environment(root: Path, cell: dict, config: Any = None) -> str:
     """The :func:`gacbench.provenance.environment_key` of the run stored in ``cell``'s directory
     (``unrecorded`` when its config.json holds no provenance); ``config`` as :func:`stored_provenance`."""
@@ -456,11 +464,11 @@ def _run_claimed(cell: dict, root: Path, out: Path, threads: int | None, rerun_o
             changes = "; ".join(show_change(k, a, b) for k, (a, b) in diff.items())
             raise CellMismatchError(f"{out} holds a finished run with other settings ({changes}); use another output "
                                     "directory, or delete that cell directory to recompute it")
-        if not (rerun_other_versions and stored_environment(root, cell) != environment_key(provenance())):
+        if not (rerun_other_versions and stored_environment(root, cell) != environment_key(cell_provenance(cell))):
             return {**done, "reused": True}
     status_path.unlink(missing_ok=True)  # a failed or incomplete earlier run: unfinished until this one ends
     t_write = time.perf_counter()
-    prov = provenance()
+    prov = cell_provenance(cell)
     write_json(out / "config.json", {**cell, "provenance": prov})
     parts = {"write": time.perf_counter() - t_write}
     t0 = time.perf_counter()

@@ -106,6 +106,7 @@ from gacbench.bench.validate import (  # noqa: F401  (SUITES_DIR, load_suite, ch
 from gacbench.jsonio import disk_full, disk_full_message, remove_stray_temporaries
 from gacbench.methods import (
     parse_method,
+    plugin_provenance,
     reference_cell,
     sync_cell,
 )
@@ -334,14 +335,17 @@ def other_environments(cells: list[dict], root: Path, threads: int,
     """The done cells of ``cells`` stored in ``root`` by another environment than this run's (this process's
     :func:`gacbench.provenance.provenance` with the workers' ``threads``), by their environment key
     (``unrecorded`` for a cell stored without provenance). ``stored`` as :func:`check_stored`."""
-    here = environment_key({**provenance(), "threads": threads})
+    here = {**provenance(), "threads": threads}
+    plugins: dict[str, dict] = {}  # method -> the plug-ins it uses (their code hashed once per method)
     stored = stored_done_files(root, cells) if stored is None else stored
     out: dict[str, list[dict]] = {}
     for c in cells:
         found = stored.get(cell_dir(root, c))
         if found is not None:
             key = stored_environment(root, c, found[1])
-            if key != here:
+            if c["method"] not in plugins:
+                plugins[c["method"]] = plugin_provenance(c["method"])
+            if key != environment_key({**here, "plugins": plugins[c["method"]]}):
                 out.setdefault(key, []).append(c)
     return out
 

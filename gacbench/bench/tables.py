@@ -231,7 +231,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              sizes: list[dict] | None = None, size_trend: dict | None = None,
              aligned: list[dict] | None = None, families: list[dict] | None = None,
              beyond: dict[str, list[dict]] | None = None, uncontrolled: list[dict] | None = None,
-             regime_checks: list[dict] | None = None, machine_blocks: dict | None = None) -> str:
+             regime_checks: list[dict] | None = None, machine_blocks: dict | None = None,
+             plugins: list[dict] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
@@ -244,7 +245,9 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     ``beyond``: the shares beyond the on-policy effect (:func:`~gacbench.bench.beyond.beyond_on_policy`) per measure,
     headline first, and ``uncontrolled`` the methods without a control; ``regime_checks``: the regime criteria
     (:func:`~gacbench.bench.beyond.regime_checks`), after the findings; ``machine_blocks``: the CPU kinds of a grid
-    computed on several (:func:`~gacbench.bench.versions.machine_blocks`), named at the top. The findings paragraph
+    computed on several (:func:`~gacbench.bench.versions.machine_blocks`), named at the top; ``plugins``: the
+    stabilizer plug-ins' code versions (:func:`~gacbench.bench.versions.plugin_versions`), listed with the code
+    versions, a group whose seeds mix them named at the top. The findings paragraph
     at the top reads the headline measure (:func:`findings`)."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "` (add `--suite` and the name of the suite that made "
@@ -255,6 +258,9 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     elif versions and len(versions) > 1:
         lines += [f"**This grid mixes {len(versions)} code versions** (listed under Code versions at the end): "
                   + _mixed_note(mixed or []), ""]
+    elif mixed:  # one library environment: the seeds of a group ran different code of a plug-in
+        lines += ["**This grid mixes the code of a stabilizer plug-in** (listed under Code versions at the end): "
+                  + _mixed_note(mixed), ""]
     if machine_blocks and machine_blocks["mixed_seeds"]:
         lines += [f"**{_mixed_seeds_note(machine_blocks)}**", ""]
     lines += findings(shares, reward_shares or [], aligned or [])
@@ -339,7 +345,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _law_section(law_points(regime or []))
     lines += _size_section(sizes or [], size_trend)
     lines += _families_section(families or [])
-    lines += _versions_section(versions or [], mixed or [], machine_blocks)
+    lines += _versions_section(versions or [], mixed or [], machine_blocks, plugins or [])
     return "\n".join(lines) + "\n"
 
 
@@ -508,9 +514,11 @@ def _blocks_note(blocks: dict) -> str:
             "machine's effect as it holds the seed's.")
 
 
-def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | None = None) -> list[str]:
+def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | None = None,
+                      plugins: list[dict] | None = None) -> list[str]:
     """The distinct code versions of the cells: description, environment key, cell count; a blocked grid's
-    environments differ only in the CPU kind, which :func:`_blocks_note` names."""
+    environments differ only in the CPU kind, which :func:`_blocks_note` names; then the stabilizer plug-ins'
+    code versions."""
     if not versions:
         return []
     recorded = any(" isa " in v["key"] or " weights " in v["key"] for v in versions)
@@ -527,6 +535,14 @@ def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | No
         lines += ["", f"This grid mixes {len(versions)} code versions: " + _mixed_note(mixed)]
     if blocks and blocks["mixed_seeds"]:
         lines += ["", _mixed_seeds_note(blocks)]
+    if plugins:
+        lines += ["", "Stabilizer plug-ins (their distribution, its version, and a hash of the plug-in's code, which "
+                  "an edit in place changes; part of the key of the cells that used them):", ""]
+        lines += [f"- {p['name']}: {p['distribution'] or 'no distribution'} {p['version'] or ''}".rstrip()
+                  + f", code `{str(p['sha256'])[:12]}`, {p['cells']} cell{'' if p['cells'] == 1 else 's'}"
+                  for p in plugins]
+        if len(versions) <= 1 and mixed and not (blocks and blocks["blocked"]):
+            lines += ["", _mixed_note(mixed)]
     return lines
 
 

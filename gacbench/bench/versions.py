@@ -1,5 +1,6 @@
 """The code versions a benchmark directory's cells ran in, from the ``provenance`` each cell's config.json records
-(:mod:`gacbench.provenance`): one entry per distinct environment key, the groups whose seeds mix keys, and the
+(:mod:`gacbench.provenance`): one entry per distinct environment key (the library's; the stabilizer plug-ins'
+code apart, listed on its own), the groups whose seeds mix keys (plug-in code included), and the
 machine blocks of a grid computed on several CPU kinds (one kind per seed, the seeds' paired comparisons within
 one kind)."""
 
@@ -19,11 +20,13 @@ def start_points_differ(records: list[dict], provenances: list[dict | None]) -> 
     return {task for task, weights in seen.items() if len(weights) > 1}
 
 
-def version_key(record: dict, prov: dict | None, mixed_tasks: set, machine: bool = True) -> str:
+def version_key(record: dict, prov: dict | None, mixed_tasks: set, machine: bool = True, plugins: bool = True) -> str:
     """A cell's code version: its environment key without the start point, which tasks of one grid may have
     apart (llm-size's model sizes start from different checkpoints), except for a task whose cells started from
-    more than one (``mixed_tasks``): there the weights tell its versions apart."""
-    return environment_key(prov, weights=record.get("task") in mixed_tasks, machine=machine)
+    more than one (``mixed_tasks``): there the weights tell its versions apart. ``plugins``: with the code hashes
+    of the plug-ins its method used (the key of a cell, which a group's seeds must share), else the library's
+    environment alone (which the cells of every method share)."""
+    return environment_key(prov, weights=record.get("task") in mixed_tasks, machine=machine, plugins=plugins)
 
 
 def code_versions(records: list[dict], provenances: list[dict | None], mixed_tasks: set | None = None) -> list[dict]:
@@ -34,10 +37,24 @@ def code_versions(records: list[dict], provenances: list[dict | None], mixed_tas
     mixed = start_points_differ(records, provenances) if mixed_tasks is None else mixed_tasks
     by_key: dict[str, list[dict | None]] = defaultdict(list)
     for record, prov in zip(records, provenances):
-        by_key[version_key(record, prov, mixed)].append(prov)
+        by_key[version_key(record, prov, mixed, plugins=False)].append(prov)
     out = [{"key": key, "description": ", ".join(dict.fromkeys(code_label(p) for p in provs)), "cells": len(provs)}
            for key, provs in by_key.items()]
     return sorted(out, key=lambda v: (-v["cells"], v["key"]))
+
+
+def plugin_versions(provenances: list[dict | None]) -> list[dict]:
+    """One entry per distinct plug-in code among the cells (their provenance's ``plugins``): ``name``,
+    ``distribution``, ``version``, ``sha256`` and ``cells``, by name and then most cells first."""
+    seen: dict[tuple, dict] = {}
+    for prov in provenances:
+        for name, rec in sorted(((prov or {}).get("plugins") or {}).items()):
+            rec = rec if isinstance(rec, dict) else {}
+            key = (name, rec.get("distribution"), rec.get("version"), rec.get("sha256"))
+            entry = seen.setdefault(key, {"name": name, "distribution": key[1], "version": key[2],
+                                          "sha256": key[3], "cells": 0})
+            entry["cells"] += 1
+    return sorted(seen.values(), key=lambda v: (v["name"], -v["cells"], str(v["sha256"])))
 
 
 def mixed_version_groups(cells: list[dict]) -> list[dict]:
@@ -72,7 +89,7 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
         by_kind[kind]["cells"] += 1
     mixed = [{"task": t, "seed": s, "kinds": sorted(k)} for (t, s), k in sorted(per_seed.items()) if len(k) > 1]
     mixed_tasks = start_points_differ([c for c, _, _ in done], [p for _, p, _ in done])
-    code = sorted({version_key(c, p, mixed_tasks, machine=False) for c, p, _ in done})
+    code = sorted({version_key(c, p, mixed_tasks, machine=False, plugins=False) for c, p, _ in done})
     return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
                       for k, v in sorted(by_kind.items())},
             "mixed_seeds": mixed, "code_versions": code,

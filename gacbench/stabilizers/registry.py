@@ -11,6 +11,7 @@ import re
 import sys
 import warnings
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 from gacbench.usage import UsageError
@@ -77,7 +78,9 @@ def _read() -> dict[str, dict[str, Any]]:
             _leave_out(ep, f"its class needs kind = 'gradient' or 'loss', got {getattr(cls, 'kind', None)!r}")
             cls = None
         if cls is not None:
-            found[ep.name] = {"cls": cls, "source": ep.value, "package": _package(ep)}
+            dist = getattr(ep, "dist", None)
+            found[ep.name] = {"cls": cls, "source": ep.value, "package": _package(ep),
+                              "distribution": getattr(dist, "name", None), "version": getattr(dist, "version", None)}
     for name, info in found.items():
         kind = getattr(info["cls"], "kind", None)
         if kind not in KINDS:
@@ -118,6 +121,29 @@ def _leave_out(ep: EntryPoint, error: str) -> None:
             f"{ep.module!r}, {ep.value}) cannot be used and is left out: {error}. The built-in "
             "stabilizers and the other plug-ins are available; fix or uninstall that package to use it.",
             RuntimeWarning, stacklevel=4)
+
+
+def plugin_record(info: dict[str, Any]) -> dict[str, Any]:
+    """What a stored run records of a plug-in stabilizer (an :func:`available` entry not built in): its
+    ``distribution`` and ``version`` (None when its entry point names no installed distribution) and ``sha256``
+    over its code (:func:`gacbench.provenance.files_sha256`: the ``.py`` files of the top-level package that
+    holds its class, or its module's file). A plug-in edited in place keeps its version; the hash tells the two
+    codes apart."""
+    from gacbench.provenance import files_sha256
+
+    cls = info["cls"]
+    top = sys.modules.get(cls.__module__.split(".")[0])
+    module = sys.modules.get(cls.__module__)
+    top_file = getattr(top, "__file__", None)
+    if top_file and Path(top_file).name == "__init__.py":  # a regular package: all of its modules
+        root = Path(top_file).parent
+        files = sorted(root.rglob("*.py"))
+    else:  # a module of its own, or in a namespace package
+        module_file = getattr(module, "__file__", None)
+        files = [Path(module_file)] if module_file else []
+        root = files[0].parent if files else Path(".")
+    return {"distribution": info.get("distribution"), "version": info.get("version"),
+            "sha256": files_sha256(root, files) if files else None}
 
 
 def broken() -> dict[str, str]:
