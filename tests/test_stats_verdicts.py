@@ -33,6 +33,7 @@ from gacbench.bench.stats import (
     sign_flip_p,
 )
 from gacbench.bench.validate import check_families, load_suite
+from gacbench.jsonio import json_safe
 from gacbench.usage import UsageError
 
 
@@ -494,6 +495,38 @@ def test_a_comparison_without_a_gap_is_named_once_and_left_out_of_the_share_tabl
     text = "\n".join(findings(rows, [], []))
     assert "no gap to recover there (gac)" in text and "not distinguishable" not in text
     assert _share_cell(rows[0]) == ""
+
+
+def test_stale_ahead_of_sync_within_noise_gives_the_difference_to_stale_and_what_the_seeds_detect(tmp_path, capsys):
+    """Stale at s = 4 ahead of sync by less than the seed noise (sync 0.50/0.60/0.40, stale 0.52/0.62/0.45): no
+    share, but the findings give gac's difference to stale with its interval and the smallest difference its seeds
+    detect, as for any gap within noise; `gacbench power` lists the entry with that difference, apart from the
+    entries it sizes, instead of leaving it out."""
+    from gacbench.bench.tables import findings
+
+    def cell(method, s, seed, final):
+        return {"task": "bandit", "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+                "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
+                "cos_median": 0, "cos_abs_q90": 0, "cos_abs_le_005": 0}
+
+    cells = ([cell("sync", 0, k, v) for k, v in enumerate([0.50, 0.60, 0.40])]
+             + [cell("stale", 4, k, v) for k, v in enumerate([0.52, 0.62, 0.45])]
+             + [cell("gac", 4, k, v) for k, v in enumerate([0.53, 0.60, 0.47])])
+    (row,) = recovered_shares(group_records(cells), cells=cells)
+    assert row["no_gap"] and row["gap_within_noise"]
+    text = "\n".join(findings([row], [], []))
+    want = detectable_multiplier(3) * row["sd_diff"]
+    assert ("stale is no worse than sync at s = 4, within seed noise; not distinguishable from stale: gac at s = 4 "
+            f"(difference to stale {row['vs_stale_diff']:+.3g} [{row['vs_stale_ci_low']:.3g}, "
+            f"{row['vs_stale_ci_high']:.3g}], min. detectable difference {want:.2g})") in text
+    assert "no gap to recover" not in text
+    (entry,) = power_rows({"recovered": [row], "recovered_reward": []}, 0.5)
+    assert entry["no_gap"] and entry["seeds_needed"] is None and math.isnan(entry["min_detectable_share"])
+    assert entry["min_detectable_difference"] == pytest.approx(want)
+    (tmp_path / "summary.json").write_text(json.dumps(json_safe({"recovered": [row], "recovered_reward": []})))
+    assert power_main(SimpleNamespace(runs=str(tmp_path), target_share=0.5, power=0.8, alpha=0.05, json=False)) == 0
+    out = capsys.readouterr().out
+    assert "1 entries have no stale − sync gap" in out and f"{want:.3g}" in out and "detectable at 0.5" not in out
 
 
 def test_a_share_of_noise_is_given_as_the_difference_with_the_detectable_one_of_the_paired_seeds():

@@ -385,10 +385,19 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
             parts.append("not distinguishable from stale: " + "; ".join(
                 f"{r['method']} at s = {r['staleness']} ({_share_text(r)}, {_detectable_text(r)})"
                 for r in rest) + ". ")
-        if no_gap:
-            at = sorted({r["staleness"] for r in no_gap})
+        noisy = [r for r in no_gap if _within_noise(r)]  # stale ahead of sync by less than the seed noise
+        clear = [r for r in no_gap if not _within_noise(r)]
+        if noisy:
+            at = sorted({r["staleness"] for r in noisy})
+            parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}, within seed noise; "
+                         "not distinguishable from stale: " + "; ".join(
+                             f"{r['method']} at s = {r['staleness']} (difference to stale {r['vs_stale_diff']:+.3g} "
+                             f"{fmt_ci(r.get('vs_stale_ci_low'), r.get('vs_stale_ci_high'), 3)}, "
+                             f"{_detectable_text(r)})" for r in noisy) + ". ")
+        if clear:
+            at = sorted({r["staleness"] for r in clear})
             parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}: no gap to recover there ("
-                         + ", ".join(dict.fromkeys(r["method"] for r in no_gap)) + ").")
+                         + ", ".join(dict.fromkeys(r["method"] for r in clear)) + ").")
         blind = [r for r in untested if r["task"] == task]
         if blind:
             parts.append(("" if parts[-1].endswith(" ") else " ") + "No paired test: " + "; ".join(
