@@ -63,6 +63,18 @@ def test_grpo_command_runs_checkpoints_and_resumes(tiny_llm_dir, tmp_path, capsy
     assert steps == {"eval/acc": [2, 4, 6], "eval/policy_reward": [0, 2, 4, 6]}, steps
 
 
+def test_a_fresh_run_does_not_warn_that_its_files_will_be_deleted(tiny_llm_dir, tmp_path):
+    """The run directory holds the run's claim and config when CSVLogger starts: its warning that the directory's
+    files will be deleted is not shown (an earlier run there is refused before, a resume keeps its rows)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["grpo", *_small(tiny_llm_dir, tmp_path), "--trainer.max_steps", "1"]) == 0
+    assert (tmp_path / "tiny" / "sync-s0-seed0" / "summary.json").exists()
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]
+
+
 def test_grpo_command_refuses_bad_settings(tiny_llm_dir, tmp_path, capsys):
     def refused(*args: str) -> str:  # one line on stderr, exit status 2, no traceback
         assert main(["grpo", *_small(tiny_llm_dir, tmp_path), *args]) == 2

@@ -164,6 +164,11 @@ def test_tasks_that_start_from_different_checkpoints_are_one_code_version(tmp_pa
     assert "mixed_version_groups" not in summary or not summary["mixed_version_groups"]
     assert summary["machine_blocks"]["code_versions"] == [environment_key(_prov("7"))]
     assert {c["environment"] for c in summary["cells"]} == {v["key"] for v in summary["versions"]}  # one key
+    # each task's start point (θ₀) is listed with its cells, in summary.json and under Code versions
+    assert summary["start_points"] == [{"task": "small", "initial_weights": "e" * 64, "cells": 4},
+                                       {"task": "tiny", "initial_weights": "d" * 64, "cells": 4}]
+    md = (tmp_path / "summary.md").read_text()
+    assert f"- small: `{'e' * 64}`, 4 cells" in md and f"- tiny: `{'d' * 64}`, 4 cells" in md
 
 
 def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
@@ -173,6 +178,7 @@ def test_a_single_version_grid_says_nothing_about_mixing(tmp_path):
         _store(tmp_path, "stale", 2, seed, 5.0, prov=prov)
     summary = build_report(tmp_path)["summary"]
     assert summary["versions"] == [{"key": environment_key(prov), "description": "commit aaaaaaaaaa", "cells": 4}]
+    assert "start_points" not in summary and "plugins" not in summary  # none recorded
     assert "mixed_version_groups" not in summary
     md = (tmp_path / "summary.md").read_text()
     assert "## Code versions" in md and "mixes" not in md

@@ -558,3 +558,16 @@ def test_a_sync_run_whose_reward_stayed_flat_is_not_healthy():
     cells = [cell(sp["task"], m, s, k) for sp in specs for m, s in (("sync", 0), ("stale", 8)) for k in (0, 1)]
     points = regime_points(cells, specs)
     assert len(points) == 2 and all(p["sync_healthy"] is False for p in points)
+
+
+def test_a_share_that_rounds_to_zero_prints_as_zero_in_every_table():
+    """A share of -0.001 is 0.00 in the by-version table, the recovered-share table and the across-s table, never
+    -0.00."""
+    from gacbench.bench.tables import _aligned_section, _share_cell, _share_table
+
+    row = {"task": "t", "staleness": 4, "method": "gac", "source": "eval/policy_reward", "versions": [9, 10],
+           "sync": 0.25, "stale": 0.2, "value": 0.2, "share": -0.001, "share_ci_kind": "unbounded", "no_gap": False,
+           "gap_within_noise": True, "vs_stale_p_adj": None, "min_detectable_share": None, "n": 2}
+    text = "\n".join(_aligned_section([row]) + _share_table("Recovered", [row]) + [_share_cell(row)])
+    assert "| 0.00 (−∞, ∞) |" in text and "| 0.00 (gap < 2 s.e." in text and _share_cell(row).startswith("0.00 ")
+    assert "-0.00" not in text

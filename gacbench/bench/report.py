@@ -134,6 +134,7 @@ from gacbench.bench.versions import (
     machine_blocks,
     mixed_version_groups,
     plugin_versions,
+    start_points,
     start_points_differ,
     version_key,
 )
@@ -171,12 +172,14 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     timing = read_timing(root)
     mixed = mixed_version_groups(cells_g)
     plugins = plugin_versions(provs)
+    starts = start_points(records, provs)
     blocks = machine_blocks(records, provs)
     aligned = aligned_shares(groups, cells_g)
     summary = {"cells": [{k: v for k, v in r.items() if k != "_by_version"} for r in records], "groups": groups,
                "recovered": shares, "recovered_reward": reward_shares,
                **({"recovered_by_version": aligned} if aligned else {}),
                "versions": versions, **({"plugins": plugins} if plugins else {}),
+               **({"start_points": starts} if starts else {}),
                **({"mixed_version_groups": mixed} if len(versions) > 1 or mixed else {}),
                **({"machine_blocks": blocks} if blocks else {})}
     tests = [("vs_stale", "final", shares), ("vs_stale", "reward_last", reward_shares),
@@ -245,7 +248,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     write_text(root / "summary.md", markdown(cells_g, groups, shares, root, reward_shares, timing, regime,
                                                   ablation_rows, versions, mixed, on_policy, costs,
                                                   sizes, trend, aligned, summary["families"], beyond, uncontrolled,
-                                                  checks, blocks, plugins))
+                                                  checks, blocks, plugins, starts))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares, aligned),
                     sizes, trend, headline_beyond(beyond)) if groups else [])

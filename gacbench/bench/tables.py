@@ -27,6 +27,11 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def fmt_share(x: float) -> str:
+    """A share to two decimals, one that rounds to zero as 0.00 (never -0.00)."""
+    return f"{round(x, 2) + 0.0:.2f}"
+
+
 def fmt_ci(low: float | None, high: float | None, digits: int = 2) -> str:
     if low is None or high is None or (isinstance(low, float) and math.isnan(low)):
         return "—"
@@ -83,7 +88,7 @@ def _share_table(title: str, shares: list[dict]) -> list[str]:
     for r in shares:
         if r.get("missing"):
             continue
-        share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f}"
+        share = "n/a (stale no worse than sync)" if r["no_gap"] else fmt_share(r['share'])
         if not r["no_gap"] and r["gap_within_noise"]:
             share += " (gap < 2 s.e. of seeds: not meaningful)"
         elif not r["no_gap"] and r["gap_within_noise"] is None:
@@ -166,7 +171,7 @@ def _beyond_section(tables: dict[str, list[dict]], uncontrolled: list[dict]) -> 
                                    "share_ci_high": r["beyond_ci_high"],
                                    "share_ci_excluded": r.get("beyond_ci_excluded")})
                 star = " *" if r.get("beyond_p_adj") is not None and r["beyond_p_adj"] < 0.05 else ""
-                share = f"{r['beyond_on_policy_share']:.2f} {ci}{star}"
+                share = f"{fmt_share(r['beyond_on_policy_share'])} {ci}{star}"
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {r['control']} | {share} | "
                          f"{fmt(r['beyond_p'], 2)} | {fmt_p(r.get('beyond_p_adj'))} | {fmt(r['raw_share'], 2)} | "
                          f"{fmt(r['on_policy_effect'], 3)} | {fmt(r['gap'], 3)} | "
@@ -232,7 +237,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
              aligned: list[dict] | None = None, families: list[dict] | None = None,
              beyond: dict[str, list[dict]] | None = None, uncontrolled: list[dict] | None = None,
              regime_checks: list[dict] | None = None, machine_blocks: dict | None = None,
-             plugins: list[dict] | None = None) -> str:
+             plugins: list[dict] | None = None, starts: list[dict] | None = None) -> str:
     """summary.md. ``ablation_rows``: the threshold ablation's recovered shares on its measure
     (:func:`ablation_key`), if already computed; ``versions`` and ``mixed``: the code versions of the cells and the
     groups that mix them (:mod:`gacbench.bench.versions`), listed at the end, and named at the top when there is
@@ -247,7 +252,8 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     (:func:`~gacbench.bench.beyond.regime_checks`), after the findings; ``machine_blocks``: the CPU kinds of a grid
     computed on several (:func:`~gacbench.bench.versions.machine_blocks`), named at the top; ``plugins``: the
     stabilizer plug-ins' code versions (:func:`~gacbench.bench.versions.plugin_versions`), listed with the code
-    versions, a group whose seeds mix them named at the top. The findings paragraph
+    versions, a group whose seeds mix them named at the top; ``starts``: the initial weights each task's cells
+    recorded (:func:`~gacbench.bench.versions.start_points`), listed with the code versions. The findings paragraph
     at the top reads the headline measure (:func:`findings`)."""
     lines = [f"# Benchmark summary: `{root}`", "",
              "Regenerate with `gacbench report " + str(root) + "` (add `--suite` and the name of the suite that made "
@@ -318,7 +324,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
             r = rows.get((g["task"], g["method"]), {})
             reward = _reward_sd(g) if "reward_last_mean" in g else "—"
             share = "—" if r.get("share") is None or math.isnan(r["share"]) else (
-                f"{r['share']:.2f} {fmt_share_ci(r)}")
+                f"{fmt_share(r['share'])} {fmt_share_ci(r)}")
             diff = "—" if r.get("vs_stale_diff") is None else (
                 f"{r['vs_stale_diff']:+.3g} {fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)}")
             lines.append(f"| {g['task']} | `{g['method']}` | {g['staleness']} | {fmt(g['final_mean'], 4)} | "
@@ -345,7 +351,7 @@ def markdown(cells: list[dict], groups: list[dict], shares: list[dict], root: Pa
     lines += _law_section(law_points(regime or []))
     lines += _size_section(sizes or [], size_trend)
     lines += _families_section(families or [])
-    lines += _versions_section(versions or [], mixed or [], machine_blocks, plugins or [])
+    lines += _versions_section(versions or [], mixed or [], machine_blocks, plugins or [], starts or [])
     return "\n".join(lines) + "\n"
 
 
@@ -449,7 +455,7 @@ def _share_text(r: dict) -> str:
     if _within_noise(r):
         return (f"gap within noise: difference to stale {r['vs_stale_diff']:+.3g} "
                 f"{fmt_ci(r.get('vs_stale_ci_low'), r.get('vs_stale_ci_high'), 3)}")
-    text = f"{r['share']:.2f}".replace("-0.00", "0.00")
+    text = fmt_share(r['share'])
     n, paired = r.get("n"), r.get("vs_stale_n")
     return f"share {text}" + (f" over the {n} seeds sync also ran; the test pairs {paired}" if n != paired else "")
 
@@ -484,7 +490,7 @@ def _aligned_section(rows: list[dict]) -> list[str]:
              "| task | s | method | measure | versions | sync | stale | method | share [95% CI] | p adj. | "
              "min. detectable share | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{r['share']:.2f} {fmt_share_ci(r)}"
+        share = "n/a (stale no worse than sync)" if r["no_gap"] else f"{fmt_share(r['share'])} {fmt_share_ci(r)}"
         lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {r['source']} | "
                      f"{r['versions'][0]}–{r['versions'][1]} | {fmt(r['sync'], 4)} | {fmt(r['stale'], 4)} | "
                      f"{fmt(r['value'], 4)} | {share} | {fmt_p(r.get('vs_stale_p_adj'))} | "
@@ -524,10 +530,10 @@ def _blocks_note(blocks: dict) -> str:
 
 
 def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | None = None,
-                      plugins: list[dict] | None = None) -> list[str]:
+                      plugins: list[dict] | None = None, starts: list[dict] | None = None) -> list[str]:
     """The distinct code versions of the cells: description, environment key, cell count; a blocked grid's
     environments differ only in the CPU kind, which :func:`_blocks_note` names; then the stabilizer plug-ins'
-    code versions."""
+    code versions and the start points (θ₀) the tasks' cells recorded."""
     if not versions:
         return []
     recorded = any(" isa " in v["key"] or " weights " in v["key"] for v in versions)
@@ -552,6 +558,11 @@ def _versions_section(versions: list[dict], mixed: list[dict], blocks: dict | No
                   for p in plugins]
         if len(versions) <= 1 and mixed and not (blocks and blocks["blocked"]):
             lines += ["", _mixed_note(mixed)]
+    if starts:
+        lines += ["", "Start points (θ₀): the SHA-256 of the initial weights each task's cells recorded "
+                  "(`initial_weights`; a suite's `theta0:` pins a prefix of it):", ""]
+        lines += [f"- {p['task']}: `{p['initial_weights']}`, {p['cells']} cell{'' if p['cells'] == 1 else 's'}"
+                  for p in starts]
     return lines
 
 
@@ -569,7 +580,7 @@ def _share_cell(r: dict) -> str:
     if r.get("missing") or r["no_gap"]:
         return ""
     star = " *" if significant(r) else ""
-    return f"{round(r['share'], 2) + 0.0:.2f} {fmt_share_ci(r)}{star}"
+    return f"{fmt_share(r['share'])} {fmt_share_ci(r)}{star}"
 
 
 def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
@@ -603,7 +614,7 @@ def _ci_section(shares: list[dict], reward_shares: list[dict]) -> list[str]:
             elif r["no_gap"]:
                 share = "n/a (stale no worse than sync)"
             else:
-                share = f"{r['share']:.2f}"
+                share = fmt_share(r['share'])
             lines.append(f"| {r['task']} | {r['staleness']} | {r['method']} | {share} | "
                          f"{fmt_share_ci(r)} | {fmt(r['vs_stale_diff'], 3)} | "
                          f"{fmt_ci(r['vs_stale_ci_low'], r['vs_stale_ci_high'], 3)} | {fmt(r['vs_stale_p'], 2)} | "
@@ -632,7 +643,7 @@ def _table1(groups: list[dict], cells: list[dict]) -> list[str]:
     finals, rewards = per_seed(cells, "final"), per_seed(cells, "reward_last")
     lines = ["", f"## Table 1: final metric under staleness s = {s_star} (synchronous reference at s = 0)", "",
              f"Mean over seeds [{CI_LEVEL:.0%} t-interval over seeds]. Δ: a GAC method's mean minus the "
-             "strongest non-GAC stale method's (stale and the loss-side baselines), > 0 = GAC better (on the final "
+             "strongest non-GAC stale method's (stale and every other stabilizer), > 0 = GAC better (on the final "
              "metric, sign-adjusted for lower-is-better metrics). − stale: every method's mean minus stale's at the "
              "same s, > 0 = better than stale (final metric, sign-adjusted)."]
     for task in sorted({g["task"] for g in groups}):

@@ -43,6 +43,18 @@ def code_versions(records: list[dict], provenances: list[dict | None], mixed_tas
     return sorted(out, key=lambda v: (-v["cells"], v["key"]))
 
 
+def start_points(records: list[dict], provenances: list[dict | None]) -> list[dict]:
+    """The initial weights (θ₀) the cells of each task started from, as their provenance records them
+    (``initial_weights``, the SHA-256 of the start point's weight files): ``task``, ``initial_weights`` and
+    ``cells``, by task and then most cells first; cells that recorded none are left out."""
+    seen: dict[tuple, int] = defaultdict(int)
+    for record, prov in zip(records, provenances):
+        if isinstance(prov, dict) and prov.get("initial_weights"):
+            seen[(record.get("task"), prov["initial_weights"])] += 1
+    return [{"task": t, "initial_weights": w, "cells": n}
+            for (t, w), n in sorted(seen.items(), key=lambda kv: (str(kv[0][0]), -kv[1], kv[0][1]))]
+
+
 def plugin_versions(provenances: list[dict | None]) -> list[dict]:
     """One entry per distinct plug-in code among the cells (their provenance's ``plugins``): ``name``,
     ``distribution``, ``version``, ``sha256`` and ``cells``, by name and then most cells first."""

@@ -646,6 +646,10 @@ def run(argv: list[str]) -> int:
             claim_run_dir(Path(trainer.log_dir or "."), stack)
             if ckpt is None:
                 guard_earlier_run(trainer, cli.config.overwrite)
+        # CSVLogger warns that the files of a directory that is not empty will be deleted: here the directory
+        # holds the run's claim and saved config, an earlier run was refused above, and a resume keeps its rows
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
         return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir)
 
 
