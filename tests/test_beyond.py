@@ -267,3 +267,16 @@ def test_a_stored_grid_without_on_policy_controls_has_no_share_beyond(tmp_path):
     assert {f["name"] for f in rep["summary"]["families"]} == {"recovers the gap at s"}
     assert "beyond" not in (tmp_path / "summary.md").read_text()
     assert "fig_beyond.png" not in {p.name for p in rep["figures"]}
+
+
+def test_the_reward_measures_are_read_higher_is_better_on_a_lower_is_better_task():
+    """A task whose final metric is lower-is-better (a loss) still earns reward: on reward_last the gap is
+    sync - stale > 0 where stale earns less, and the share beyond the on-policy effect is defined."""
+    rew = {("sync", 0): [0.9, 0.8, 0.85], ("stale", 2): [0.5, 0.45, 0.55], ("gac", 2): [0.8, 0.7, 0.72],
+           ("gac", 0): [0.9, 0.82, 0.85]}
+    cells = [{"status": "done", "task": "t", "method": m, "staleness": s, "seed": i, "reward_last": v}
+             for (m, s), vs in rew.items() for i, v in enumerate(vs)]
+    groups = [{"task": "t", "method": m, "staleness": s, "ablation": None, "higher_is_better": False} for m, s in rew]
+    (row,), _ = beyond_on_policy(groups, cells, "reward_last")
+    assert row["gap"] == pytest.approx(0.85 - 0.5) and not row["no_gap"]
+    assert math.isfinite(row["beyond_on_policy_share"]) and row["beyond_on_policy_share"] > 0

@@ -693,3 +693,34 @@ def test_the_greedy_eval_ends_and_samples_as_the_engines_do(model_dir):
     again = []
     greedy_accuracy(model, tok, problems, max_tokens=6, reward=lambda t, a: again.append(t) or 0.0)
     assert again == seen
+
+
+def test_the_evaluations_of_a_resumed_step_run_once():
+    """evaluate_resumed_step runs the missing evaluations of the checkpoint's step once: the command calls it again
+    after a fit that had no step left, which must then do nothing."""
+    from types import SimpleNamespace
+
+    calls = []
+    m = SimpleNamespace(resume_logged=frozenset({"eval/acc"}), resume_max_steps=None, global_step=4,
+                        policy_eval_cfg=SimpleNamespace(prompts=0), engine=None, rollout_source=None,
+                        _evaluate=lambda **kw: calls.append(kw))
+    GRPOModule.evaluate_resumed_step(m)
+    GRPOModule.evaluate_resumed_step(m)
+    assert calls == [{"missing_from": frozenset({"eval/acc"}), "last": None}] and m.resume_logged is None
+
+
+@pytest.mark.parametrize("step,max_steps,last,due", [(5, 5, None, True), (3, 10, 3, True), (3, 10, None, False),
+                                                     (4, 10, None, True)])
+def test_the_policy_evaluation_is_due_at_its_period_and_at_the_last_step(step, max_steps, last, due):
+    """policy_eval every 2 steps: due at step 4, and at the run's last step off the period (5 of 5); a resumed
+    session re-running the evaluations of a checkpoint that was the last step of the session that wrote it
+    (``last``: its max_steps) finds it due there, not at step 3 of a 10-step session."""
+    from types import SimpleNamespace
+
+    calls = []
+    m = SimpleNamespace(trainer=SimpleNamespace(global_step=step, max_steps=max_steps), metric_name="acc",
+                        evaluate_metric=lambda last: None, eval_every=2,
+                        policy_eval_cfg=SimpleNamespace(prompts=4, every=2),
+                        policy_reward=lambda: {"eval/policy_reward": 0.5}, log_scalars=calls.append)
+    GRPOModule._evaluate(m, last=last)
+    assert calls == ([{"eval/policy_reward": 0.5}] if due else [])

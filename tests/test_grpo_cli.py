@@ -589,3 +589,60 @@ def test_sigterm_ends_a_run_as_interrupted_with_exit_143_and_it_resumes(tiny_llm
     assert summary["status"] == "finished" and summary["steps"] == steps + 1
     assert summary["resumed_from"].endswith(f"step={last}.ckpt")
     assert _logged_steps(run_dir) == list(range(steps + 1))
+
+
+def test_a_resume_after_a_killed_resume_merges_each_step_once(tmp_path):
+    """metrics.earlier.csv holds the first session's steps 0-10; a second session resumed from step 6 and was
+    killed after writing steps 6-12: the merged rows are the first session's before 6 and the second's from 6."""
+    from gacbench.llm.cli import MetricsKeeper, write_rows
+
+    write_rows(tmp_path / "metrics.earlier.csv", [{"step": t, "loss": 1.0} for t in range(11)])
+    write_rows(tmp_path / "metrics.csv", [{"step": t, "loss": 2.0} for t in range(6, 13)])
+    keeper = MetricsKeeper(tmp_path)
+    keeper.before_resume()
+    assert [(int(r["step"]), float(r["loss"])) for r in keeper.earlier] == [
+        (t, 1.0 if t < 6 else 2.0) for t in range(13)]
+
+
+def test_the_run_identity_hash_ignores_key_order_and_a_setting_added_since_is_named():
+    """Two identities with the same settings in another key order (a YAML section and the command line) hash the
+    same and accept each other's checkpoint; a setting absent from the checkpoint's identity is named, also where
+    this run has it null; at most four settings are named, then how many more."""
+    from gacbench.llm.cli import differing_settings, identity_hash, refuse_other_run
+
+    a = {"method": "gac", "seed_everything": 0, "model": {"task": {"name": "arithmetic", "max_ops": 3}, "lr": 1e-5}}
+    b = {"model": {"lr": 1e-5, "task": {"max_ops": 3, "name": "arithmetic"}}, "seed_everything": 0, "method": "gac"}
+    assert identity_hash(a) == identity_hash(b)
+    refuse_other_run("x.ckpt", {"config_hash": identity_hash(a), "identity": a}, identity_hash(b), b)
+    said = differing_settings({"model": {"lr": 1e-4}}, {"model": {"lr": 1e-4, "context": None}})
+    assert "--model.context" in said and "unset" in said
+    four = differing_settings({"model": dict.fromkeys("abcd", 1)}, {"model": dict.fromkeys("abcd", 2)})
+    assert all(f"--model.{k}" in four for k in "abcd") and "more" not in four
+    five = differing_settings({"model": dict.fromkeys("abcde", 1)}, {"model": dict.fromkeys("abcde", 2)})
+    assert five.endswith("and 1 more")
+
+
+def test_a_summary_that_is_not_a_json_object_has_no_status(tmp_path):
+    from gacbench.llm.cli import _summary_status, finished_run
+
+    (tmp_path / "summary.json").write_text("[1, 2]")
+    assert _summary_status(str(tmp_path)) is None and not finished_run(str(tmp_path), 10, 10)
+
+
+def test_ckpt_path_last_skips_an_unreadable_checkpoint_of_the_same_step(tmp_path):
+    """last.ckpt at step 60 beside an unreadable file named step=60: not newer, so the resume takes last.ckpt
+    (with a warning naming the unreadable file)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gacbench.llm.cli import resolve_ckpt
+
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    torch.save({"global_step": 60}, d / "last.ckpt")
+    (d / "epoch=0-step=60.ckpt").write_bytes(b"not a checkpoint")
+    trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(d)), loggers=[])
+    with pytest.warns(UserWarning, match="epoch=0-step=60.ckpt"):
+        path, step = resolve_ckpt(trainer, "last")
+    assert Path(path).name == "last.ckpt" and step == 60

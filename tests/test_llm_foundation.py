@@ -57,6 +57,33 @@ def test_the_warm_start_of_an_arithmetic_run_never_trains_on_its_eval_problems()
     assert any(_is_eval(p.prompt, 0.3) for p in ArithmeticTask().batch("train", 0, 2000))
 
 
+def test_a_prompt_is_held_out_when_its_hash_bucket_lies_below_the_eval_fraction():
+    """The split is a hash bucket in [0, 10000) below eval_fraction x 10000: the bucket at the boundary is train
+    data, the one below it eval data."""
+    import hashlib
+
+    from gacbench.llm.task import _is_eval
+
+    def bucket(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % 10_000
+
+    at = "0+692="
+    assert bucket(at) == 2000
+    assert not _is_eval(at, 0.2) and _is_eval(at, 0.2001)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), None, "1.0?"])
+def test_a_reward_that_returns_no_finite_number_is_refused_naming_it(value):
+    from gacbench.llm.tasks import score
+
+    def odd(completion, answer):
+        return value
+
+    with pytest.raises(ValueError, match=r"reward 'odd' returned .* must return a finite number"):
+        score(odd, "12", "12")
+    assert score(lambda c, a: True, "12", "12") == 1.0 and score(lambda c, a: 0, "1", "2") == 0.0
+
+
 def test_exact_reward():
     assert exact_reward("31", "31") == 1.0 and exact_reward("3 1\nxyz", "31") == 1.0
     assert exact_reward("310", "31") == 0.0 and exact_reward("", "31") == 0.0

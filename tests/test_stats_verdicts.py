@@ -148,6 +148,7 @@ def test_min_detectable_share_and_seeds_needed_by_hand():
         assert seeds_needed(sd, 0.5, target) == scan
     assert seeds_needed(0.1, 0.0, 0.5) is None and seeds_needed(10.0, 1e-6, 0.01) is None
     assert math.isnan(min_detectable_share(0.1, 0.5, 1))
+    assert min_detectable_share(0.01, 1.0, 2) <= 0.5 and seeds_needed(0.01, 1.0, 0.5) == 2  # two seeds suffice
 
 
 def _pilot_summary():
@@ -571,3 +572,30 @@ def test_a_share_that_rounds_to_zero_prints_as_zero_in_every_table():
     text = "\n".join(_aligned_section([row]) + _share_table("Recovered", [row]) + [_share_cell(row)])
     assert "| 0.00 (−∞, ∞) |" in text and "| 0.00 (gap < 2 s.e." in text and _share_cell(row).startswith("0.00 ")
     assert "-0.00" not in text
+
+
+def test_the_detectable_shares_are_sized_on_the_seeds_of_the_test_against_stale():
+    """stale and gac share 6 seeds, sync only 3: the share's means pair 3 seeds, the test against stale 6, and
+    its minimum detectable share (and that at its family's level) is sized on the 6; a family's m counts the
+    tests that have a p-value."""
+    from gacbench.bench.stats import _with_ci
+
+    seeds = {("t", "sync", 0): {0: 0.9, 1: 0.8, 2: 0.85}, ("t", "stale", 2): {i: 0.5 + 0.01 * i for i in range(6)},
+             ("t", "gac", 2): {i: 0.6 + 0.013 * i * (-1) ** i for i in range(6)}}
+    row = _with_ci({"task": "t", "method": "gac", "staleness": 2, "no_gap": False, "gap": -0.35}, seeds, "final", True)
+    assert row["n"] == 3 and row["vs_stale_n"] == 6
+    assert row["min_detectable_share"] == pytest.approx(min_detectable_share(row["sd_diff"], row["gap"], 6))
+    base = {"task": "t", "staleness": 2, "min_detectable_share": 0.5, "sd_diff": 0.1, "gap": 0.2, "n": 2,
+            "vs_stale_n": 6}
+    rows = [{**base, "method": "gac", "vs_stale_p": 0.01}, {**base, "method": "m2po", "vs_stale_p": 0.2},
+            {**base, "method": "tis", "vs_stale_p": None}]
+    (family,) = apply_families([("vs_stale", "final", rows)], None)
+    assert family["m"] == 2  # tis has no test
+    assert rows[0]["min_detectable_share_family"] == pytest.approx(min_detectable_share(0.1, 0.2, 6, alpha=0.05 / 2))
+
+
+def test_a_fractional_lag_files_a_reward_under_the_nearest_version():
+    """A step's reward is filed under step - lag, the lag (a mean over a batch's samples) rounded to the nearest
+    version: step 5 with lag 1.6 is version 3, with lag 1.4 version 4."""
+    assert by_version({"reward/mean": [(5, 0.3)], "stale/lag": [(5, 1.6)]})["reward/mean"] == {3: 0.3}
+    assert by_version({"reward/mean": [(5, 0.3)], "stale/lag": [(5, 1.4)]})["reward/mean"] == {4: 0.3}

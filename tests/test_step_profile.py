@@ -158,3 +158,19 @@ def test_the_first_round_warms_up_and_is_not_timed():
     assert module.rollouts == 4 and Slow.calls == 4  # one untimed round, then three timed ones
     assert all(len(timed["seconds"][k]) == 3 for k in PHASES) and len(timed["tokens"]) == 3
     assert max(timed["seconds"]["optimizer"]) < 0.2
+
+
+def test_available_memory_reads_memavailable_not_memfree(monkeypatch):
+    """What a new process can use is /proc/meminfo's MemAvailable (free plus reclaimable caches), not MemFree."""
+    import builtins
+    import io
+
+    from gacbench.provenance import available_memory
+
+    fake = "MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    600 kB\n"
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: io.StringIO(fake) if f == "/proc/meminfo"
+                        else real_open(f, *a, **k))
+    assert available_memory() == (600 * 1024, 1000 * 1024)
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: io.StringIO("MemTotal: 1000 kB\n"))
+    assert available_memory() == (None, None)

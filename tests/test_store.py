@@ -637,3 +637,20 @@ def test_a_metrics_csv_without_the_drift_after_the_last_step_is_not_done(tmp_pat
     assert stored_done(tmp_path, CELL) is None
     assert run_cell(CELL, tmp_path).get("reused") is None  # recomputed
     assert n in {int(float(r["step"])) for r in csv.DictReader(path.open()) if r["param/drift"] != ""}
+
+
+def test_a_done_status_beside_incomplete_files_is_not_a_stored_done_cell(tmp_path):
+    """stored_done_cells, which the one-setting-per-task and θ₀ checks read, leaves out a cell whose status says
+    done but whose metrics.csv lacks rows of the steps it ran (a copy cut short): it is rerun, not compared."""
+    from gacbench.bench.cell import stored_done_cells
+
+    c = expand_cells(load_suite("llm-smoke"), methods=["sync"], seeds=[0])[0]
+    d = cell_dir(tmp_path, c)
+    d.mkdir(parents=True)
+    write_json(d / "status.json", {"status": "done", "initial": 0.1, "final": 0.2, "diverged": False,
+                                   "metric": "reward", "higher_is_better": True, "steps_run": 3, "cell": c})
+    write_json(d / "config.json", c)
+    (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n")  # 3 steps run, one row
+    assert stored_done_cells(tmp_path, c["task"]) == []
+    (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n0.2,1\n0.3,2\n")
+    assert stored_done_cells(tmp_path, c["task"]) == [(d, c)]

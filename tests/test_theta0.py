@@ -124,7 +124,7 @@ def test_a_build_that_hashes_elsewhere_is_refused_naming_both_hashes(tmp_path, m
 
 
 @pytest.mark.parametrize("value", ["abc", "XYZ123456789abc", 1234567890123, "g" * 12, "0123456789abcdefXYZ",
-                                   "0123456789ab-not-a-hash", "a" * 70])
+                                   "0123456789ab-not-a-hash", "a" * 70, "0123456789", "0123456789a", "a" * 65])
 def test_a_malformed_theta0_is_refused(tmp_path, value):
     from gacbench.bench.validate import load_suite
 
@@ -164,6 +164,9 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
     check_theta0(suite, cells, tmp_path, {})  # none done when they were read: nothing is read again
     write_json(d / "config.json", {**cells[0]})  # no recorded weights: accepted (identified by its rewards)
     check_theta0(suite, cells, tmp_path)
+    write_json(d / "config.json", {**cells[0], "provenance": {"initial_weights": pin[:12] + "f" * 52}})
+    with pytest.raises(UsageError, match="another θ₀"):  # the whole hash must match, not the pin's first digits
+        check_theta0(suite, cells, tmp_path)
 
 
 def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_theta0(tmp_path):
@@ -188,6 +191,31 @@ def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_the
     write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": "0" * 64}})
     with pytest.raises(UsageError, match=r"1 stored cell\(s\) of task 'arithmetic' .* seed 0: 0000000000000000"):
         check_theta0(suite, seed1, tmp_path)
+
+
+def test_a_stored_cell_of_another_start_point_is_left_to_the_one_setting_per_task_check(tmp_path):
+    """A done cell of the task computed from another start point (another warm-up length) started from other
+    weights by construction: check_theta0 leaves it alone, and the grid's one-setting-per-task check refuses it,
+    naming the setting that differs."""
+    from gacbench.bench.cell import CellMismatchError, cell_dir
+    from gacbench.bench.runner import check_stored, expand_cells
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.bench.validate import load_suite, merge_params, parse_params
+    from gacbench.jsonio import write_json
+
+    suite = load_suite("llm-smoke")
+    seed1 = expand_cells(suite, methods=["sync"], seeds=[1])
+    other = [{**c, "params": merge_params(c["params"], parse_params(["model.warm_steps=300"]))}
+             for c in expand_cells(suite, methods=["sync"], seeds=[0])]
+    d = cell_dir(tmp_path, other[0])
+    d.mkdir(parents=True)
+    write_json(d / "status.json", {"status": "done", "initial": 0.1, "final": 0.2, "diverged": False,
+                                   "metric": "reward", "higher_is_better": True, "steps_run": 2, "cell": other[0]})
+    (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n0.2,1\n")
+    write_json(d / "config.json", {**other[0], "provenance": {"initial_weights": "0" * 64}})
+    assert set(check_theta0(suite, seed1, tmp_path)) == {"arithmetic"}
+    with pytest.raises(CellMismatchError, match="warm_steps"):
+        check_stored(seed1, tmp_path)
 
 
 @pytest.mark.parametrize("param,checked", [("model.gradient_checkpointing=true", True), ("task.reward=exact", True),
