@@ -646,3 +646,24 @@ def test_ckpt_path_last_skips_an_unreadable_checkpoint_of_the_same_step(tmp_path
     with pytest.warns(UserWarning, match="epoch=0-step=60.ckpt"):
         path, step = resolve_ckpt(trainer, "last")
     assert Path(path).name == "last.ckpt" and step == 60
+
+
+@RESUME_WARNINGS
+def test_a_resume_names_lost_only_the_steps_a_row_was_logged_at(tiny_llm_dir, tmp_path):
+    """Rows logged every 2 steps and the earlier session's rows of step 2 gone from metrics.csv: the resumed run
+    names step 2 lost, not the odd steps, at which no row is ever logged."""
+    import csv
+
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    args += ["--trainer.log_every_n_steps", "2"]
+    assert main(["grpo", *args, "--trainer.max_steps", "4"]) == 0
+    path = run_dir / "metrics.csv"
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames, [r for r in reader if r["step"] != "2"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
+    assert _strict_json(run_dir / "summary.json")["metrics_lost_steps"] == [2]
