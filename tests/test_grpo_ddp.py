@@ -143,3 +143,31 @@ def test_the_fsdp_gpu_config_is_the_gpu_config_sharded_over_its_devices():
     assert differ == {"prompts"}
     assert {k: v for k, v in fsdp["trainer"].items() if k not in ("strategy", "devices", "num_nodes", "logger")} == \
         {k: v for k, v in single["trainer"].items() if k not in ("devices", "logger")}
+
+
+def test_the_step_scalars_of_the_ranks_are_combined_into_one_value_per_key(monkeypatch):
+    """metrics_over_ranks, with the all-gather stubbed to three ranks' values: a *_max key is the largest, a
+    *_min key the smallest, another key the mean over the ranks that report it, a NaN on any rank NaN; one
+    process's scalars pass unchanged."""
+    import math
+    from types import SimpleNamespace
+
+    from gacbench.llm import data_parallel
+
+    ranks = [{"reward/mean": 0.25, "is/ratio_max": 1.5, "gap_min": -0.1, "is/chi2": 0.1, "time/generate_s": 1.0},
+             {"reward/mean": 0.75, "is/ratio_max": 3.0, "gap_min": -0.4, "is/chi2": float("nan"), "only/here": 2.0},
+             {"reward/mean": 0.5, "is/ratio_max": 2.0, "gap_min": -0.2, "is/chi2": 0.3, "time/generate_s": 3.0}]
+
+    def gather(out, local):
+        assert local == {k: float(v) for k, v in mine.items()}
+        out[:] = ranks
+
+    module = SimpleNamespace(_trainer=SimpleNamespace(global_rank=0, world_size=3))
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    mine = {**ranks[0], "reward/mean": torch.tensor(0.25)}
+    out = data_parallel.metrics_over_ranks(module, mine)
+    assert out["reward/mean"] == pytest.approx(0.5) and out["is/ratio_max"] == 3.0 and out["gap_min"] == -0.4
+    assert math.isnan(out["is/chi2"]) and out["time/generate_s"] == pytest.approx(2.0) and out["only/here"] == 2.0
+    assert list(out)[:5] == list(mine)  # this rank's keys first, in its order
+    one = {"reward/mean": 0.3}
+    assert data_parallel.metrics_over_ranks(SimpleNamespace(_trainer=None), one) is one

@@ -205,6 +205,24 @@ def test_one_code_version_on_two_cpu_kinds_with_each_seed_on_one_is_a_blocked_gr
     assert "mixes" not in top
 
 
+@pytest.mark.parametrize("edited", [False, True])
+def test_a_blocked_grid_whose_seeds_ran_different_plugin_code_is_not_blocked(tmp_path, edited):
+    """Each seed on one CPU kind, a plug-in method beside sync and stale: one code version on two kinds, blocked,
+    while the plug-in's code is one; where the second machine's plug-in was edited, the plug-in group mixes code:
+    not blocked, and the summary names the grid as mixing versions at its top."""
+    damp = {"damp": {"distribution": "damp", "version": "0.1", "sha256": "a" * 64}}
+    for seed, cpu in ((0, INTEL), (1, AMD)):
+        for method, s in (("sync", 0), ("stale", 2), ("damp", 2)):
+            plugins = {"plugins": {"damp": {**damp["damp"], "sha256": ("b" if edited and seed else "a") * 64}}}
+            _store(tmp_path, method, s, seed, 1.0 + seed, prov={**_prov("5"), **cpu,
+                                                                 **(plugins if method == "damp" else {})})
+    summary = build_report(tmp_path)["summary"]
+    assert summary["machine_blocks"]["blocked"] is not edited
+    md = (tmp_path / "summary.md").read_text().split("\n## ")[0]
+    assert ("**This grid mixes 2 code versions**" in md and "quadratic / damp / s=2" in md) is edited
+    assert ("**The cells ran on 2 CPU kinds, each seed on one**" in md) is not edited
+
+
 def test_a_seed_on_two_cpu_kinds_or_two_code_versions_on_two_kinds_is_not_blocked(tmp_path):
     _store(tmp_path, "sync", 0, 0, 1.0, prov={**_prov("5"), **INTEL})
     _store(tmp_path, "stale", 2, 0, 5.0, prov={**_prov("5"), **AMD})  # seed 0's pair split across machines
@@ -254,6 +272,9 @@ versions = [{{"key": "src 111", "description": "commit aaaaaaaaaa", "cells": 3}}
 summary = {{"versions": versions}}
 if os.environ["FAKE_MIXED"] == "1":
     versions.append({{"key": "src 222", "description": "commit bbbbbbbbbb (dirty)", "cells": 1}})
+elif os.environ["FAKE_MIXED"] == "plugin":  # one library version; a group's seeds ran two codes of a plug-in
+    summary["mixed_version_groups"] = [{{"task": "t", "method": "damp", "staleness": 4,
+                                        "versions": ["src 111 plugin damp aaa", "src 111 plugin damp bbb"]}}]
 elif os.environ["FAKE_MIXED"] in ("blocked", "seeds", "seeds-one-key"):  # one code version on two CPU kinds
     if os.environ["FAKE_MIXED"] != "seeds-one-key":  # else cells stored without the vendor: one key for both kinds
         versions.append({{"key": "src 111 isa AVX2", "description": "commit aaaaaaaaaa", "cells": 2}})
@@ -342,6 +363,15 @@ def test_make_sh_publishes_one_code_version_on_two_cpu_kinds_only_when_each_seed
                "published" in proc.stderr and "--allow-mixed-versions" in proc.stderr
         assert not (tmp_path / mixed / "paper" / "grid").exists()
     assert _make_sh(tmp_path / "allowed", "--allow-mixed-versions", mixed="seeds-one-key").returncode == 0
+
+
+def test_make_sh_refuses_a_grid_whose_seeds_ran_different_plugin_code_unless_allowed(tmp_path):
+    proc = _make_sh(tmp_path, mixed="plugin")
+    assert proc.returncode != 0
+    assert ("grids/grid/summary.json: groups whose seeds ran different code (t / damp / s=4: a stabilizer plug-in's"
+            in proc.stderr and "--allow-mixed-versions" in proc.stderr)
+    assert not (tmp_path / "paper" / "grid").exists()
+    assert _make_sh(tmp_path / "allowed", "--allow-mixed-versions", mixed="plugin").returncode == 0
 
 
 def test_make_sh_refuses_a_summary_without_versions(tmp_path):

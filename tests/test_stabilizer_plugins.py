@@ -1,6 +1,7 @@
 """A stabilizer plug-in that cannot be loaded is left out with one warning naming it; the built-ins, the other
 plug-ins, `gacbench stabilizers` and the loss-side methods keep working."""
 
+import re
 import subprocess
 import sys
 import warnings
@@ -238,3 +239,31 @@ def test_a_plugins_code_is_part_of_its_cells_version_and_an_edit_in_place_is_ano
     assert json.loads((damp / "status.json").read_text())["final"] != final  # computed by the edited code
     summary = json.loads((out / "summary.json").read_text())
     assert "mixed_version_groups" not in summary and len(summary["plugins"]) == 1
+
+
+def test_a_plugins_code_hash_covers_its_other_modules(tmp_path, monkeypatch):
+    """A plug-in whose class lives in a namespace package (no __init__.py) and reads a helper module beside it and a
+    module its distribution installs outside the package: an edit of either changes the recorded hash."""
+    from gacbench.methods import plugin_provenance
+
+    site = tmp_path / "site"
+    (site / "nsplug").mkdir(parents=True)
+    (site / "nsplug" / "damp.py").write_text(
+        "import lightning.pytorch as pl\n\nfrom nsplug.helper import FACTOR\n\n\nclass Damp(pl.Callback):\n"
+        "    \"\"\"Scales the gradient.\"\"\"\n\n    kind = \"gradient\"\n")
+    (site / "nsplug" / "helper.py").write_text("FACTOR = 0.5\n")
+    (site / "coreplug.py").write_text("SCALE = 1.0\n")
+    dist = site / "nsplug-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nsplug\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nns-damp = nsplug.damp:Damp\n")
+    (dist / "RECORD").write_text("nsplug/damp.py,,\nnsplug/helper.py,,\ncoreplug.py,,\nnsplug-0.1.dist-info/RECORD,,\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_READ", {})
+    hashes = [plugin_provenance("ns-damp")["ns-damp"]["sha256"]]
+    (site / "nsplug" / "helper.py").write_text("FACTOR = 0.25\n")
+    hashes.append(plugin_provenance("ns-damp")["ns-damp"]["sha256"])
+    (site / "coreplug.py").write_text("SCALE = 2.0\n")
+    hashes.append(plugin_provenance("ns-damp")["ns-damp"]["sha256"])
+    assert len(set(hashes)) == 3 and all(re.fullmatch("[0-9a-f]{64}", h) for h in hashes)
+    assert plugin_provenance("ns-damp")["ns-damp"]["version"] == "0.1"

@@ -477,20 +477,22 @@ def test_the_controls_and_beyond_tables_star_the_adjusted_p_only():
     assert ["*" in line.split("|")[5] for line in lines] == [False, True]
 
 
+def _bandit_cell(method, s, seed, final):
+    """A done bandit cell record with its final reward (what group_records and recovered_shares read)."""
+    return {"task": "bandit", "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
+            "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
+            "cos_median": 0, "cos_abs_q90": 0, "cos_abs_le_005": 0}
+
+
 def test_a_comparison_without_a_gap_is_named_once_and_left_out_of_the_share_table():
     """Stale at s = 4 no worse than sync (sync 0.50/0.52/0.49, stale 0.60/0.63/0.58): gac there has no gap to
     recover. The findings say so once, not also 'not distinguishable from stale'; the across-s table leaves the
     entry empty."""
     from gacbench.bench.tables import _share_cell, findings
 
-    def cell(method, s, seed, final):
-        return {"task": "bandit", "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
-                "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
-                "cos_median": 0, "cos_abs_q90": 0, "cos_abs_le_005": 0}
-
-    cells = ([cell("sync", 0, k, v) for k, v in enumerate([0.50, 0.52, 0.49])]
-             + [cell("stale", 4, k, v) for k, v in enumerate([0.60, 0.63, 0.58])]
-             + [cell("gac", 4, k, v) for k, v in enumerate([0.61, 0.60, 0.59])])
+    cells = ([_bandit_cell("sync", 0, k, v) for k, v in enumerate([0.50, 0.52, 0.49])]
+             + [_bandit_cell("stale", 4, k, v) for k, v in enumerate([0.60, 0.63, 0.58])]
+             + [_bandit_cell("gac", 4, k, v) for k, v in enumerate([0.61, 0.60, 0.59])])
     rows = recovered_shares(group_records(cells), cells=cells)
     assert rows[0]["no_gap"]
     text = "\n".join(findings(rows, [], []))
@@ -505,19 +507,15 @@ def test_stale_ahead_of_sync_within_noise_gives_the_difference_to_stale_and_what
     entries it sizes, instead of leaving it out."""
     from gacbench.bench.tables import findings
 
-    def cell(method, s, seed, final):
-        return {"task": "bandit", "method": method, "staleness": s, "seed": seed, "status": "done", "ablation": False,
-                "metric": "reward", "higher_is_better": True, "initial": 0.0, "final": final, "diverged": False,
-                "cos_median": 0, "cos_abs_q90": 0, "cos_abs_le_005": 0}
-
-    cells = ([cell("sync", 0, k, v) for k, v in enumerate([0.50, 0.60, 0.40])]
-             + [cell("stale", 4, k, v) for k, v in enumerate([0.52, 0.62, 0.45])]
-             + [cell("gac", 4, k, v) for k, v in enumerate([0.53, 0.60, 0.47])])
+    cells = ([_bandit_cell("sync", 0, k, v) for k, v in enumerate([0.50, 0.60, 0.40])]
+             + [_bandit_cell("stale", 4, k, v) for k, v in enumerate([0.52, 0.62, 0.45])]
+             + [_bandit_cell("gac", 4, k, v) for k, v in enumerate([0.53, 0.60, 0.47])])
     (row,) = recovered_shares(group_records(cells), cells=cells)
     assert row["no_gap"] and row["gap_within_noise"]
     text = "\n".join(findings([row], [], []))
     want = detectable_multiplier(3) * row["sd_diff"]
-    assert ("stale is no worse than sync at s = 4, within seed noise; not distinguishable from stale: gac at s = 4 "
+    assert ("stale is no worse than sync at s = 4 within the seed noise of the seeds each comparison pairs; not "
+            "distinguishable from stale: gac at s = 4 "
             f"(difference to stale {row['vs_stale_diff']:+.3g} [{row['vs_stale_ci_low']:.3g}, "
             f"{row['vs_stale_ci_high']:.3g}], min. detectable difference {want:.2g})") in text
     assert "no gap to recover" not in text

@@ -82,9 +82,10 @@ def main(args) -> int:
         return 0
     print(f"seeds for a detectable share of {args.target_share:g} (power {args.power:g}, two-sided alpha "
           f"{args.alpha:g}; noise and gap from {path}):")
-    print(f"{'task':24s} {'method':22s} {'s':>3s}  {'measure':11s} {'share':9s} {'pilot n':>7s} {'sd(diff)':>9s} "
-          f"{'|gap|':>8s} {'min. det. at n':>14s} {'seeds needed':>12s}")
     sized = [r for r in rows if not r["no_gap"]]
+    if sized:
+        print(f"{'task':24s} {'method':22s} {'s':>3s}  {'measure':11s} {'share':9s} {'pilot n':>7s} {'sd(diff)':>9s} "
+              f"{'|gap|':>8s} {'min. det. at n':>14s} {'seeds needed':>12s}")
     for r in sized:
         flat = not (math.isfinite(r["sd_diff"]) and r["sd_diff"] > 0)  # no spread: no t-test at any n
         needed = "— (sd 0)" if flat else "> 1000" if r["seeds_needed"] is None else str(r["seeds_needed"])
@@ -102,7 +103,9 @@ def main(args) -> int:
     gapless = [r for r in rows if r["no_gap"]]
     if gapless:
         print(f"\n{len(gapless)} entries have no stale − sync gap (stale no worse than sync): no share to size; the "
-              "smallest difference method − stale their seeds detect (power and alpha as above):")
+              "smallest difference their seeds detect (power and alpha as above), of method − stale for a "
+              "'recovered' entry and of the difference beyond the on-policy effect, (method_s − stale) − "
+              "(method_0 − sync), for a 'beyond' entry:")
         print(f"{'task':24s} {'method':22s} {'s':>3s}  {'measure':11s} {'share':9s} {'pilot n':>7s} {'sd(diff)':>9s} "
               f"{'min. det. difference':>20s}")
         for r in gapless:

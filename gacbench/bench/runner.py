@@ -54,6 +54,7 @@ from gacbench.bench.cell import (
     TASK_IDENTITY_KEYS,
     CellMismatchError,
     cell_dir,
+    cell_provenance,
     engine_key,
     identity_diff,
     show_change,
@@ -106,11 +107,10 @@ from gacbench.bench.validate import (  # noqa: F401  (SUITES_DIR, load_suite, ch
 from gacbench.jsonio import disk_full, disk_full_message, remove_stray_temporaries
 from gacbench.methods import (
     parse_method,
-    plugin_provenance,
     reference_cell,
     sync_cell,
 )
-from gacbench.provenance import environment_key, provenance
+from gacbench.provenance import environment_key
 from gacbench.usage import UsageError, check_output_dir, defer_during_import
 
 _IMPORTED_AT = time.time()  # the start-up clock of a caller that did not read its process's start
@@ -333,19 +333,18 @@ def worker_threads(workers: int, threads: int | None = None) -> int:
 def other_environments(cells: list[dict], root: Path, threads: int,
                        stored: dict[Path, tuple[dict, Any]] | None = None) -> dict[str, list[dict]]:
     """The done cells of ``cells`` stored in ``root`` by another environment than this run's (this process's
-    :func:`gacbench.provenance.provenance` with the workers' ``threads``), by their environment key
+    :func:`gacbench.bench.cell.cell_provenance` with the workers' ``threads``), by their environment key
     (``unrecorded`` for a cell stored without provenance). ``stored`` as :func:`check_stored`."""
-    here = {**provenance(), "threads": threads}
-    plugins: dict[str, dict] = {}  # method -> the plug-ins it uses (their code hashed once per method)
+    here: dict[str, str] = {}  # method -> this run's key for its cells (a plug-in's code hashed once per method)
     stored = stored_done_files(root, cells) if stored is None else stored
     out: dict[str, list[dict]] = {}
     for c in cells:
         found = stored.get(cell_dir(root, c))
         if found is not None:
             key = stored_environment(root, c, found[1])
-            if c["method"] not in plugins:
-                plugins[c["method"]] = plugin_provenance(c["method"])
-            if key != environment_key({**here, "plugins": plugins[c["method"]]}):
+            if c["method"] not in here:
+                here[c["method"]] = environment_key({**cell_provenance(c), "threads": threads})
+            if key != here[c["method"]]:
                 out.setdefault(key, []).append(c)
     return out
 

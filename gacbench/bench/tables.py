@@ -395,8 +395,8 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
         clear = [r for r in no_gap if not _within_noise(r)]
         if noisy:
             at = sorted({r["staleness"] for r in noisy})
-            parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))}, within seed noise; "
-                         "not distinguishable from stale: " + "; ".join(
+            parts.append(f"stale is no worse than sync at s = {', '.join(map(str, at))} within the seed noise of "
+                         "the seeds each comparison pairs; not distinguishable from stale: " + "; ".join(
                              f"{r['method']} at s = {r['staleness']} (difference to stale {r['vs_stale_diff']:+.3g} "
                              f"{fmt_ci(r.get('vs_stale_ci_low'), r.get('vs_stale_ci_high'), 3)}, "
                              f"{_detectable_text(r)})" for r in noisy) + ". ")

@@ -86,7 +86,8 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
     are one code version apart from the machine (``code_versions``: their :func:`version_key` without the CPU kind)
     and whose every seed of a task ran on one kind (``mixed_seeds`` empty) is a blocked design: every paired
     comparison of the report (methods within a seed) is made on one machine, and the spread over seeds holds the
-    machine's effect as it holds the seed's. ``blocked`` says whether the grid is one. Returns ``kinds`` (kind:
+    machine's effect as it holds the seed's; a grid whose seeds of one group ran different plug-in code is not
+    one. ``blocked`` says whether the grid is one. Returns ``kinds`` (kind:
     the seeds of each task on it, as ``task: [seeds]``, and the done cells), ``mixed_seeds`` (task, seed and the
     kinds of a seed that ran on more than one), ``code_versions`` and ``blocked``."""
     done = [(c, p, machine_kind(p) or "unrecorded") for c, p in zip(cells, provenances) if c.get("status") == "done"]
@@ -102,7 +103,12 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
     mixed = [{"task": t, "seed": s, "kinds": sorted(k)} for (t, s), k in sorted(per_seed.items()) if len(k) > 1]
     mixed_tasks = start_points_differ([c for c, _, _ in done], [p for _, p, _ in done])
     code = sorted({version_key(c, p, mixed_tasks, machine=False, plugins=False) for c, p, _ in done})
+    plugin_code: dict[tuple, set] = defaultdict(set)  # a group's plug-in code, which its seeds must share too
+    for c, p, _ in done:
+        plugin_code[(c["task"], c["method"], c["staleness"])].add(
+            environment_key(p, machine=False) if isinstance(p, dict) and p.get("plugins") else "")
+    plugins_mixed = any(len(v) > 1 for v in plugin_code.values())
     return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
                       for k, v in sorted(by_kind.items())},
             "mixed_seeds": mixed, "code_versions": code,
-            "blocked": not mixed and len(code) == 1 and "unrecorded" not in kinds}
+            "blocked": not mixed and len(code) == 1 and not plugins_mixed and "unrecorded" not in kinds}

@@ -79,7 +79,7 @@ def _read() -> dict[str, dict[str, Any]]:
             cls = None
         if cls is not None:
             dist = getattr(ep, "dist", None)
-            found[ep.name] = {"cls": cls, "source": ep.value, "package": _package(ep),
+            found[ep.name] = {"cls": cls, "source": ep.value, "package": _package(ep), "dist": dist,
                               "distribution": getattr(dist, "name", None), "version": getattr(dist, "version", None)}
     for name, info in found.items():
         kind = getattr(info["cls"], "kind", None)
@@ -126,24 +126,32 @@ def _leave_out(ep: EntryPoint, error: str) -> None:
 def plugin_record(info: dict[str, Any]) -> dict[str, Any]:
     """What a stored run records of a plug-in stabilizer (an :func:`available` entry not built in): its
     ``distribution`` and ``version`` (None when its entry point names no installed distribution) and ``sha256``
-    over its code (:func:`gacbench.provenance.files_sha256`: the ``.py`` files of the top-level package that
-    holds its class, or its module's file). A plug-in edited in place keeps its version; the hash tells the two
-    codes apart."""
-    from gacbench.provenance import files_sha256
+    over its code (:func:`gacbench.provenance.named_files_sha256`): the ``.py`` files of the top-level package that
+    holds its class (every directory of a namespace package), else its module's file, and the ``.py`` files its
+    distribution installed (its RECORD; an editable install records none of its sources, which the package's
+    directory holds). A plug-in edited in place keeps its version; the hash tells the two codes apart."""
+    from gacbench.provenance import named_files_sha256
 
     cls = info["cls"]
-    top = sys.modules.get(cls.__module__.split(".")[0])
-    module = sys.modules.get(cls.__module__)
-    top_file = getattr(top, "__file__", None)
-    if top_file and Path(top_file).name == "__init__.py":  # a regular package: all of its modules
-        root = Path(top_file).parent
-        files = sorted(root.rglob("*.py"))
-    else:  # a module of its own, or in a namespace package
-        module_file = getattr(module, "__file__", None)
-        files = [Path(module_file)] if module_file else []
-        root = files[0].parent if files else Path(".")
+    top_name = cls.__module__.split(".")[0]
+    top = sys.modules.get(top_name)
+    files: dict[Path, str] = {}  # resolved path -> the name it is hashed under
+    for portion in list(getattr(top, "__path__", None) or []):  # a package, regular or namespace
+        root = Path(portion)
+        for f in root.rglob("*.py"):
+            files.setdefault(f.resolve(), f"{top_name}/{f.relative_to(root).as_posix()}")
+    if not files:  # a module of its own
+        module_file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if module_file:
+            files[Path(module_file).resolve()] = Path(module_file).name
+    for f in getattr(info.get("dist"), "files", None) or []:
+        if f.suffix == ".py":
+            path = Path(f.locate()).resolve()
+            if path.is_file():
+                files.setdefault(path, f.as_posix())
+    pairs = sorted((name, path) for path, name in files.items())
     return {"distribution": info.get("distribution"), "version": info.get("version"),
-            "sha256": files_sha256(root, files) if files else None}
+            "sha256": named_files_sha256(pairs) if pairs else None}
 
 
 def broken() -> dict[str, str]:
