@@ -1,6 +1,7 @@
 """`gacbench grpo` (LightningCLI), the shipped configs, `gacbench rollout-bench`, and GRPO on a local
 text math dataset through a real (non-arithmetic) tokenizer."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -667,3 +668,87 @@ def test_a_resume_names_lost_only_the_steps_a_row_was_logged_at(tiny_llm_dir, tm
         writer.writerows(rows)
     assert main(["grpo", *args, "--trainer.max_steps", "6", "--ckpt_path", "last"]) == 0
     assert _strict_json(run_dir / "summary.json")["metrics_lost_steps"] == [2]
+
+
+def test_what_several_processes_cannot_do_is_refused_before_the_run(tmp_path):
+    """Under DDP: prompts that do not split over the ranks, a rollout mode other than sync, and a checkpoint whose
+    rollout queues another number of processes wrote are refused in one line before anything runs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gacbench.llm.cli import check_processes
+    from gacbench.usage import UsageError
+
+    def setup(prompts=32, mode="sync", world=2):
+        return (SimpleNamespace(rollout_cfg=SimpleNamespace(prompts=prompts, mode=mode)),
+                SimpleNamespace(world_size=world))
+
+    with pytest.raises(UsageError, match="rollout.prompts 31 is not a multiple of the 2 processes"):
+        check_processes(*setup(prompts=31), None)
+    with pytest.raises(UsageError, match="rollout.mode async runs on one trainer process"):
+        check_processes(*setup(mode="async"), None)
+    check_processes(*setup(prompts=31, mode="uniform", world=1), None)  # one process: anything goes
+    two = tmp_path / "two.ckpt"
+    torch.save({"global_step": 3, "rollout_queue": {"by_rank": [{"items": []}, {"items": []}]}}, two)
+    with pytest.raises(UsageError, match="rollout queues are those of 2 processes, this run has 1.*2 devices"):
+        check_processes(*setup(world=1), str(two))
+    check_processes(*setup(world=2), str(two))
+    one = tmp_path / "one.ckpt"
+    torch.save({"global_step": 3, "rollout_queue": {"items": [(1, {})]}}, one)
+    with pytest.raises(UsageError, match="queue is one process's, this run has 2.*1 device"):
+        check_processes(*setup(world=2), str(one))
+    check_processes(*setup(world=1), str(one))
+
+
+@pytest.mark.slow  # two runs of two processes each
+@pytest.mark.distributed
+@pytest.mark.parametrize("signum,target", [("SIGINT", "rank0"), ("SIGTERM", "group")])
+def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_llm_dir, tmp_path, signum, target):
+    """SIGINT to rank 0 alone (rank 1 then waits in the step's collectives: rank 0 ends it) and SIGTERM to every
+    rank, as a scheduler sends it (each rank's flag is combined at the end of the step, so all stop after the same
+    step): the run ends within seconds, interrupted, with one summary and no process left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    command = Path(sys.executable).with_name("gacbench")
+    if not command.exists():
+        pytest.skip("the gacbench command is not installed beside this interpreter")
+    args, run_dir = _ckpt_run(tiny_llm_dir, tmp_path)
+    proc = subprocess.Popen([str(command), "grpo", *args, "--trainer.strategy", "ddp", "--trainer.devices", "2",
+                             "--trainer.accelerator", "cpu", "--trainer.max_steps", "1000"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+        sig = getattr(signal, signum)
+        if target == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + getattr(signal, signum), err[-3000:]
+    assert out.count("wrote ") == 1
+    summary = _strict_json(run_dir / "summary.json")
+    assert summary["status"] == "interrupted" and summary["processes"] == 2 and 2 <= summary["steps"] < 1000
+    time.sleep(1)
+    from conftest import alive
+
+    def group() -> list[int]:  # the processes of the run's session (a zombie no init reaped does not count)
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError):
+                if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == proc.pid:
+                    pids.append(int(stat.parent.name))
+        return [p for p in pids if alive(p)]
+
+    assert group() == [], "a rank of the run is still alive"

@@ -62,7 +62,9 @@ SIGTERM (a scheduler's pre-emption, ``kill``) stops the fit at the end of the cu
 signal handling), SIGINT (Ctrl-C) at once; the run then writes ``summary.json`` with ``"status": "interrupted"``,
 the steps done and no final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM) or 130 (SIGINT).
 SIGINT before the fit starts (while the model loads) ends the command with one line and exit 130. It resumes
-with ``--ckpt_path last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal).
+with ``--ckpt_path last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal). Under DDP,
+SIGTERM to any rank stops every rank after the same step (:class:`RunRecorder`), and rank 0 stopped by SIGINT ends
+the other ranks (:func:`stop_other_ranks`).
 
 A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
 from ``gacbench``), naming the option and the fix.
@@ -321,6 +323,27 @@ class RunRecorder(Callback):
     def __init__(self, config_hash: str, identity: dict[str, Any] | None = None) -> None:
         self.config_hash, self.identity = config_hash, identity
         self._saved = False  # a checkpoint was saved whose step's rows are not yet on disk
+        self._sigterm = False  # under DDP: this rank received SIGTERM
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Under DDP, SIGTERM only sets a flag, which the ranks combine at the end of every step
+        (:meth:`on_train_batch_end`), so that all of them stop after the same step. Lightning's own handler
+        broadcasts inside the signal handler and signals the other ranks, which deadlocks when a scheduler signals
+        every rank (two handlers' broadcasts on one rank meet another rank's collective of the step)."""
+        if trainer.world_size > 1:
+            def flag(signum, frame) -> None:
+                self._sigterm = True
+
+            signal.signal(signal.SIGTERM, flag)  # Lightning puts its handlers back when the fit ends
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.world_size > 1:
+            import torch
+
+            stop = torch.tensor([1.0 if self._sigterm else 0.0], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
+            if stop.item() > 0:  # Lightning ends the fit on every rank at the end of this step
+                trainer._signal_connector.received_sigterm = True
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         record: dict[str, Any] = {"config_hash": self.config_hash, "version": RUN_RECORD_VERSION,
@@ -641,6 +664,7 @@ def run(argv: list[str]) -> int:
               "unchanged; raise --trainer.max_steps to continue it, or pass --refresh_summary to evaluate it again "
               "and rewrite its summary.json", file=sys.stderr)
         return 0
+    check_processes(model, trainer, ckpt)
     with contextlib.ExitStack() as stack:
         if trainer.global_rank == 0:  # DDP: the other ranks start once rank 0 is in fit
             claim_run_dir(Path(trainer.log_dir or "."), stack)
@@ -653,7 +677,42 @@ def run(argv: list[str]) -> int:
         return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir)
 
 
+def stop_other_ranks(trainer) -> None:
+    """Under DDP, after this rank stopped in the middle of a step (SIGINT): the other ranks wait in that step's
+    collectives for it. Rank 0, which started them (Lightning's subprocess launcher), ends them, as Lightning does
+    on a KeyboardInterrupt; nothing is lost, since rank 0 writes the checkpoints and the run's files."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if trainer.world_size > 1 and trainer.is_global_zero and isinstance(launcher, _SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
+
+
+def check_processes(model, trainer, ckpt: str | None) -> None:
+    """Refuse, before anything runs, what several trainer processes (DDP) cannot do: prompts that do not split
+    evenly over the ranks, an async or uniform rollout mode, and a checkpoint whose rollout queues were written by
+    another number of processes (each rank's queue holds its own rollouts)."""
+    from gacbench.objectives.base import queue_world_problem
+
+    world = trainer.world_size
+    if world > 1 and model.rollout_cfg.prompts % world:
+        raise UsageError(f"--model.rollout.prompts {model.rollout_cfg.prompts} is not a multiple of the {world} "
+                         "processes (--trainer.devices x --trainer.num_nodes): every rank generates prompts / "
+                         "processes prompts. Make it a multiple of the number of processes.")
+    if world > 1 and model.rollout_cfg.mode != "sync":
+        raise UsageError(f"--model.rollout.mode {model.rollout_cfg.mode} runs on one trainer process; this run has "
+                         f"{world} (--trainer.devices x --trainer.num_nodes): use one device, or rollout.mode sync")
+    if ckpt is not None:
+        import torch
+
+        state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("rollout_queue")
+        problem = queue_world_problem(state, world) if isinstance(state, dict) else None
+        if problem is not None:
+            raise UsageError(f"--ckpt_path {ckpt}: {problem}")
+
+
 def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: str | None) -> int:
+    out = Path(trainer.log_dir or ".")  # before the fit: afterwards, under DDP, a collective (a broadcast)
     keeper = (MetricsKeeper(log_dir, writes=trainer.is_global_zero)
               if ckpt and log_dir and _writes_metrics_csv(trainer, log_dir) else None)
     device = trainer.strategy.root_device
@@ -672,6 +731,7 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
         terminated = signal.SIGTERM
     except Interrupted as exc:  # SIGINT (gacbench.usage.raise_on_signals): at once, in the middle of the step
         terminated = exc.signum
+        stop_other_ranks(trainer)
     else:
         if keeper is not None and model.resume_logged is not None:  # no step was left to run: nothing started
             model.evaluate_resumed_step()
@@ -705,7 +765,6 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
         from gacbench.functional.stats import alignment_summary
 
         summary["alignment"] = alignment_summary(provider.trace.values, monitor.trace.warmup, monitor.trace.tol)
-    out = Path(trainer.log_dir or ".")  # under DDP a collective (Lightning broadcasts rank 0's directory)
     if not trainer.is_global_zero:  # DDP: rank 0 writes the summary and says how the run ended
         return 128 + terminated if terminated else 0
     out.mkdir(parents=True, exist_ok=True)

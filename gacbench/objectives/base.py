@@ -37,6 +37,21 @@ class SettingError(UsageError):
         self.key, self.value = key, value
 
 
+def queue_world_problem(state: Mapping[str, Any], world: int) -> str | None:
+    """Why a checkpoint's rollout queue state (``checkpoint["rollout_queue"]``) cannot be restored on ``world``
+    processes, or None: a DDP checkpoint holds one queue per rank (``by_rank``) and needs as many processes; one
+    process's queue holding rollouts cannot be shared out among several."""
+    if "by_rank" in state:
+        if len(state["by_rank"]) != world:
+            return (f"the checkpoint's rollout queues are those of {len(state['by_rank'])} processes, this run has "
+                    f"{world}: each rank's queue holds its own rollouts; resume with {len(state['by_rank'])} devices")
+        return None
+    if world > 1 and state.get("items"):
+        return (f"the checkpoint's rollout queue is one process's, this run has {world}: its rollouts cannot be "
+                "shared out among the ranks; resume with 1 device")
+    return None
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -251,17 +266,13 @@ class Objective(pl.LightningModule):
             queue.load_state_dict(state)
             return
         world, rank = self.trainer.world_size, self.trainer.global_rank
+        problem = queue_world_problem(state, world)
+        if problem is not None:
+            raise ValueError(problem)
         if "by_rank" in state:
-            if len(state["by_rank"]) != world:
-                raise ValueError(f"the checkpoint's rollout queues are those of {len(state['by_rank'])} processes, "
-                                 f"this run has {world}: each rank's queue holds its own rollouts; resume with "
-                                 f"{len(state['by_rank'])} devices")
             from lightning.fabric.utilities.apply_func import move_data_to_device
 
             state = move_data_to_device(state["by_rank"][rank], self.device)
-        elif world > 1 and state["items"]:
-            raise ValueError(f"the checkpoint's rollout queue is one process's, this run has {world}: its rollouts "
-                             "cannot be shared out among the ranks; resume with 1 device")
         queue.load_state_dict(state)
 
     def log_scalars(self, metrics: dict) -> None:
