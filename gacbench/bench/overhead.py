@@ -40,6 +40,7 @@ from gacbench.functional.alignment import ACTION_NAMES
 from gacbench.functional.gac import GACState, GACTransform
 from gacbench.functional.kernels import measurement_row
 from gacbench.llm.model import Qwen3Shape
+from gacbench.llm.step_profile import SHAPES
 from gacbench.provenance import available_memory
 from gacbench.usage import UsageError
 
@@ -99,7 +100,7 @@ class _Silent:
         pass
 
 
-QWEN3_1_7B = Qwen3Shape(hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128, vocab=151936)
+QWEN3_1_7B = Qwen3Shape.of_config(**SHAPES["qwen3-1.7b"])
 
 
 def shape_for_params(n: int) -> Qwen3Shape:

@@ -6,6 +6,7 @@ one kind)."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 from gacbench.provenance import code_label, environment_key, machine_kind
@@ -106,7 +107,7 @@ def machine_blocks(cells: list[dict], provenances: list[dict | None]) -> dict | 
     plugin_code: dict[tuple, set] = defaultdict(set)  # a group's plug-in code, which its seeds must share too
     for c, p, _ in done:
         plugin_code[(c["task"], c["method"], c["staleness"])].add(
-            environment_key(p, machine=False) if isinstance(p, dict) and p.get("plugins") else "")
+            json.dumps(p.get("plugins") if isinstance(p, dict) else None, sort_keys=True))
     plugins_mixed = any(len(v) > 1 for v in plugin_code.values())
     return {"kinds": {k: {"seeds": {t: sorted(s) for t, s in sorted(v["seeds"].items())}, "cells": v["cells"]}
                       for k, v in sorted(by_kind.items())},

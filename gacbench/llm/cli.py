@@ -664,7 +664,7 @@ def run(argv: list[str]) -> int:
               "unchanged; raise --trainer.max_steps to continue it, or pass --refresh_summary to evaluate it again "
               "and rewrite its summary.json", file=sys.stderr)
         return 0
-    check_processes(model, trainer, ckpt)
+    recorded = check_processes(model, trainer, ckpt)
     with contextlib.ExitStack() as stack:
         if trainer.global_rank == 0:  # DDP: the other ranks start once rank 0 is in fit
             claim_run_dir(Path(trainer.log_dir or "."), stack)
@@ -674,7 +674,7 @@ def run(argv: list[str]) -> int:
         # holds the run's claim and saved config, an earlier run was refused above, and a resume keeps its rows
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
-        return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir)
+        return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir, recorded)
 
 
 def stop_other_ranks(trainer) -> None:
@@ -688,30 +688,36 @@ def stop_other_ranks(trainer) -> None:
         launcher.kill(signal.SIGKILL)
 
 
-def check_processes(model, trainer, ckpt: str | None) -> None:
+def check_processes(model, trainer, ckpt: str | None) -> dict[str, Any]:
     """Refuse, before anything runs, what several trainer processes (DDP) cannot do: prompts that do not split
     evenly over the ranks, an async or uniform rollout mode, and a checkpoint whose rollout queues were written by
-    another number of processes (each rank's queue holds its own rollouts)."""
+    another number of processes (each rank's queue holds its own rollouts). Returns the checkpoint's run record
+    (:class:`RunRecorder`; {} without a checkpoint or a record), read in the same load, for the resume."""
+    from gacbench.llm.data_parallel import share_problem
     from gacbench.objectives.base import queue_world_problem
 
     world = trainer.world_size
-    if world > 1 and model.rollout_cfg.prompts % world:
-        raise UsageError(f"--model.rollout.prompts {model.rollout_cfg.prompts} is not a multiple of the {world} "
-                         "processes (--trainer.devices x --trainer.num_nodes): every rank generates prompts / "
-                         "processes prompts. Make it a multiple of the number of processes.")
+    problem = share_problem(model.rollout_cfg.prompts, world)
+    if problem is not None:
+        raise UsageError(f"--model.{problem}")
     if world > 1 and model.rollout_cfg.mode != "sync":
         raise UsageError(f"--model.rollout.mode {model.rollout_cfg.mode} runs on one trainer process; this run has "
                          f"{world} (--trainer.devices x --trainer.num_nodes): use one device, or rollout.mode sync")
-    if ckpt is not None:
-        import torch
+    if ckpt is None:
+        return {}
+    import torch
 
-        state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("rollout_queue")
-        problem = queue_world_problem(state, world) if isinstance(state, dict) else None
-        if problem is not None:
-            raise UsageError(f"--ckpt_path {ckpt}: {problem}")
+    loaded = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    state = loaded.get("rollout_queue")
+    problem = queue_world_problem(state, world) if isinstance(state, dict) else None
+    if problem is not None:
+        raise UsageError(f"--ckpt_path {ckpt}: {problem}")
+    record = loaded.get(RUN_KEY)
+    return record if isinstance(record, dict) else {}
 
 
-def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: str | None) -> int:
+def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: str | None,
+         recorded: dict[str, Any]) -> int:
     out = Path(trainer.log_dir or ".")  # before the fit: afterwards, under DDP, a collective (a broadcast)
     keeper = (MetricsKeeper(log_dir, writes=trainer.is_global_zero)
               if ckpt and log_dir and _writes_metrics_csv(trainer, log_dir) else None)
@@ -721,7 +727,6 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
     if keeper is not None:
         keeper.before_resume()
         model.resume_logged = keeper.logged_at(ckpt_step)  # what a killed session left unwritten is evaluated again
-        recorded = read_checkpoint(Path(ckpt))[1] or {}
         model.resume_max_steps = recorded.get("max_steps") if isinstance(recorded.get("max_steps"), int) else None
     t0 = time.perf_counter()
     terminated = 0  # the signal that ended the fit

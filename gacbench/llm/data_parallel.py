@@ -47,15 +47,23 @@ def world(module) -> tuple[int, int]:
     return int(trainer.global_rank), int(trainer.world_size)
 
 
+def share_problem(prompts: int, size: int) -> str | None:
+    """Why ``prompts`` per step cannot be shared out among ``size`` processes, or None."""
+    if size > 1 and prompts % size:
+        return (f"rollout.prompts {prompts} is not a multiple of the {size} processes (data parallel: "
+                "--trainer.devices x --trainer.num_nodes): every rank generates prompts / processes prompts. Make "
+                "it a multiple of the number of processes.")
+    return None
+
+
 def rank_share(module, problems: list) -> tuple[list, int]:
     """This rank's contiguous share of a step's problems and the rank's seed offset (0 on one process)."""
     rank, size = world(module)
     if size == 1:
         return problems, 0
-    if len(problems) % size:
-        raise ValueError(f"GRPO: rollout.prompts={len(problems)} is not a multiple of the {size} data-parallel "
-                         "processes; every rank generates prompts / world_size prompts. Make rollout.prompts a "
-                         "multiple of the number of processes.")
+    problem = share_problem(len(problems), size)
+    if problem is not None:
+        raise ValueError(f"GRPO: {problem}")
     share = len(problems) // size
     return problems[rank * share : (rank + 1) * share], rank * RANK_SEED_STRIDE
 

@@ -213,3 +213,10 @@ class Qwen3Shape:
 
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes())
+
+    @classmethod
+    def of_config(cls, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                  vocab: int) -> Qwen3Shape:
+        """The shape of the model :func:`tiny_config` builds from these arguments (head_dim = hidden / heads)."""
+        return cls(hidden=hidden, layers=layers, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
+                   head_dim=hidden // heads, vocab=vocab)

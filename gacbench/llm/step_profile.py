@@ -67,9 +67,7 @@ def check_shape_fits(shape: str) -> None:
     from gacbench.provenance import available_memory
     from gacbench.usage import UsageError
 
-    s = SHAPES[shape]
-    numel = Qwen3Shape(hidden=s["hidden"], layers=s["layers"], intermediate=s["intermediate"], heads=s["heads"],
-                       kv_heads=s["kv_heads"], head_dim=s["hidden"] // s["heads"], vocab=s["vocab"]).numel()
+    numel = Qwen3Shape.of_config(**SHAPES[shape]).numel()
     free, total = available_memory()
     need = CPU_BYTES_PER_PARAMETER * numel
     if free is not None and need > free:
