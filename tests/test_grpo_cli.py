@@ -701,13 +701,26 @@ def test_what_several_processes_cannot_do_is_refused_before_the_run(tmp_path):
     check_processes(*setup(world=1), str(one))
 
 
-@pytest.mark.slow  # two runs of two processes each
+def _rank_process(parent: int, rank: int) -> int:
+    """The pid of the child of ``parent`` that runs DDP rank ``rank`` (its environment's ``LOCAL_RANK``)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+            if f"LOCAL_RANK={rank}".encode() in env:
+                return int(stat.parent.name)
+    raise AssertionError(f"no child of {parent} runs rank {rank}")
+
+
+@pytest.mark.slow  # three runs of two processes each
 @pytest.mark.distributed
-@pytest.mark.parametrize("signum,target", [("SIGINT", "rank0"), ("SIGTERM", "group")])
+@pytest.mark.parametrize("signum,target", [("SIGINT", "rank0"), ("SIGTERM", "group"), ("SIGINT", "rank1")])
 def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_llm_dir, tmp_path, signum, target):
-    """SIGINT to rank 0 alone (rank 1 then waits in the step's collectives: rank 0 ends it) and SIGTERM to every
-    rank, as a scheduler sends it (each rank's flag is combined at the end of the step, so all stop after the same
-    step): the run ends within seconds, interrupted, with one summary and no process left."""
+    """SIGINT to rank 0 alone (rank 1 then waits in the step's collectives: rank 0 ends it), SIGTERM to every
+    rank, as a scheduler sends it, and SIGINT to rank 1 alone (each rank's flag is combined at the end of the step,
+    so all stop after the same step): the run ends within seconds, interrupted, with one summary naming the signal,
+    and no process left."""
     import os
     import signal
     import subprocess
@@ -730,6 +743,8 @@ def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_l
         sig = getattr(signal, signum)
         if target == "group":
             os.killpg(proc.pid, sig)
+        elif target == "rank1":  # the process Lightning's launcher started for rank 1
+            os.kill(_rank_process(proc.pid, 1), sig)
         else:
             proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
@@ -738,6 +753,7 @@ def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_l
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + getattr(signal, signum), err[-3000:]
     assert out.count("wrote ") == 1
+    assert f"({signum})" in err and "Traceback" not in err, err[-3000:]
     summary = _strict_json(run_dir / "summary.json")
     assert summary["status"] == "interrupted" and summary["processes"] == 2 and 2 <= summary["steps"] < 1000
     time.sleep(1)

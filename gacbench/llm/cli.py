@@ -63,8 +63,8 @@ signal handling), SIGINT (Ctrl-C) at once; the run then writes ``summary.json`` 
 the steps done and no final evaluation, prints one line on stderr, and exits 143 (128 + SIGTERM) or 130 (SIGINT).
 SIGINT before the fit starts (while the model loads) ends the command with one line and exit 130. It resumes
 with ``--ckpt_path last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal). Under DDP,
-SIGTERM to any rank stops every rank after the same step (:class:`RunRecorder`), and rank 0 stopped by SIGINT ends
-the other ranks (:func:`stop_other_ranks`).
+SIGTERM to any rank, and SIGINT to a rank other than 0, stop every rank after the same step (:class:`RunRecorder`),
+and rank 0 stopped by SIGINT ends the other ranks (:func:`stop_other_ranks`).
 
 A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
 from ``gacbench``), naming the option and the fix.
@@ -323,27 +323,39 @@ class RunRecorder(Callback):
     def __init__(self, config_hash: str, identity: dict[str, Any] | None = None) -> None:
         self.config_hash, self.identity = config_hash, identity
         self._saved = False  # a checkpoint was saved whose step's rows are not yet on disk
-        self._sigterm = False  # under DDP: this rank received SIGTERM
+        self._signal = 0  # under DDP: the signal this rank received (a flag the ranks combine), 0 for none
+        self.stopped_by = 0  # under DDP: the signal that stopped every rank at the end of a step (SIGTERM wins)
+        self._sigint_handler = None  # under DDP, on ranks other than 0: the SIGINT handler to put back
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Under DDP, SIGTERM only sets a flag, which the ranks combine at the end of every step
         (:meth:`on_train_batch_end`), so that all of them stop after the same step. Lightning's own handler
         broadcasts inside the signal handler and signals the other ranks, which deadlocks when a scheduler signals
-        every rank (two handlers' broadcasts on one rank meet another rank's collective of the step)."""
+        every rank (two handlers' broadcasts on one rank meet another rank's collective of the step). SIGINT to
+        a rank other than 0 sets the same flag: raised there at once, it would leave rank 0 waiting in the step's
+        collectives for a rank that is gone. Rank 0 stopped by SIGINT stops at once (:func:`stop_other_ranks`)."""
         if trainer.world_size > 1:
             def flag(signum, frame) -> None:
-                self._sigterm = True
+                self._signal = max(self._signal, signum)
 
             signal.signal(signal.SIGTERM, flag)  # Lightning puts its handlers back when the fit ends
+            if not trainer.is_global_zero:
+                self._sigint_handler = signal.signal(signal.SIGINT, flag)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.world_size > 1:
             import torch
 
-            stop = torch.tensor([1.0 if self._sigterm else 0.0], device=trainer.strategy.root_device)
+            stop = torch.tensor([float(self._signal)], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
             if stop.item() > 0:  # Lightning ends the fit on every rank at the end of this step
+                self.stopped_by = int(stop.item())
                 trainer._signal_connector.received_sigterm = True
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._sigint_handler is not None:
+            signal.signal(signal.SIGINT, self._sigint_handler)
+            self._sigint_handler = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         record: dict[str, Any] = {"config_hash": self.config_hash, "version": RUN_RECORD_VERSION,
@@ -733,7 +745,8 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
     try:
         trainer.fit(model, ckpt_path=ckpt)
     except SIGTERMException:  # Lightning stops the fit at the end of the current step
-        terminated = signal.SIGTERM
+        recorder = next((c for c in trainer.callbacks if isinstance(c, RunRecorder)), None)
+        terminated = (recorder.stopped_by if recorder is not None else 0) or signal.SIGTERM  # DDP: SIGINT possible
     except Interrupted as exc:  # SIGINT (gacbench.usage.raise_on_signals): at once, in the middle of the step
         terminated = exc.signum
         stop_other_ranks(trainer)
