@@ -1,6 +1,7 @@
 """Every loss-side baseline against a hand computation from its source (docs/baselines.md), the module's loss
 settings reaching every stabilizer, and numerical safety (log-ratios of +-100, NaN in padding)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -270,6 +271,29 @@ def test_mis_sequence_level_uses_the_product_of_token_ratios():
     assert loss.item() == pytest.approx(-1.8)
     b2 = engine_batch([[1.5, 1.2], [1.5, 1.5]], [[1.0, 1.0], [1.0, 1.0]])
     assert MIS(threshold=2.5).policy_loss(b2)[0].item() == pytest.approx(-(1.8 * 2 + 2.25 * 2) / 4)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_mis_rejects_whole_sequences_outside_its_band_under_the_sequence_mean_modes(agg):
+    """Seq-MIS with verl's band [0.5, 2] (``lower=0.5``) under the seq-mean modes: a sequence with rho above 2 or
+    below 0.5 leaves the sequence count and carries no gradient; the kept ones are weighted by rho. Sequences:
+    rho = 1.5 * 1.2 = 1.8 (kept), 2.25 (above), 0.5 * 0.8 = 0.4 (below: kept without ``lower``), 1 (kept)."""
+    k = [[1.5, 1.2], [1.5, 1.5], [0.5, 0.8], [1.0, 1.0]]
+    adv = [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0]]
+
+    def per_seq(weight, a, tokens):  # a kept sequence's -loss: rho * A per token, its mean or its sum
+        return weight * a * (tokens if agg == "seq-mean-token-sum" else 1)
+
+    b = dataclasses.replace(engine_batch(k, adv), agg=agg)
+    loss, m = MIS(threshold=2.0, lower=0.5).policy_loss(b)
+    assert loss.item() == pytest.approx(-(per_seq(1.8, 1.0, 2) + per_seq(1.0, 2.0, 2)) / 2)
+    assert float(m["mis/masked_frac"]) == pytest.approx(0.5)
+    loss.backward()
+    assert b.logp.grad[1].abs().sum().item() == 0.0 and b.logp.grad[2].abs().sum().item() == 0.0
+    assert b.logp.grad[0].abs().sum().item() > 0.0 and b.logp.grad[3].abs().sum().item() > 0.0
+    b2 = dataclasses.replace(engine_batch(k, adv), agg=agg)
+    loss2, _ = MIS(threshold=2.0).policy_loss(b2)  # no lower bound: the rho = 0.4 sequence joins the mean
+    assert loss2.item() == pytest.approx(-(per_seq(1.8, 1.0, 2) + per_seq(0.4, 1.0, 2) + per_seq(1.0, 2.0, 2)) / 3)
 
 
 def test_icepop_drops_tokens_outside_the_band_and_weights_the_rest_by_k():
