@@ -295,3 +295,104 @@ def test_forest_plot_leaves_out_shares_whose_gap_is_within_noise_and_says_so(tmp
     assert [t.get_text() for t in ax.get_yticklabels()] == ["gac, s=16"]
     assert "left out: 2 shares" in ax.get_xlabel() and "t s = 8" in ax.get_xlabel()
     assert ax.get_xlim()[0] > -1.0  # the noisy shares' wide intervals no longer set the range
+
+
+def test_an_exclusive_share_set_is_drawn_as_its_two_rays_and_the_title_names_the_measure(tmp_path, monkeypatch):
+    """A Fieller set that excludes the band (0.5, 4.5) (every share but those) is drawn as the ray up to 0.5 and a
+    cut arrow for the ray from 4.5, beyond the axis; no line crosses sync's 1. The title names the measure."""
+    seen = _capture(monkeypatch)
+    row = {"task": "t", "method": "gac", "staleness": 16, "share": 0.2, "no_gap": False, "share_ci_low": -math.inf,
+           "share_ci_high": math.inf, "share_ci_kind": "exclusive", "share_ci_excluded": [0.5, 4.5],
+           "vs_stale_p_adj": 0.9, "gap_within_noise": False, "measure": "by_version", "source": "eval/policy_reward"}
+    figs.shares_figure(Canvas(tmp_path, [], {}), [row])
+    (ax,) = seen["fig_shares.png"]["axes"]
+    low, high = ax.get_xlim()
+    segments = [ln.get_xdata() for ln in ax.get_lines() if ln.get_marker() in ("None", "") and len(ln.get_xdata()) == 2
+                and ln.get_linestyle() == "-"]
+    assert len(segments) == 1 and segments[0][1] == pytest.approx(0.5) and segments[0][0] < 0
+    arrows = sorted(ln.get_marker() for ln in ax.get_lines() if ln.get_marker() in ("<", ">"))
+    assert arrows == ["<", ">"]
+    assert "held-out reward of the policy θ_v" in ax.get_title()
+    figs.shares_figure(Canvas(tmp_path, [], {}), [{**row, "source": "reward/mean"}])
+    assert "training reward by the version that sampled it" in seen["fig_shares.png"]["axes"][0].get_title()
+
+
+def test_models_at_the_same_s_lr_are_set_apart_and_coloured_as_in_the_size_figure(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    cv = Canvas(tmp_path, [], {})
+    law_figure(cv, law_points([_point(m, 0.1, s, -0.02 * s) for m in ("tiny", "medium") for s in (2, 4)]))
+    (dots,) = seen["fig_law.png"]["dots"]
+    at = sorted(x for x, _, _ in dots)
+    assert len(set(at)) == 4 and at[1] / at[0] == pytest.approx(10 ** 0.03)  # medium left of tiny at each s * lr
+    import matplotlib.pyplot as plt
+
+    colors = cv.model_color(["small", "tiny"])  # as fig_size asks for its models after fig_law
+    assert list(colors) == ["medium", "tiny", "small"]  # the first figure's names keep their colours
+    assert [colors[m] for m in ("medium", "tiny", "small")] == list(plt.cm.tab10.colors[:3])
+    medium = [ln for ln in seen["fig_law.png"]["axes"][0].get_lines() if ln.get_label().startswith("medium")]
+    assert medium and medium[0].get_color() == colors["medium"]
+
+
+def test_the_regime_map_shares_one_colour_scale_per_column_across_models(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    figs.regime_figure(Canvas(tmp_path, [], {}), [_point("tiny", 0.1, 8, -0.08), _point("small", 0.1, 8, -0.004)])
+    maps = [ax for ax in seen["fig_regime.png"]["axes"] if ax.images]  # rows small, tiny; columns gap, c_t
+    assert [ax.get_title().split(":")[0] for ax in maps] == ["small", "small", "tiny", "tiny"]
+    gap, cos = [maps[i].images[0].get_clim() for i in (0, 2)], [maps[i].images[0].get_clim() for i in (1, 3)]
+    assert gap == [pytest.approx((-0.08, 0.08))] * 2  # small's -0.004 on tiny's scale, not at its own end
+    assert cos == [pytest.approx((-0.1, 0.1))] * 2
+
+
+def test_moving_means_are_drawn_at_the_last_step_of_their_window():
+    """The value drawn at step t is the mean of the 10 steps up to t: a jump at step 10 first shows at step 10."""
+    curve = [(t, 0.0) for t in range(10)] + [(t, 10.0) for t in range(10, 15)]
+    steps, mean, sd = figs._smooth_mean([curve, [(t, v + 1.0) for t, v in curve]])
+    assert steps == list(range(9, 15))
+    assert mean.tolist() == pytest.approx([0.5, 1.5, 2.5, 3.5, 4.5, 5.5]) and sd.tolist() == pytest.approx([0.5] * 6)
+
+
+def _threshold_grid(calibrated: tuple[float, float]):
+    """Ablation groups at (c_low, c_high) in {0.02, 0.05} x {0.3, 0.5}, s = 4, and the cells of gac-calibrated
+    (thresholds ``calibrated`` on both seeds) and gac-step-calibrated (0.7, 0.95: step-cosine thresholds)."""
+    groups = [{"task": "t", "method": f"gac(c_low={lo},c_high={hi})", "staleness": 4, "ablation": True,
+               "reward_last_mean": 0.2 + lo + hi, "higher_is_better": True, "metric": "acc"}
+              for lo in (0.02, 0.05) for hi in (0.3, 0.5)]
+    groups += [{"task": "t", "method": m, "staleness": s, "ablation": False, "reward_last_mean": v}
+               for m, s, v in (("sync", 0, 0.6), ("stale", 4, 0.2))]
+    cells = [{"task": "t", "method": m, "staleness": 4, "seed": k, "status": "done", "ablation": False,
+              "c_low": lo, "c_high": hi}
+             for k in range(2)
+             for m, (lo, hi) in (("gac-calibrated", calibrated), ("gac-step-calibrated", (0.7, 0.95)))]
+    return groups, cells
+
+
+def test_the_threshold_map_marks_gac_calibrated_thresholds_alone_and_names_them_off_the_grid(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    groups, cells = _threshold_grid((0.035, 0.4))
+    figs.thresholds_figure(Canvas(tmp_path, cells, {}), groups, [])
+    (ax, _) = seen["fig_thresholds.png"]["axes"]  # the map and its colour bar
+    (mark,) = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    # halfway between the grid's rows (0.02, 0.05) and columns (0.3, 0.5): gac-step-calibrated's (0.7, 0.95) is
+    # not averaged in
+    assert (float(mark.get_xdata()[0]), float(mark.get_ydata()[0])) == pytest.approx((0.5, 0.5))
+    assert "(0.035, 0.4), mean over 2 seeds" in mark.get_label()
+    groups, cells = _threshold_grid((0.2, 0.45))  # c_low above the grid's 0.05: named, not drawn at its edge
+    figs.thresholds_figure(Canvas(tmp_path, cells, {}), groups, [])
+    (ax, _) = seen["fig_thresholds.png"]["axes"]
+    (mark,) = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    assert len(mark.get_xdata()) == 0 and mark.get_label().endswith("outside the grid")
+
+
+def test_the_c_t_figure_names_its_seed_and_fits_its_axis(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    cells = [{"task": "t", "method": m, "staleness": s, "seed": k, "status": "done", "ablation": False}
+             for m, s in (("sync", 0), ("stale", 8)) for k in (1, 2)]
+    cv = Canvas(tmp_path, cells, {})
+    cv.series = lambda rec, key: [(t, 0.1 * rec["seed"] + (0.2 if rec["method"] == "stale" else 0.0))
+                                  for t in range(20)]
+    figs.cos_figure(cv)
+    ax = seen["fig_cos.png"]["axes"][0]
+    assert ax.get_title() == "t: c_t (10-step mean), seed 1"
+    assert {ln.get_label() for ln in ax.get_lines() if ln.get_label()[0] != "_"} == {"sync (s=0)", "stale (s=8)"}
+    low, high = ax.get_ylim()
+    assert -0.1 < low <= 0.0 and 0.3 <= high < 0.4  # fitted to 0 and the curves' 0.1 and 0.3, not [-1.05, 1.05]

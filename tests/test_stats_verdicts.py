@@ -537,7 +537,10 @@ def test_a_share_of_noise_is_given_as_the_difference_with_the_detectable_one_of_
     row = {"share": 0.42, "no_gap": False, "gap_within_noise": False, "share_ci_kind": "exclusive",
            "share_ci_excluded": [-0.3, 1.9], "vs_stale_diff": 0.05, "vs_stale_ci_low": -0.01,
            "vs_stale_ci_high": 0.11, "n": 3, "vs_stale_n": 3}
-    assert _share_text(row).startswith("gap within noise: difference to stale +0.05 [-0.01, 0.11]")
+    # above 2 standard errors, so not "within noise": the seeds did not resolve it at the t level
+    assert _share_text(row).startswith("gap not resolved by these seeds (the share's 95% interval is not bounded): "
+                                       "difference to stale +0.05 [-0.01, 0.11]")
+    assert _share_text({**row, "gap_within_noise": True}).startswith("gap within noise: difference to stale +0.05")
     text = _detectable_text({"gap_within_noise": True, "sd_diff": 0.1, "n": 2, "vs_stale_n": 6})
     assert f"{detectable_multiplier(6) * 0.1:.2g}" in text and f"{detectable_multiplier(2) * 0.1:.2g}" not in text
 

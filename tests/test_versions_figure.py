@@ -148,16 +148,38 @@ def test_a_report_draws_the_policy_reward_by_version_in_a_row_per_s_and_a_panel_
     for s in (4, 8):
         for family, methods in (("GAC readings", {"gac"}), ("loss-side corrections", {"m2po"} if s == 4 else set()),
                                 ("other methods", {"lr-scaled"} if s == 8 else set())):
-            assert set(panels[f"toy, s={s}: {family}"]["lines"]) == {"sync (s=0)", "stale", *methods}
+            # the methods run on 2 seeds against sync's 4 say so
+            assert set(panels[f"toy, s={s}: {family}"]["lines"]) == {"sync (s=0)", "stale",
+                                                                     *(f"{m} (2 seeds)" for m in methods)}
         assert panels[f"toy, s={s}: GAC readings"]["ylabel"].startswith("policy reward of θ_v")
     # one legend names every method, also those run at one s only; no panel has its own
-    assert seen["fig_versions_toy.png"]["legends"] == [["sync (s=0)", "stale", "gac", "m2po", "lr-scaled"]]
+    assert seen["fig_versions_toy.png"]["legends"] == [["sync (s=0)", "stale", "gac (2 seeds)", "m2po (2 seeds)",
+                                                        "lr-scaled (2 seeds)"]]
     assert not any(panel["legend"] for panel in panels.values())
     # each line is the mean over its seeds at the eval points, by hand, with markers there
-    for (m, s), label in ((("stale", 8), "stale"), (("sync", 0), "sync (s=0)"), (("gac", 8), "gac")):
+    for (m, s), label in ((("stale", 8), "stale"), (("sync", 0), "sync (s=0)"), (("gac", 8), "gac (2 seeds)")):
         x, y, marker = panels["toy, s=8: GAC readings"]["lines"][label]
         assert x == list(EVAL) and marker == "o"
         assert y == pytest.approx([np.mean([_policy(m, s, k, v) for k in range(GRID[(m, s)])]) for v in EVAL])
+
+
+def test_on_policy_controls_get_a_first_row_beside_sync(tmp_path, monkeypatch):
+    """A method also run at s = 0 (its on-policy control) is drawn there, in a first row beside sync, at its mean
+    over its seeds; without such runs the figure has no s = 0 row (the test above)."""
+    seen = _capture(monkeypatch)
+    _grid(tmp_path)
+    for seed in range(4):
+        _store(tmp_path, "gac", 0, seed)
+    build_report(tmp_path)
+    panels = seen["fig_versions_toy.png"]["panels"]
+    assert list(panels)[:3] == [f"toy, s=0 (on-policy controls)\n{f}"
+                                for f in ("GAC readings", "loss-side corrections", "other methods")]
+    lines = panels["toy, s=0 (on-policy controls)\nGAC readings"]["lines"]
+    assert set(lines) == {"sync (s=0)", "gac"}  # as many seeds as sync: no count in the label
+    x, y, _ = lines["gac"]
+    assert x == list(EVAL)
+    assert y == pytest.approx([np.mean([_policy("gac", 0, k, v) for k in range(4)]) for v in EVAL])
+    assert set(panels["toy, s=0 (on-policy controls)\nother methods"]["lines"]) == {"sync (s=0)"}
 
 
 def test_without_the_policy_reward_in_every_cell_the_figure_reads_the_training_reward(tmp_path, monkeypatch):

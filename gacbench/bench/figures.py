@@ -31,15 +31,26 @@ def figure_legend_entries(fig, axes=None) -> tuple[list, list[str]]:
     return list(entries.values()), list(entries)
 
 
+def _trailing_mean(curve: list[tuple[int, float]], window: int = 10) -> tuple[list[int], np.ndarray]:
+    """A curve's ``window``-point moving average, each mean drawn at the last step of its window (the value at
+    step t is the mean of the points up to t: nothing after t moves it); a curve shorter than the window is
+    averaged over its length."""
+    w = max(1, min(window, len(curve)))
+    values = np.convolve([v for _, v in curve], np.ones(w) / w, mode="valid")
+    return [x for x, _ in curve[w - 1:]], values
+
+
 def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Steps, mean and std over curves (cut to the shortest) of their ``window``-step moving averages."""
+    """Steps, mean and population std over curves (cut to the shortest) of their ``window``-step moving averages,
+    each drawn at the last step of its window (:func:`_trailing_mean`)."""
     curves = [c for c in curves if c]
     if not curves:
         return [], np.array([]), np.array([])
     n = min(len(c) for c in curves)
     w = max(1, min(window, n))
-    arr = np.array([np.convolve([v for _, v in c[:n]], np.ones(w) / w, mode="valid") for c in curves])
-    return [x for x, _ in curves[0][: arr.shape[1]]], arr.mean(0), arr.std(0)
+    steps = _trailing_mean(curves[0][:n], w)[0]
+    arr = np.array([_trailing_mean(c[:n], w)[1] for c in curves])
+    return steps, arr.mean(0), arr.std(0)
 
 
 class Canvas:
@@ -61,6 +72,7 @@ class Canvas:
         self.main = [c for c in cells if c["status"] == "done" and not c["ablation"]]
         self.tasks = sorted({c["task"] for c in self.main})
         self.colors = {"sync": "black", "stale": "tab:red"}
+        self._model_colors: dict[str, tuple] = {}
         # tab20 without its reds (stale's colour): its nine dark shades, then Dark2's eight, then tab20's light
         # shades (hard to see on white): distinct colours for up to 26 other methods, light ones only beyond 17
         tab20 = [c for i, c in enumerate(plt.cm.tab20.colors) if i not in (6, 7)]
@@ -70,6 +82,13 @@ class Canvas:
         self._cache: dict[tuple, dict] = {}
         #: per task, the methods whose share is positive and significant after Holm's adjustment at some s
         self.recovering: dict[str, set[str]] = {}
+
+    def model_color(self, names) -> dict[str, tuple]:
+        """One tab10 colour per model name, in sorted order of every name asked for so far and the same in every
+        figure of the summary (``fig_law`` and ``fig_size`` colour the models alike)."""
+        for name in sorted(set(names) - set(self._model_colors)):
+            self._model_colors[name] = self.plt.cm.tab10.colors[len(self._model_colors) % 10]
+        return self._model_colors
 
     def save(self, fig, name: str, legend_ax=None, outside: bool = False) -> None:
         """Write ``fig`` to ROOT/name (with one legend of every panel's entries on ``legend_ax``) and close it.
@@ -184,23 +203,27 @@ def curves_figures(cv: Canvas) -> None:
 
 
 def cos_figure(cv: Canvas) -> None:
-    """Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, seed =
-    smallest, the legend beside the panels (``fig_cos.png``)."""
+    """Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, one seed (the
+    smallest, named in the title), the y-range fitted to the curves, the legend beside the panels
+    (``fig_cos.png``; ``fig_cos_methods`` has the mean over seeds)."""
     plt = cv.plt
     fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
     for ax, task in zip(axes[0], cv.tasks):
         tc = [c for c in cv.main if c["task"] == task]
         smax, seed = max(c["staleness"] for c in tc), min(c["seed"] for c in tc)
+        drawn: list[float] = []
         for r in [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]:
             cs = cv.series(r, "align/cos")
             if cs:
-                w = min(10, len(cs))  # a run shorter than the window is averaged over its length
-                v = np.convolve([x for _, x in cs], np.ones(w) / w, mode="valid")
-                ax.plot([x for x, _ in cs][: len(v)], v, label=f"{r['method']} (s={r['staleness']})",
-                        color=cv.colors[r["method"]], lw=1)
-        ax.set_title(f"{task}: c_t (10-step mean)")
+                steps, v = _trailing_mean(cs)
+                ax.plot(steps, v, label=f"{r['method']} (s={r['staleness']})", color=cv.colors[r["method"]], lw=1)
+                drawn.extend(float(x) for x in v if np.isfinite(x))
+        ax.set_title(f"{task}: c_t (10-step mean), seed {seed}", fontsize=9)
         ax.set_xlabel("step")
-        ax.set_ylim(-1.05, 1.05)
+        if drawn:
+            lo, hi = min(min(drawn), 0.0), max(max(drawn), 0.0)
+            pad = 0.05 * max(hi - lo, 0.1)
+            ax.set_ylim(max(-1.05, lo - pad), min(1.05, hi + pad))
         ax.axhline(0, color="gray", lw=0.5)
     cv.legend_beside(fig, list(axes[0]))
     cv.save(fig, "fig_cos.png", outside=True)
@@ -250,7 +273,7 @@ def staleness_figures(cv: Canvas) -> None:
             continue
         has_reward = any(cv.series(c, "reward/mean") for c in tc)
         metric = tc[0]["metric"]
-        ykey, ylabel = ("reward/mean", "training reward") if has_reward else (f"eval/{metric}", metric)
+        ykey, ylabel = ("reward/mean", "training reward (10-step mean)") if has_reward else (f"eval/{metric}", metric)
         cmap = plt.cm.viridis(np.linspace(0.0, 0.85, max(1, len(svals) - 1)))
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.3))
         for i, sv in enumerate(svals):
@@ -326,20 +349,25 @@ def versions_figures(cv: Canvas) -> None:
     the training reward by version as a VERSION_SMOOTH-version moving mean
     (:func:`~gacbench.bench.groups.version_measure`). Each curve is the mean over seeds at the versions every seed
     has, with a band: the range over seeds with at most BAND_RANGE_SEEDS seeds, ± one standard error beyond
-    (:func:`~gacbench.bench.groups.version_curve`). One row of panels per s > 0, one panel per method family
+    (:func:`~gacbench.bench.groups.version_curve`). One row of panels per s > 0, and a first row of the
+    on-policy controls (methods run at s = 0 besides sync) where there are any; one panel per method family
     (:func:`family_panels`), sync and stale at that s in every panel; one legend of every method, right of the
     panels."""
     plt = cv.plt
     for task in cv.tasks:
         tc = [c for c in cv.main if c["task"] == task]
-        svals = sorted({c["staleness"] for c in tc if c["staleness"] > 0})
+        controls = any(c["staleness"] == 0 and c["method"] != "sync" for c in tc)
+        svals = [0] * controls + sorted({c["staleness"] for c in tc if c["staleness"] > 0})
         measure = version_measure(tc)
         if measure is None or not any(c["method"] == "stale" and c["staleness"] > 0 for c in tc):
             continue
         policy = measure == POLICY_REWARD
         panels = family_panels([c["method"] for c in tc if c["staleness"] > 0])
         curves = {(m, s): version_curve([c for c in tc if c["method"] == m and c["staleness"] == s], measure)
-                  for m, s in {(c["method"], c["staleness"]) for c in tc} if s > 0 or m == "sync"}
+                  for m, s in {(c["method"], c["staleness"]) for c in tc}}
+        # a curve over another number of seeds than sync's says so in its label (a method run on fewer seeds is
+        # not drawn against sync and stale on the same seeds)
+        seeds_sync = (curves.get(("sync", 0)) or {}).get("n")
         fig, axes = plt.subplots(len(svals), len(panels), figsize=(4 * len(panels), 3.2 * len(svals)),
                                  squeeze=False, sharex=True, sharey=True)
         for row, s in zip(axes, svals):
@@ -351,10 +379,12 @@ def versions_figures(cv: Canvas) -> None:
                     ref = m in REFERENCE_METHODS
                     ax.plot(curve["versions"], curve["mean"], color=cv.colors[m], ls="--" if m == "sync" else "-",
                             lw=1.6 if ref else 1.1, marker="o" if policy else None, ms=3.5,
-                            label="sync (s=0)" if m == "sync" else m)
+                            label=("sync (s=0)" if m == "sync" else m)
+                            + (f" ({curve['n']} seeds)" if curve["n"] != seeds_sync else ""))
                     ax.fill_between(curve["versions"], curve["low"], curve["high"], color=cv.colors[m],
                                     alpha=0.12, lw=0)
-                ax.set_title(f"{task}, s={s}" + (f": {title}" if title else ""), fontsize=9)
+                ax.set_title(f"{task}, s={s}" + (" (on-policy controls)" if s == 0 else "")
+                             + (("\n" if s == 0 else ": ") + title if title else ""), fontsize=9)
                 ax.grid(color="0.92", lw=0.5)
             row[0].set_ylabel(("policy reward of θ_v (held out)" if policy
                                else f"training reward by version ({VERSION_SMOOTH}-version mean)")
@@ -368,6 +398,15 @@ def versions_figures(cv: Canvas) -> None:
         fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
                    ncol=math.ceil(len(labels) / (14 * len(svals))))
         cv.save(fig, f"fig_versions_{cv.stem(task)}.png", outside=True)
+
+
+def _measure_title(row: dict) -> str:
+    """The measure a share row reads, as a panel title names it: by policy version, the held-out reward of the
+    policy itself or the training reward filed under the version that sampled it."""
+    if row.get("measure") == "by_version":
+        return ("held-out reward of the policy θ_v" if row.get("source") == "eval/policy_reward"
+                else "training reward by the version that sampled it")
+    return "training reward (last 20%)" if row.get("measure") == "reward_last" else "final metric"
 
 
 def shares_figure(cv: Canvas, rows: list[dict]) -> None:
@@ -399,12 +438,16 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
             color = cv.colors.get(r["method"], "tab:gray")
             low, high = r.get("share_ci_low"), r.get("share_ci_high")
             if has_ci(r):
-                a, b = max(low, left - pad), min(high, right + pad)
-                ax.plot([a, b], [y, y], color=color, lw=1.4)
-                if low < left - pad:
-                    ax.plot([a], [y], marker="<", color=color, ms=5)
-                if high > right + pad:
-                    ax.plot([b], [y], marker=">", color=color, ms=5)
+                excluded = r.get("share_ci_excluded")  # an exclusive set: two rays, the band between left out
+                pieces = ([(low, excluded[0]), (excluded[1], high)] if excluded else [(low, high)])
+                for lo, hi in pieces:
+                    a, b = max(lo, left - pad), min(hi, right + pad)
+                    if a < b:
+                        ax.plot([a, b], [y, y], color=color, lw=1.4)
+                    if lo < left - pad:
+                        ax.plot([a], [y], marker="<", color=color, ms=5)
+                    if hi > right + pad:
+                        ax.plot([b], [y], marker=">", color=color, ms=5)
             ax.plot([min(max(r["share"], left - pad), right + pad)], [y], marker="o", ms=6, color=color,
                     mfc=color if significant(r) else "white", mew=1.4)
         ax.axvline(0.0, color="tab:red", ls="--", lw=1)
@@ -412,18 +455,18 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
         ax.set_yticks(range(len(tr)), [f"{r['method']}, s={r['staleness']}" for r in tr], fontsize=7)
         ax.set_ylim(-0.7, len(tr) - 0.3)
         ax.set_xlim(left - 2 * pad, right + 2 * pad)
-        measure = {"reward_last": "training reward (last 20%)", "by_version": "reward by policy version"}.get(
-            tr[0]["measure"], "final metric")
-        ax.set_title(f"{task}: recovered share of the stale–sync gap, {measure}", fontsize=9, pad=12)
+        measure = _measure_title(tr[0])
+        ax.set_title(f"{task}: recovered share of the stale–sync gap,\n{measure}", fontsize=9, pad=12)
         ax.text(0.0, 1.0, " stale", transform=ax.get_xaxis_transform(), color="tab:red", fontsize=7, va="bottom")
         ax.text(1.0, 1.0, " sync", transform=ax.get_xaxis_transform(), color="black", fontsize=7, va="bottom")
         ax.grid(axis="x", color="0.9", lw=0.5)
-    label = "share (95% Fieller interval; filled: Holm-adjusted p < 0.05 against stale; arrow: interval cut)"
+    label = ("share (95% Fieller interval, two rays where it excludes a band;\nfilled: Holm-adjusted p < 0.05 "
+             "against stale; arrow: interval cut)")
     if noisy:
         where = ", ".join(f"{t} s = {s}" for t, s in dict.fromkeys((r["task"], r["staleness"]) for r in noisy))
         label += f"\nleft out: {len(noisy)} shares whose stale–sync gap is within seed noise ({where})"
     axes[-1, 0].set_xlabel(label, fontsize=8)
-    cv.save(fig, "fig_shares.png")
+    cv.save(fig, "fig_shares.png", outside=True)  # the titles and the label are wider than one panel
 
 
 def beyond_figure(cv: Canvas, rows: list[dict]) -> None:
@@ -472,9 +515,8 @@ def beyond_figure(cv: Canvas, rows: list[dict]) -> None:
                                        for r in tr], fontsize=7)
         ax.set_ylim(-0.7, len(tr) - 0.3)
         ax.set_xlim(left - 2 * pad, right + 2 * pad)
-        measure = {"reward_last": "training reward (last 20%)", "by_version": "reward by policy version"}.get(
-            tr[0]["measure"], "final metric")
-        ax.set_title(f"{task}: share of the stale–sync gap beyond the on-policy effect, {measure}", fontsize=9,
+        measure = _measure_title(tr[0])
+        ax.set_title(f"{task}: share of the stale–sync gap beyond the on-policy effect,\n{measure}", fontsize=9,
                      pad=12)
         ax.text(0.0, 1.0, " stale", transform=ax.get_xaxis_transform(), color="tab:red", fontsize=7, va="bottom")
         ax.text(1.0, 1.0, " sync", transform=ax.get_xaxis_transform(), color="black", fontsize=7, va="bottom")
@@ -494,11 +536,14 @@ def law_figure(cv: Canvas, law: list[dict]) -> None:
     if not law:
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
-    palette = plt.cm.tab10.colors
-    for i, entry in enumerate(law):
-        color, pts = palette[i % len(palette)], [p for p in entry["points"] if math.isfinite(p["gap"])]
+    colors = cv.model_color(entry["model"] for entry in law)
+    # models that share an s * lr are set side by side: each model's points shifted by a few percent on the log axis
+    shift = {entry["model"]: 10 ** (0.03 * (i - (len(law) - 1) / 2)) for i, entry in enumerate(law)}
+    for entry in law:
+        color, pts = colors[entry["model"]], [p for p in entry["points"] if math.isfinite(p["gap"])]
         if not pts:
             continue
+        pts = [{**p, "s_lr": p["s_lr"] * shift[entry["model"]]} for p in pts]
         rho = entry.get("spearman_rho_healthy")
         label = entry["model"] + ("" if rho is None or math.isnan(rho) else f" (Spearman ρ = {rho:+.2f} where sync "
                                                                           "is healthy)")
@@ -517,8 +562,8 @@ def law_figure(cv: Canvas, law: list[dict]) -> None:
     measures = {entry["measure"] for entry in law}
     ax.set_ylabel("stale − sync, reward (< 0: stale worse)" if measures == {"reward_last"}
                   else "stale − sync, each model's measure (< 0: stale worse; a loss negated)")
-    ax.set_title("Gap against s · lr per model (95% t-interval over seeds; open: sync unhealthy at that lr)",
-                 fontsize=9)
+    ax.set_title("Gap against s · lr per model (95% t-interval over seeds; open: sync unhealthy at that lr;\n"
+                 "models at the same s · lr set a few percent apart)", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), borderaxespad=0.0, frameon=False)
     cv.save(fig, "fig_law.png", outside=True)
 
@@ -535,8 +580,9 @@ def size_figure(cv: Canvas, points: list[dict], trend: dict | None) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     palette = plt.cm.tab10.colors
     tasks = {p["task"] for p in points}
-    for i, p in enumerate(points):
-        color = palette[i % len(palette)]
+    colors = cv.model_color(tasks)
+    for p in points:
+        color = colors[p["task"]]
         seeds = [c["cos_abs_q90"] for c in size_sync_cells(cv.main, {p["task"]})]
         left.plot([p["params"]] * len(seeds), seeds, ls="", marker="o", ms=3, color=color, alpha=0.5)
         left.plot([p["params"]], [p["sync_cos_abs_q90"]], ls="", marker="o", ms=8, color=color,
@@ -578,11 +624,19 @@ def size_figure(cv: Canvas, points: list[dict], trend: dict | None) -> None:
 
 
 def regime_figure(cv: Canvas, regime: list[dict]) -> None:
-    """The regime map: stale - sync gap and the c_t difference against (learning rate, staleness), per model
-    (``fig_regime.png``)."""
+    """The regime map: stale - sync gap and the c_t difference against (learning rate, staleness), per model, one
+    colour scale per column shared by every model (``fig_regime.png``)."""
     plt = cv.plt
     if not regime:
         return
+
+    def value(p: dict, key: str) -> float:
+        return p["gap"] if key == "gap" else p["stale_cos_median"] - p["sync_cos_median"]
+
+    limits = {}  # per column, the largest |value| of any model: a colour reads the same in every row
+    for key in ("gap", "cos_diff"):
+        finite = [abs(v) for v in (value(p, key) for p in regime) if v is not None and math.isfinite(v)]
+        limits[key] = max(finite) if finite and max(finite) > 0 else 1.0
     models = sorted({p["model"] for p in regime})
     fig, axes = plt.subplots(len(models), 2, figsize=(9, 3.2 * len(models)), squeeze=False)
     for row, model in zip(axes, models):
@@ -591,7 +645,7 @@ def regime_figure(cv: Canvas, regime: list[dict]) -> None:
         for ax, key, title in ((row[0], "gap", "stale − sync"), (row[1], "cos_diff", "median c_t: stale − sync")):
             grid = np.full((len(svals), len(lrs)), np.nan)
             for p in pts:
-                v = p["gap"] if key == "gap" else p["stale_cos_median"] - p["sync_cos_median"]
+                v = value(p, key)
                 grid[svals.index(p["staleness"]), lrs.index(p["lr"])] = v
                 sig = key == "gap" and p["gap_ci_high"] is not None and not math.isnan(p["gap_ci_high"]) \
                     and (p["gap_ci_high"] < 0 or p["gap_ci_low"] > 0)
@@ -600,7 +654,7 @@ def regime_figure(cv: Canvas, regime: list[dict]) -> None:
                     ax.text(lrs.index(p["lr"]), svals.index(p["staleness"]), f"{v:.2g}{'*' if sig else ''}{note}",
                             ha="center", va="center", fontsize=7,
                             bbox={"facecolor": "white", "alpha": 0.7, "lw": 0, "pad": 1})
-            lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
+            lim = limits[key]
             im = ax.imshow(grid, origin="lower", aspect="auto", cmap="RdBu" if key == "gap" else "PuOr_r",
                            vmin=-lim, vmax=lim)
             ax.set_xticks(range(len(lrs)), [f"{x:.0e}" for x in lrs])
@@ -660,15 +714,19 @@ def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] 
         if (0.05, 0.3) in pts:  # the paper's default
             ax.add_patch(plt.Rectangle((highs.index(0.3) - 0.5, lows.index(0.05) - 0.5), 1, 1, fill=False,
                                        ec="white", lw=1.5, label="default (0.05, 0.3)"))
-        used = [c for c in cv.cells if c["task"] == task and c.get("c_low") is not None and c["status"] == "done"
-                and c["staleness"] == tg[0]["staleness"]]
+        used = [c for c in cv.cells if c["task"] == task and c["method"] == "gac-calibrated"
+                and c.get("c_low") is not None and c["status"] == "done" and c["staleness"] == tg[0]["staleness"]]
         if used and len(lows) > 1 and len(highs) > 1:  # gac-calibrated's thresholds, on the grid's index axes
-            x = np.interp(np.mean([c["c_high"] for c in used]), highs, range(len(highs)))
-            y = np.interp(np.mean([c["c_low"] for c in used]), lows, range(len(lows)))
-            ax.plot([x], [y], marker="x", color="red", ms=8, ls="", label="calibrated (mean over seeds)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, loc="upper left")
-    cv.save(fig, "fig_thresholds.png")
+            c_low, c_high = float(np.mean([c["c_low"] for c in used])), float(np.mean([c["c_high"] for c in used]))
+            label = f"gac-calibrated (c_low, c_high) = ({c_low:.3g}, {c_high:.3g}), mean over {len(used)} seeds"
+            if lows[0] <= c_low <= lows[-1] and highs[0] <= c_high <= highs[-1]:
+                x, y = np.interp(c_high, highs, range(len(highs))), np.interp(c_low, lows, range(len(lows)))
+                ax.plot([x], [y], marker="x", color="red", ms=8, mew=2, ls="", zorder=5, label=label)
+            else:  # off the grid: named in the legend, not drawn at the grid's edge
+                ax.plot([], [], marker="x", color="red", ls="", label=label + ", outside the grid")
+        if ax.get_legend_handles_labels()[0]:  # below the map: no square hidden under it
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.2), borderaxespad=0.0, frameon=False)
+    cv.save(fig, "fig_thresholds.png", outside=True)
 
 
 def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups: list[dict],

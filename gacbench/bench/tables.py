@@ -414,9 +414,10 @@ def findings(shares: list[dict], reward_shares: list[dict], aligned: list[dict])
             "significant: p adj. < 0.05). Min. detectable share: the smallest share a paired test on these seeds "
             "and this noise detects with 80% power at α = 0.05, and in brackets at its family's α / m (Holm's first "
             "step: what one real effect among the family's m tests needs to be declared with 80% power; "
-            "docs/bench.md). Where the stale − sync gap is within seed noise (under 2 standard errors), a share is a "
-            "ratio of noise: the difference to stale is given instead, with the smallest difference these seeds "
-            "detect.", ""] + [x + "\n" for x in out]
+            "docs/bench.md). Where the stale − sync gap is within seed noise (under 2 standard errors), or too "
+            "uncertain on these seeds for the share's 95% interval to be bounded, a share is a ratio of noise: the "
+            "difference to stale is given instead, with the smallest difference these seeds detect.", ""] \
+        + [x + "\n" for x in out]
 
 
 def _tested(r: dict) -> bool:
@@ -453,7 +454,9 @@ def _share_text(r: dict) -> str:
     if r.get("no_gap") or r.get("share") is None or math.isnan(r["share"]):
         return "share n/a: no gap"
     if _within_noise(r):
-        return (f"gap within noise: difference to stale {r['vs_stale_diff']:+.3g} "
+        why = ("gap within noise" if r.get("gap_within_noise") else
+               "gap not resolved by these seeds (the share's 95% interval is not bounded)")
+        return (f"{why}: difference to stale {r['vs_stale_diff']:+.3g} "
                 f"{fmt_ci(r.get('vs_stale_ci_low'), r.get('vs_stale_ci_high'), 3)}")
     text = fmt_share(r['share'])
     n, paired = r.get("n"), r.get("vs_stale_n")
