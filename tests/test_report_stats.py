@@ -396,3 +396,17 @@ def test_the_c_t_figure_names_its_seed_and_fits_its_axis(tmp_path, monkeypatch):
     assert {ln.get_label() for ln in ax.get_lines() if ln.get_label()[0] != "_"} == {"sync (s=0)", "stale (s=8)"}
     low, high = ax.get_ylim()
     assert -0.1 < low <= 0.0 and 0.3 <= high < 0.4  # fitted to 0 and the curves' 0.1 and 0.3, not [-1.05, 1.05]
+
+
+def test_a_method_on_fewer_seeds_than_sync_says_so_in_the_legend(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    groups = [{"task": "t", "method": m, "staleness": s, "ablation": False, "reward_last_mean": 0.5,
+               "reward_last_std": 0.1, "n": n, "metric": "acc", "higher_is_better": True}
+              for m, s, n in (("sync", 0, 5), ("stale", 16, 5), ("gac", 16, 3), ("gac", 32, 3))]
+    cells = [{"task": "t", "method": g["method"], "staleness": g["staleness"], "seed": 0, "status": "done",
+              "ablation": False} for g in groups]
+    figs.robustness_figure(Canvas(tmp_path, cells, {}), groups)
+    (ax,) = seen["fig_robustness.png"]["axes"]
+    assert ax.get_legend_handles_labels()[1] == ["sync", "stale", "gac (3 seeds)"]
+    assert "mean ± sd over seeds (ddof 0)" in ax.get_title()
+    assert figs._seeds_label("gac", {3, 4}, 5) == "gac (3/4 seeds)" and figs._seeds_label("gac", 5, 5) == "gac"

@@ -31,6 +31,15 @@ def figure_legend_entries(fig, axes=None) -> tuple[list, list[str]]:
     return list(entries.values()), list(entries)
 
 
+def _seeds_label(method: str, seeds: set[int] | int, sync_seeds: int | None) -> str:
+    """A curve's legend label: the method, with its count of seeds where it is not sync's (a method on 3 seeds drawn
+    beside sync and stale on 5 says so)."""
+    counts = {seeds} if isinstance(seeds, int) else seeds
+    if sync_seeds is None or counts == {sync_seeds} or not counts:
+        return method
+    return f"{method} ({'/'.join(str(n) for n in sorted(counts))} seeds)"
+
+
 def _trailing_mean(curve: list[tuple[int, float]], window: int = 10) -> tuple[list[int], np.ndarray]:
     """A curve's ``window``-point moving average, each mean drawn at the last step of its window (the value at
     step t is the mean of the points up to t: nothing after t moves it); a curve shorter than the window is
@@ -179,6 +188,7 @@ def curves_figures(cv: Canvas) -> None:
         metric = tc[0]["metric"]
         cols = [0] * on_policy_panel(tc) + sorted({c["staleness"] for c in tc if c["staleness"] > 0}) or [0]
         panels = method_panels([c["method"] for c in tc], cv.recovering.get(task, set()))
+        seeds_sync = sum(c["method"] == "sync" for c in tc) or None
         fig, axes = plt.subplots(len(panels), len(cols), figsize=(4 * len(cols), 3.2 * len(panels)), squeeze=False,
                                  sharey=True)
         for row, (title, methods) in zip(axes, panels):
@@ -191,7 +201,8 @@ def curves_figures(cv: Canvas) -> None:
                     n = min(len(c) for c in curves)
                     steps = [curves[0][i][0] for i in range(n)]
                     mean = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0)
-                    ax.plot(steps, mean, label=m, color=cv.colors[m], ls="--" if m == "sync" else "-",
+                    label = m if m == "sync" else _seeds_label(m, len(curves), seeds_sync)
+                    ax.plot(steps, mean, label=label, color=cv.colors[m], ls="--" if m == "sync" else "-",
                             lw=1.6 if m in REFERENCE_METHODS else 1.1)
                 ax.set_title(f"{task}, s={s}" + (f": {title}" if title else ""), fontsize=9)
                 ax.set_xlabel("step")
@@ -235,7 +246,9 @@ def robustness_figure(cv: Canvas, groups: list[dict]) -> None:
     ddof 0) (``fig_robustness.png``)."""
     plt = cv.plt
     maing = [g for g in groups if not g["ablation"]]
-    fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
+    entries = len({g["method"] for g in maing})  # the legend beside the panels: as tall as the figure, at most
+    fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), max(3.2, 0.19 * entries)),
+                             squeeze=False)
     for ax, task in zip(axes[0], cv.tasks):
         tg = [g for g in maing if g["task"] == task]
         key = "reward_last" if tg and all("reward_last_mean" in g for g in tg) else "final"
@@ -249,11 +262,13 @@ def robustness_figure(cv: Canvas, groups: list[dict]) -> None:
         for k, m in enumerate(methods):
             shift = width * (k / (len(methods) - 1) - 0.5) if len(methods) > 1 else 0.0
             pts = sorted((g["staleness"], g[f"{key}_mean"], g[f"{key}_std"]) for g in tg if g["method"] == m)
+            counts = {g["n"] for g in tg if g["method"] == m and "n" in g}
+            label = _seeds_label(m, counts, sync.get("n") if sync else None)
             ax.errorbar([p[0] + shift for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                        label=m, color=cv.colors[m], capsize=2, lw=1.6 if m == "stale" else 1.0, ms=4)
+                        label=label, color=cv.colors[m], capsize=2, lw=1.6 if m == "stale" else 1.0, ms=4)
         if svals:
             ax.set_xticks(svals, [str(x) for x in svals])
-        ax.set_title(task)
+        ax.set_title(f"{task}: mean ± sd over seeds (ddof 0)", fontsize=9)
         ax.set_xlabel("staleness s (methods side by side)")
         ax.set_ylabel("training reward (last 20% of steps)" if key == "reward_last" else tg[0]["metric"] if tg else "")
         if key == "final" and tg and not tg[0]["higher_is_better"]:
@@ -313,7 +328,8 @@ def method_figures(cv: Canvas) -> None:
         logged = {key: any(cv.series(c, key) for c in tc) for key in ("reward/mean", "param/drift")}
         panels = method_panels([c["method"] for c in tc], cv.recovering.get(task, set()))
         for key, name, ylabel in (("align/cos", "fig_cos_methods", "c_t (10-step mean)"),
-                                  ("reward/mean", "fig_reward", "training reward (10-step mean)"),
+                                  ("reward/mean", "fig_reward",
+                                   "training reward (10-step mean;\nband: ± sd over seeds, ddof 0)"),
                                   ("param/drift", "fig_drift", "drift ‖θ_k − θ_0‖ (10-step mean)")):
             if key in logged and not logged[key]:
                 continue
@@ -328,7 +344,8 @@ def method_figures(cv: Canvas) -> None:
                         recs = [r for r in tc if r["method"] == m and r["staleness"] == sv]
                         steps, mean, std = _smooth_mean([cv.series(r, key) for r in recs])
                         if steps:
-                            ax.plot(steps, mean, color=cv.colors[m], lw=1.4 if m == "stale" else 1.0, label=m)
+                            ax.plot(steps, mean, color=cv.colors[m], lw=1.4 if m == "stale" else 1.0,
+                                    label=_seeds_label(m, len(recs), len(sync) or None))
                             if key == "reward/mean":
                                 ax.fill_between(steps, mean - std, mean + std, color=cv.colors[m], alpha=0.1, lw=0)
                     head = f"{task}, s={sv}" + (" (on-policy)" if sv == 0 else "")
