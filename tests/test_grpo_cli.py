@@ -715,12 +715,13 @@ def _rank_process(parent: int, rank: int) -> int:
 
 @pytest.mark.slow  # three runs of two processes each
 @pytest.mark.distributed
-@pytest.mark.parametrize("signum,target", [("SIGINT", "rank0"), ("SIGTERM", "group"), ("SIGINT", "rank1")])
+@pytest.mark.parametrize("signum,target", [("SIGINT", "rank0"), ("SIGTERM", "group"), ("SIGINT", "rank1"),
+                                           ("SIGINT", "rank1-start")])
 def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_llm_dir, tmp_path, signum, target):
     """SIGINT to rank 0 alone (rank 1 then waits in the step's collectives: rank 0 ends it), SIGTERM to every
     rank, as a scheduler sends it, and SIGINT to rank 1 alone (each rank's flag is combined at the end of the step,
-    so all stop after the same step): the run ends within seconds, interrupted, with one summary naming the signal,
-    and no process left."""
+    so all stop after the same step), also while rank 1 starts, before its fit (it stops after the first step): the
+    run ends within seconds, interrupted, with one summary naming the signal, and no process left."""
     import os
     import signal
     import subprocess
@@ -737,11 +738,19 @@ def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_l
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 400
-        while not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():
+        started = None  # rank 1's process, signalled as soon as it runs
+        while target == "rank1-start" and started is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            with contextlib.suppress(AssertionError):
+                started = _rank_process(proc.pid, 1)
+            time.sleep(0.05)
+        while started is None and not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
             time.sleep(0.1)
         sig = getattr(signal, signum)
-        if target == "group":
+        if started is not None:
+            os.kill(started, sig)
+        elif target == "group":
             os.killpg(proc.pid, sig)
         elif target == "rank1":  # the process Lightning's launcher started for rank 1
             os.kill(_rank_process(proc.pid, 1), sig)
@@ -755,7 +764,8 @@ def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_l
     assert out.count("wrote ") == 1
     assert f"({signum})" in err and "Traceback" not in err, err[-3000:]
     summary = _strict_json(run_dir / "summary.json")
-    assert summary["status"] == "interrupted" and summary["processes"] == 2 and 2 <= summary["steps"] < 1000
+    first = 1 if target == "rank1-start" else 2
+    assert summary["status"] == "interrupted" and summary["processes"] == 2 and first <= summary["steps"] < 1000
     time.sleep(1)
     from conftest import alive
 

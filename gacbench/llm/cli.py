@@ -64,7 +64,8 @@ the steps done and no final evaluation, prints one line on stderr, and exits 143
 SIGINT before the fit starts (while the model loads) ends the command with one line and exit 130. It resumes
 with ``--ckpt_path last`` from its last checkpoint (``ModelCheckpoint``; none is written at the signal). Under DDP,
 SIGTERM to any rank, and SIGINT to a rank other than 0, stop every rank after the same step (:class:`RunRecorder`),
-and rank 0 stopped by SIGINT ends the other ranks (:func:`stop_other_ranks`).
+and rank 0 stopped by SIGINT ends the other ranks (:func:`stop_other_ranks`); rank 0 alone evaluates, writes the
+summary and gives the exit status.
 
 A bad option, config value or checkpoint raises :class:`gacbench.cli.UsageError` (one line, exit 2
 from ``gacbench``), naming the option and the fix.
@@ -93,6 +94,22 @@ from gacbench.llm.grpo import GRPOModule
 from gacbench.usage import Interrupted, UsageError
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
+
+#: under DDP, the signal this process received that the ranks combine at the end of a step (0 for none): SIGTERM
+#: on any rank during the fit, SIGINT on a rank other than 0 from the command's start (:func:`flag_signal`)
+_FLAGGED = {"signum": 0}
+
+
+def flag_signal(signum, frame) -> None:
+    """A signal handler that only records the signal (:data:`_FLAGGED`; SIGTERM outranks SIGINT), for
+    :class:`RunRecorder` to combine over the ranks at the end of the step."""
+    _FLAGGED["signum"] = max(_FLAGGED["signum"], signum)
+
+
+def started_rank() -> bool:
+    """Whether this process is a rank that Lightning's launcher started (``LOCAL_RANK`` other than 0): it runs the
+    whole command again, and SIGINT there sets the flag (:func:`flag_signal`) from the command's start."""
+    return os.environ.get("LOCAL_RANK", "0") != "0"
 
 
 class GRPOCLI(LightningCLI):
@@ -323,39 +340,30 @@ class RunRecorder(Callback):
     def __init__(self, config_hash: str, identity: dict[str, Any] | None = None) -> None:
         self.config_hash, self.identity = config_hash, identity
         self._saved = False  # a checkpoint was saved whose step's rows are not yet on disk
-        self._signal = 0  # under DDP: the signal this rank received (a flag the ranks combine), 0 for none
         self.stopped_by = 0  # under DDP: the signal that stopped every rank at the end of a step (SIGTERM wins)
-        self._sigint_handler = None  # under DDP, on ranks other than 0: the SIGINT handler to put back
 
     def on_train_start(self, trainer, pl_module) -> None:
-        """Under DDP, SIGTERM only sets a flag, which the ranks combine at the end of every step
-        (:meth:`on_train_batch_end`), so that all of them stop after the same step. Lightning's own handler
+        """Under DDP, SIGTERM only sets a flag (:func:`flag_signal`), which the ranks combine at the end of every
+        step (:meth:`on_train_batch_end`), so that all of them stop after the same step. Lightning's own handler
         broadcasts inside the signal handler and signals the other ranks, which deadlocks when a scheduler signals
         every rank (two handlers' broadcasts on one rank meet another rank's collective of the step). SIGINT to
-        a rank other than 0 sets the same flag: raised there at once, it would leave rank 0 waiting in the step's
-        collectives for a rank that is gone. Rank 0 stopped by SIGINT stops at once (:func:`stop_other_ranks`)."""
+        a rank other than 0 sets the same flag (from the command's start: :func:`run`): raised there, it would end
+        that rank and leave rank 0 waiting in the step's collectives, or ended by Lightning's launcher (SIGKILL)
+        when the rank exits. Rank 0 stopped by SIGINT stops at once (:func:`stop_other_ranks`)."""
         if trainer.world_size > 1:
-            def flag(signum, frame) -> None:
-                self._signal = max(self._signal, signum)
-
-            signal.signal(signal.SIGTERM, flag)  # Lightning puts its handlers back when the fit ends
+            signal.signal(signal.SIGTERM, flag_signal)  # Lightning puts its handlers back when the fit ends
             if not trainer.is_global_zero:
-                self._sigint_handler = signal.signal(signal.SIGINT, flag)
+                signal.signal(signal.SIGINT, flag_signal)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.world_size > 1:
             import torch
 
-            stop = torch.tensor([float(self._signal)], device=trainer.strategy.root_device)
+            stop = torch.tensor([float(_FLAGGED["signum"])], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
             if stop.item() > 0:  # Lightning ends the fit on every rank at the end of this step
                 self.stopped_by = int(stop.item())
                 trainer._signal_connector.received_sigterm = True
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._sigint_handler is not None:
-            signal.signal(signal.SIGINT, self._sigint_handler)
-            self._sigint_handler = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         record: dict[str, Any] = {"config_hash": self.config_hash, "version": RUN_RECORD_VERSION,
@@ -660,6 +668,9 @@ def cli_trainer_defaults() -> dict:
 
 
 def run(argv: list[str]) -> int:
+    _FLAGGED["signum"] = 0
+    if started_rank():  # until the command returns (``gacbench.cli.run_interruptible`` puts the handler back)
+        signal.signal(signal.SIGINT, flag_signal)
     with warnings.catch_warnings():  # `gacbench grpo ...` hands LightningCLI its own part of sys.argv on purpose
         warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
         cli = GRPOCLI(GRPOModule, run=False, args=argv, seed_everything_default=0, auto_configure_optimizers=False,
@@ -735,7 +746,8 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
               if ckpt and log_dir and _writes_metrics_csv(trainer, log_dir) else None)
     device = trainer.strategy.root_device
     model.policy.to(device)  # evaluate where training runs (Lightning moves the module only inside fit)
-    initial = model.metric()
+    lead = trainer.is_global_zero  # under DDP rank 0 alone evaluates and reports (the evaluation is its own)
+    initial = model.metric() if lead else None
     if keeper is not None:
         keeper.before_resume()
         model.resume_logged = keeper.logged_at(ckpt_step)  # what a killed session left unwritten is evaluated again
@@ -760,6 +772,8 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
     wall = time.perf_counter() - t0
     model.policy.to(device)
     mode = model.rollout_cfg.mode
+    if not lead:  # DDP: rank 0 writes the summary and says how the run ended; an exit status other than 0 here
+        return 0  # would have Lightning's launcher end rank 0 (SIGKILL) before it has
     summary = {"method": run_method(cli.config.method, mode), "status": "interrupted" if terminated else "finished",
                "engine": model.engine_cfg.name, "staleness": model.staleness, "model_path": model.model_path,
                "steps": trainer.global_step, "max_steps": trainer.max_steps, "resumed_from": ckpt,
@@ -783,8 +797,6 @@ def _fit(cli, model, trainer, ckpt: str | None, ckpt_step: int | None, log_dir: 
         from gacbench.functional.stats import alignment_summary
 
         summary["alignment"] = alignment_summary(provider.trace.values, monitor.trace.warmup, monitor.trace.tol)
-    if not trainer.is_global_zero:  # DDP: rank 0 writes the summary and says how the run ended
-        return 128 + terminated if terminated else 0
     out.mkdir(parents=True, exist_ok=True)
     from gacbench.jsonio import json_safe
 
