@@ -410,3 +410,18 @@ def test_a_method_on_fewer_seeds_than_sync_says_so_in_the_legend(tmp_path, monke
     assert ax.get_legend_handles_labels()[1] == ["sync", "stale", "gac (3 seeds)"]
     assert "mean ± sd over seeds (ddof 0)" in ax.get_title()
     assert figs._seeds_label("gac", {3, 4}, 5) == "gac (3/4 seeds)" and figs._seeds_label("gac", 5, 5) == "gac"
+
+
+def test_an_exclusive_band_inside_the_axis_sets_the_range_and_is_left_empty(tmp_path, monkeypatch):
+    """The band (1.2, 2.0) excluded by a Fieller set lies inside the axis's cap: the axis reaches past it and the
+    two rays end at its edges, so the figure does not draw it like an unbounded interval."""
+    seen = _capture(monkeypatch)
+    row = {"task": "t", "method": "gac", "staleness": 16, "share": 0.3, "no_gap": False, "share_ci_low": -math.inf,
+           "share_ci_high": math.inf, "share_ci_kind": "exclusive", "share_ci_excluded": [1.2, 2.0],
+           "vs_stale_p_adj": 0.9, "gap_within_noise": False, "measure": "final"}
+    figs.shares_figure(Canvas(tmp_path, [], {}), [row])
+    (ax,) = seen["fig_shares.png"]["axes"]
+    assert ax.get_xlim()[1] > 2.0
+    segments = sorted(tuple(ln.get_xdata()) for ln in ax.get_lines() if ln.get_linestyle() == "-"
+                      and ln.get_marker() in ("None", "") and len(ln.get_xdata()) == 2)
+    assert [round(a[1], 6) for a in segments[:1]] == [1.2] and round(segments[1][0], 6) == 2.0

@@ -445,7 +445,8 @@ def shares_figure(cv: Canvas, rows: list[dict]) -> None:
     fig, axes = plt.subplots(len(tasks), 1, figsize=(7.0, sum(0.28 * n + 1.0 for n in counts)), squeeze=False,
                              gridspec_kw={"height_ratios": [n + 3 for n in counts]})
     # one x range for every panel: the shares and finite interval ends, at least [-0.1, 1.1], cut to SHARE_AXIS
-    ends = [x for r in rows for x in (r["share"], r.get("share_ci_low"), r.get("share_ci_high"))
+    ends = [x for r in rows for x in (r["share"], r.get("share_ci_low"), r.get("share_ci_high"),
+                                      *(r.get("share_ci_excluded") or ()))  # an exclusive set's rays end there
             if x is not None and math.isfinite(x)]
     left, right = max(SHARE_AXIS[0], min(-0.1, *ends)), min(SHARE_AXIS[1], max(1.1, *ends))
     pad = 0.04 * (right - left)
@@ -730,7 +731,9 @@ def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] 
         fig.colorbar(im, ax=ax)
         if (0.05, 0.3) in pts:  # the paper's default
             ax.add_patch(plt.Rectangle((highs.index(0.3) - 0.5, lows.index(0.05) - 0.5), 1, 1, fill=False,
-                                       ec="white", lw=1.5, label="default (0.05, 0.3)"))
+                                       ec="white", lw=1.5))
+            ax.plot([], [], marker="s", ms=7, mfc="none", mec="0.4", ls="",  # the legend's key: white is not seen
+                    label="default (0.05, 0.3), outlined in white")
         used = [c for c in cv.cells if c["task"] == task and c["method"] == "gac-calibrated"
                 and c.get("c_low") is not None and c["status"] == "done" and c["staleness"] == tg[0]["staleness"]]
         if used and len(lows) > 1 and len(highs) > 1:  # gac-calibrated's thresholds, on the grid's index axes
