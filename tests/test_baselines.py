@@ -561,9 +561,13 @@ def test_vcpo_advantages_use_the_module_estimator_with_the_unbiased_group_std():
 
 
 def test_opob_advantages_hand_example():
-    # group 0: lambda = [.75, .25], baseline .75 * 1 + .25 * -1 = .5; group 1: zero weights keep the advantages
+    # group 0: lambda = [.75, .25], baseline .75 * 1 + .25 * -1 = .5; group 1: zero weights, the equal-weight
+    # baseline, its mean 0: the advantages stay
     out = opob_advantages(t([1.0, -1.0, 0.5, -0.5]), torch.tensor([0, 0, 1, 1]), t([3.0, 1.0, 0.0, 0.0]))
     assert out.tolist() == pytest.approx([0.5, -1.5, 0.5, -0.5])
+    # a group of zero weights whose advantages do not average 0: their mean, 0.5, is subtracted
+    out = opob_advantages(t([1.0, 0.0]), torch.tensor([0, 0]), t([0.0, 0.0]))
+    assert out.tolist() == pytest.approx([0.5, -0.5])
 
 
 def test_per_sequence_gradient_norms_match_the_softmax_score_function():
@@ -665,3 +669,84 @@ def test_m2po_keeps_every_token_when_its_two_means_round_to_either_side_of_tau(t
     adv, mask = torch.ones_like(lr), torch.ones_like(lr, dtype=torch.bool)
     assert float((lr**2).mean()) > 0.04 >= float(lr.double().pow(2).mean())
     assert m2po_mask(lr, adv, mask, 0.04, ties=ties).all()
+
+
+# -- edges of the hand computations: bounds, defaults and metrics no other test pins ----------------------------------
+def exact_engine_batch(k, adv):
+    """A batch with r = 1 and pi_behav / pi_engine = k per token, exactly for k a power of two (log-probs 0 and
+    -log k)."""
+    zeros = [[0.0] * len(row) for row in k]
+    return pb(zeros, zeros, adv, logp_engine=[[-math.log(x) for x in row] for row in k])
+
+
+def test_cispo_clipfrac_counts_the_tokens_whose_weight_is_capped():
+    """r = (1.5, 0.5, 1.0) at clip_high 0.28: only the first token's weight is capped (CISPO has no lower bound)."""
+    logp, r = [-1.0, -2.0, -1.0], [1.5, 0.5, 1.0]
+    b = pb([logp], [[lp - math.log(x) for lp, x in zip(logp, r)]], [[1.0, -1.0, 1.0]], clip_high=0.28)
+    assert float(CISPO().policy_loss(b)[1]["pg/clipfrac"]) == pytest.approx(1 / 3)
+
+
+def test_dual_clip_caps_a_negative_advantage_at_three_by_default():
+    """verl's clip_ratio_c = 3: r = 2.5 is under the cap, so the loss is -A r = 2.5 (at c = 2 it would be 2)."""
+    from gacbench.stabilizers import dual_clip_loss
+
+    assert dual_clip_loss(pb([[math.log(2.5)]], [[0.0]], [[-1.0]]))[0].item() == pytest.approx(2.5)
+    assert dual_clip_loss(pb([[math.log(3.5)]], [[0.0]], [[-1.0]]))[0].item() == pytest.approx(3.0)
+
+
+def test_the_engine_corrections_keep_a_weight_on_their_bounds():
+    """TIS truncates k > C (k = C is not counted), MIS keeps rho = C and rho = lower, IcePop keeps k = alpha and
+    k = beta (beta = 4 here: exp(log 5) is not 5 in float64)."""
+    m = TISEngine(cap=2.0).policy_loss(exact_engine_batch([[2.0, 4.0]], [[1.0, 1.0]]))[1]
+    assert float(m["is/engine_truncated_frac"]) == 0.5
+    loss, m = MIS(threshold=2.0, level="token").policy_loss(exact_engine_batch([[2.0, 1.0]], [[1.0, 1.0]]))
+    assert loss.item() == pytest.approx(-1.5) and float(m["mis/masked_frac"]) == 0.0
+    loss, m = MIS(threshold=2.0, level="token", lower=0.5).policy_loss(exact_engine_batch([[0.5, 1.0]], [[1.0, 1.0]]))
+    assert loss.item() == pytest.approx(-0.75) and float(m["mis/masked_frac"]) == 0.0
+    loss, m = IcePop(alpha=0.5, beta=4.0).policy_loss(exact_engine_batch([[0.5, 4.0]], [[1.0, 1.0]]))
+    assert loss.item() == pytest.approx(-2.25) and float(m["icepop/masked_frac"]) == 0.0
+
+
+def test_icepop_logs_the_mean_engine_weight_before_its_band():
+    m = IcePop().policy_loss(exact_engine_batch([[0.5, 1.0, 4.0, 8.0]], [[1.0] * 4]))[1]
+    assert float(m["is/engine_weight_mean"]) == pytest.approx(13.5 / 4)  # 8 is outside [0.5, 5], still counted
+
+
+def test_the_bands_edges_are_accepted_or_refused_as_documented():
+    from gacbench.stabilizers.lr_scaled import staleness_lr_scale
+
+    IcePop(alpha=1.0)  # alpha may reach 1
+    with pytest.raises(ValueError, match="below threshold"):
+        MIS(threshold=2.0, lower=2.0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        staleness_lr_scale(-1)
+
+
+def test_a_sequence_weight_is_clamped_in_log_space():
+    """Seq-MIS: sum log k = -30 is clamped to -20 (verl's bound) before exp."""
+    from gacbench.stabilizers.rollout_correction import mis_weights
+
+    w, _ = mis_weights(t([[-15.0, -15.0]]), torch.ones(1, 2, dtype=torch.bool))
+    assert float(w[0, 0]) == pytest.approx(math.exp(-20.0))
+
+
+def test_opsm_defaults_to_slimes_delta():
+    from gacbench.stabilizers.seqmask import OPSM
+
+    assert OPSM().delta == 1e-4
+
+
+def test_vcpo_truncates_only_weights_above_its_cap():
+    m = VCPO(baseline=False, is_cap=2.0).policy_loss(pb([[0.0]], [[-math.log(2.0)]], [[1.0]], logp_prox=[[0.0]]))[1]
+    assert float(m["is/truncated_frac"]) == 0.0  # w = 2 = the cap
+
+
+def test_vespo_floors_the_sequence_weight_and_reads_a_zero_advantage_as_positive():
+    """W = prod r floored at 1e-8 (sum log r = -30); A = 0 takes the A >= 0 pair (k, lambda) = (2, 3): phi(2) =
+    2^2 e^(3 (1 - 2)) = 4 e^-3."""
+    from gacbench.stabilizers.vespo import VESPO
+
+    m = VESPO().policy_loss(pb([[-15.0, -15.0]], [[0.0, 0.0]], [[1.0, 1.0]]))[1]
+    assert float(m["vespo/w_seq_mean"]) == pytest.approx(1e-8)
+    m = VESPO().policy_loss(pb([[math.log(2.0)]], [[0.0]], [[0.0]]))[1]
+    assert float(m["vespo/phi_mean"]) == pytest.approx(4 * math.exp(-3))

@@ -171,3 +171,32 @@ def test_the_step_scalars_of_the_ranks_are_combined_into_one_value_per_key(monke
     assert list(out)[:5] == list(mine)  # this rank's keys first, in its order
     one = {"reward/mean": 0.3}
     assert data_parallel.metrics_over_ranks(SimpleNamespace(_trainer=None), one) is one
+
+
+def test_each_rank_takes_its_own_share_of_the_prompts_and_its_own_seed_stream():
+    """Two ranks of 8 prompts: rank 0 the first 4 with offset 0 (the one-process stream), rank 1 the last 4 with the
+    stride; one process keeps every prompt and offset 0."""
+    from types import SimpleNamespace
+
+    from gacbench.llm.data_parallel import RANK_SEED_STRIDE, rank_share
+
+    def module(rank, world):
+        return SimpleNamespace(_trainer=SimpleNamespace(global_rank=rank, world_size=world))
+
+    assert [rank_share(module(r, 2), list(range(8))) for r in (0, 1)] == [([0, 1, 2, 3], 0),
+                                                                           ([4, 5, 6, 7], RANK_SEED_STRIDE)]
+    assert rank_share(module(0, 1), list(range(8))) == (list(range(8)), 0)
+
+
+def test_a_nan_on_any_rank_of_a_max_or_min_key_is_nan(monkeypatch):
+    """The NaN comes from the second rank, on the keys that take the largest and the smallest value."""
+    import math
+    from types import SimpleNamespace
+
+    from gacbench.llm import data_parallel
+
+    ranks = [{"is/ratio_max": 1.0, "gap_min": 1.0}, {"is/ratio_max": math.nan, "gap_min": math.nan}]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, local: out.__setitem__(slice(None), ranks))
+    out = data_parallel.metrics_over_ranks(SimpleNamespace(_trainer=SimpleNamespace(global_rank=0, world_size=2)),
+                                           ranks[0])
+    assert math.isnan(out["is/ratio_max"]) and math.isnan(out["gap_min"])

@@ -267,3 +267,33 @@ def test_a_plugins_code_hash_covers_its_other_modules(tmp_path, monkeypatch):
     hashes.append(plugin_provenance("ns-damp")["ns-damp"]["sha256"])
     assert len(set(hashes)) == 3 and all(re.fullmatch("[0-9a-f]{64}", h) for h in hashes)
     assert plugin_provenance("ns-damp")["ns-damp"]["version"] == "0.1"
+
+
+def test_a_plugins_code_hash_is_over_every_portion_of_its_namespace_package_in_name_order(tmp_path, monkeypatch):
+    """A namespace package split over two directories, with a distribution that records only its metadata: the hash
+    is that of the sorted (name, file) pairs of every .py file of both portions, and of nothing else (not the
+    distribution's top_level.txt)."""
+    from importlib import metadata
+
+    from gacbench.provenance import named_files_sha256
+    from gacbench.stabilizers.registry import plugin_record
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    (a / "nsplug2").mkdir(parents=True)
+    (b / "nsplug2").mkdir(parents=True)
+    (a / "nsplug2" / "damp.py").write_text("from nsplug2.helper import F\n\n\nclass Damp:\n    kind = 'gradient'\n")
+    (a / "nsplug2" / "zz.py").write_text("Z = 1\n")
+    (b / "nsplug2" / "helper.py").write_text("F = 0.5\n")
+    dist = a / "nsplug2-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nsplug2\nVersion: 0.1\n")
+    (dist / "top_level.txt").write_text("nsplug2\n")
+    (dist / "RECORD").write_text("nsplug2-0.1.dist-info/METADATA,,\nnsplug2-0.1.dist-info/top_level.txt,,\n")
+    monkeypatch.syspath_prepend(str(b))
+    monkeypatch.syspath_prepend(str(a))
+    from nsplug2.damp import Damp
+
+    info = {"cls": Damp, "dist": metadata.distribution("nsplug2"), "distribution": "nsplug2", "version": "0.1"}
+    pairs = sorted([("nsplug2/damp.py", a / "nsplug2" / "damp.py"), ("nsplug2/zz.py", a / "nsplug2" / "zz.py"),
+                    ("nsplug2/helper.py", b / "nsplug2" / "helper.py")])
+    assert plugin_record(info)["sha256"] == named_files_sha256(pairs)

@@ -195,6 +195,20 @@ def test_power_command_on_a_pilot_summary(tmp_path, capsys):
     assert "2 of the 3 entries detectable at 0.5: 4 seeds (1 entries have no seed-to-seed spread" in out
 
 
+def test_the_no_gap_difference_follows_the_asked_power_and_reads_a_dash_without_spread(tmp_path, capsys):
+    """A comparison with no stale - sync gap is sized as a difference at the power asked for (0.9 here), and an entry
+    without seed-to-seed spread prints a dash, not nan."""
+    entry = {"task": "t", "method": "gac", "staleness": 4, "measure": "final", "no_gap": True, "gap": 0.0,
+             "sd_diff": 0.1, "vs_stale_n": 4, "share": math.nan, "n": 4}
+    (row,) = power_rows({"recovered": [entry]}, 0.5, power=0.9)
+    assert row["min_detectable_difference"] == pytest.approx(detectable_multiplier(4, 0.9) * 0.1)
+    assert detectable_multiplier(4, 0.9) != pytest.approx(detectable_multiplier(4, 0.8))
+    (tmp_path / "summary.json").write_text(json.dumps(json_safe({"recovered": [{**entry, "sd_diff": 0.0}]})))
+    assert power_main(SimpleNamespace(runs=str(tmp_path), target_share=0.5, power=0.8, alpha=0.05, json=False)) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.split("no stale − sync gap")[-1] and "—" in out.split("no stale − sync gap")[-1]
+
+
 def test_each_comparison_gets_one_adjusted_p_within_its_family():
     rows8 = [{"task": "t", "method": m, "staleness": 8, "vs_stale_p": p} for m, p in (("a", 0.01), ("b", 0.04))]
     rows16 = [{"task": "t", "method": m, "staleness": 16, "vs_stale_p": p} for m, p in (("a", 0.01), ("b", 0.04))]

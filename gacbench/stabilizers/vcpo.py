@@ -68,7 +68,8 @@ def group_index(group: Tensor) -> tuple[Tensor, int]:
 
 def opob_advantages(adv: Tensor, group: Tensor, weight: Tensor) -> Tensor:
     """Per-sequence advantages with the off-policy optimal baseline, shapes (B,): A_i - sum_{j in g(i)} lambda_j A_j,
-    lambda_j = weight_j / sum_{k in g(j)} weight_k. A group whose weights are all zero keeps its advantages."""
+    lambda_j = weight_j / sum_{k in g(j)} weight_k. A group whose weights are all zero takes the equal-weight
+    baseline, its mean advantage (0 for GRPO's group-normalised advantages, which such a group then keeps)."""
     adv, weight = adv.detach().double(), weight.detach().double()
     gid, n = group_index(group)
     wsum = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, gid, weight)
