@@ -173,9 +173,11 @@ def bench(suite: Path, out: Path, *extra: str) -> int:
     return main(["bench", "--suite", str(suite), "--out", str(out), "--workers", "1", *extra])
 
 
-def signal_grpo_mid_fit(args: list[str], run_dir: Path, cwd: Path, signum: int) -> tuple[int, str]:
-    """Run ``gacbench grpo ARGS`` in a child process (this checkout's gacbench), send it ``signum`` once its first
-    checkpoint (step 2) is written, in the middle of fit; returns (exit status, stderr)."""
+def signal_grpo_mid_fit(args: list[str], run_dir: Path, cwd: Path, signum: int,
+                        env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``gacbench grpo ARGS`` in a child process (this checkout's gacbench; ``env`` added to its environment),
+    send it ``signum`` once its first checkpoint (step 2) is written, in the middle of fit; returns (exit status,
+    stderr)."""
     import os
     import subprocess
     import sys
@@ -183,7 +185,7 @@ def signal_grpo_mid_fit(args: list[str], run_dir: Path, cwd: Path, signum: int) 
 
     code = "import sys; from gacbench.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", code, "grpo", *args], cwd=cwd,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 400

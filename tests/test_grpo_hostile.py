@@ -360,7 +360,10 @@ def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_p
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
-def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path):
+@pytest.mark.parametrize("env", [{}, {"LOCAL_RANK": "1"}], ids=["plain", "local-rank-left-set"])
+def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path, env):
+    """Also with a LOCAL_RANK other than 0 left in the environment of a run of one process: SIGINT there is not the
+    flag of a DDP rank (which one process would never combine), it stops the run."""
     from conftest import TINY_TASK, signal_grpo_mid_fit
 
     cfg = tmp_path / "ckpt.yaml"
@@ -372,7 +375,7 @@ def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_di
             "--model.task.max_operand", str(TINY_TASK["max_operand"]), "--trainer.logger.init_args.save_dir",
             str(tmp_path), "--trainer.max_steps", "1000"]
     run_dir = tmp_path / "tiny" / "sync-s0-seed0"
-    returncode, err = signal_grpo_mid_fit(args, run_dir, tmp_path, signal.SIGINT)
+    returncode, err = signal_grpo_mid_fit(args, run_dir, tmp_path, signal.SIGINT, env)
     assert returncode == 130, err[-3000:]
     assert "interrupted (SIGINT) after" in err and "Traceback" not in err, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

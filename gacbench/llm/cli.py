@@ -669,8 +669,9 @@ def cli_trainer_defaults() -> dict:
 
 def run(argv: list[str]) -> int:
     _FLAGGED["signum"] = 0
-    if started_rank():  # until the command returns (``gacbench.cli.run_interruptible`` puts the handler back)
-        signal.signal(signal.SIGINT, flag_signal)
+    # until the command returns (``gacbench.cli.run_interruptible`` puts the handler back), or until the trainer
+    # says this is one process after all (a LOCAL_RANK left in the environment)
+    raising = signal.signal(signal.SIGINT, flag_signal) if started_rank() else None
     with warnings.catch_warnings():  # `gacbench grpo ...` hands LightningCLI its own part of sys.argv on purpose
         warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
         cli = GRPOCLI(GRPOModule, run=False, args=argv, seed_everything_default=0, auto_configure_optimizers=False,
@@ -678,6 +679,10 @@ def run(argv: list[str]) -> int:
                       trainer_defaults=cli_trainer_defaults(),
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
+    if raising is not None and trainer.world_size == 1:  # one process: SIGINT stops it at once, as without LOCAL_RANK
+        signal.signal(signal.SIGINT, raising)
+        if _FLAGGED["signum"] == signal.SIGINT:
+            raise Interrupted(signal.SIGINT)
     config_hash, identity = run_hash(cli.config), run_identity(cli.config)
     trainer.callbacks.append(RunRecorder(config_hash, identity))
     ckpt, ckpt_step = resolve_ckpt(trainer, cli.config.ckpt_path, config_hash, identity)
