@@ -57,8 +57,9 @@ def run_interruptible(command: str, run, args, signals: tuple[int, ...] = (signa
         signum = _signal_of(exc)
         if signum is None:
             raise
-    for s in (signal.SIGINT, signal.SIGTERM):  # a second signal while the marker is written is ignored
-        signal.signal(s, signal.SIG_IGN)
+    # a second signal while the marker is written is ignored; the handlers come back after it (the command may run
+    # inside a longer process)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     name = signal.Signals(signum).name
     json_path = getattr(args, "json", None)
     note = ""
@@ -73,6 +74,8 @@ def run_interruptible(command: str, run, args, signals: tuple[int, ...] = (signa
                                      "command": command, "signal": name})
         note = f"; {json_path} marked incomplete"
     print(f"gacbench {command}: interrupted ({name}) before it finished{note}", file=sys.stderr)
+    for s, h in previous.items():
+        signal.signal(s, h)
     return 128 + signum
 
 
@@ -287,7 +290,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     if argv[:1] == ["grpo"]:  # LightningCLI parses its own arguments
-        # SIGTERM stays Lightning's (the fit stops at the end of its step): only SIGINT is raised at once
+        # SIGTERM stays Lightning's (the fit stops at the end of its step): only SIGINT is raised at once, except on
+        # a DDP rank other than 0, where it is a flag that the ranks combine at the end of a step (from here on,
+        # before the command's imports: raised, it would end this rank alone, and Lightning's launcher rank 0)
+        from gacbench.usage import FLAGGED, flag_signal, started_rank
+
+        FLAGGED["signum"] = 0
+        if started_rank():
+            signal.signal(signal.SIGINT, flag_signal)
+            return run_interruptible("grpo", _grpo, argv[1:], signals=())
         return run_interruptible("grpo", _grpo, argv[1:], signals=(signal.SIGINT,))
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -91,6 +91,27 @@ def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM))
             signal.signal(s, h)
 
 
+#: the signal a DDP rank received that its ranks combine at the end of a step (0 for none): SIGTERM on any rank
+#: during ``gacbench grpo``'s fit, SIGINT on a rank Lightning's launcher started (:func:`started_rank`) from the
+#: command's start (``gacbench.llm.cli.RunRecorder`` reads it)
+FLAGGED = {"signum": 0}
+
+
+def flag_signal(signum, frame) -> None:
+    """A signal handler that only records the signal (:data:`FLAGGED`; SIGTERM outranks SIGINT)."""
+    FLAGGED["signum"] = max(FLAGGED["signum"], signum)
+
+
+def started_rank() -> bool:
+    """Whether this process is a rank other than 0 of several (``LOCAL_RANK`` other than 0 and ``WORLD_SIZE`` above
+    1, as Lightning's launcher and torchrun set them): such a process runs the whole command again."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    return os.environ.get("LOCAL_RANK", "0") != "0" and world > 1
+
+
 def check_output_file(option: str, path: str) -> None:
     """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only parent."""
     target = Path(path)

@@ -673,8 +673,8 @@ def test_m2po_keeps_every_token_when_its_two_means_round_to_either_side_of_tau(t
 
 # -- edges of the hand computations: bounds, defaults and metrics no other test pins ----------------------------------
 def exact_engine_batch(k, adv):
-    """A batch with r = 1 and pi_behav / pi_engine = k per token, exactly for k a power of two (log-probs 0 and
-    -log k)."""
+    """A batch with r = 1 and pi_behav / pi_engine = k per token (log-probs 0 and -log k): exactly k for 0.5, 2 and
+    4 in float64, within an ulp for others (8: 7.999999999999998)."""
     zeros = [[0.0] * len(row) for row in k]
     return pb(zeros, zeros, adv, logp_engine=[[-math.log(x) for x in row] for row in k])
 

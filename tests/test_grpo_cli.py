@@ -738,11 +738,13 @@ def test_a_ddp_run_signalled_mid_step_ends_on_every_rank_with_one_summary(tiny_l
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 400
-        started = None  # rank 1's process, signalled as soon as it runs
+        started = None  # rank 1's process, signalled once it is in the command (it loads torch), before its fit
         while target == "rank1-start" and started is None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            with contextlib.suppress(AssertionError):
-                started = _rank_process(proc.pid, 1)
+            with contextlib.suppress(AssertionError, OSError):
+                pid = _rank_process(proc.pid, 1)
+                if "libtorch" in Path(f"/proc/{pid}/maps").read_text():
+                    started = pid
             time.sleep(0.05)
         while started is None and not (run_dir / "checkpoints" / "epoch=0-step=2.ckpt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]

@@ -360,10 +360,11 @@ def test_a_signal_ends_a_long_command_with_one_line_an_incomplete_json_and_128_p
 
 
 @pytest.mark.filterwarnings("ignore:.*ckpt_path.*", "ignore:You're resuming from a checkpoint")
-@pytest.mark.parametrize("env", [{}, {"LOCAL_RANK": "1"}], ids=["plain", "local-rank-left-set"])
+@pytest.mark.parametrize("env", [{}, {"LOCAL_RANK": "1"}, {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}],
+                         ids=["plain", "local-rank-left-set", "ranks-left-set"])
 def test_sigint_ends_a_grpo_run_at_once_as_interrupted_with_exit_130(tiny_llm_dir, tmp_path, env):
-    """Also with a LOCAL_RANK other than 0 left in the environment of a run of one process: SIGINT there is not the
-    flag of a DDP rank (which one process would never combine), it stops the run."""
+    """Also with a LOCAL_RANK other than 0 (and a WORLD_SIZE above 1) left in the environment of a run of one
+    process: SIGINT there is not the flag of a DDP rank (which one process would never combine), it stops the run."""
     from conftest import TINY_TASK, signal_grpo_mid_fit
 
     cfg = tmp_path / "ckpt.yaml"

@@ -372,3 +372,22 @@ def test_a_figure_stopped_while_it_is_written_leaves_the_earlier_one_whole(tmp_p
     save_figure(fig, tmp_path / "plain")  # no suffix: matplotlib's default format, its suffix added
     assert (tmp_path / "plain.png").read_bytes().startswith(b"\x89PNG")
     plt.close(fig)
+
+
+def test_an_interrupted_command_puts_the_signal_handlers_back(tmp_path):
+    """A command ended by a signal inside a longer process (a test, a notebook) leaves SIGINT and SIGTERM as they were
+    before it, not ignored: the marker's SIG_IGN lasts only while the marker is written."""
+    import signal
+    from types import SimpleNamespace
+
+    from gacbench.cli import run_interruptible
+    from gacbench.usage import Interrupted
+
+    def stopped(args):
+        raise Interrupted(signal.SIGINT)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    out = tmp_path / "r.json"
+    assert run_interruptible("power", stopped, SimpleNamespace(json=str(out))) == 130
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert out.is_file()

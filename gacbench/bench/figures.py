@@ -93,8 +93,9 @@ class Canvas:
         self.recovering: dict[str, set[str]] = {}
 
     def model_color(self, names) -> dict[str, tuple]:
-        """One tab10 colour per model name, in sorted order of every name asked for so far and the same in every
-        figure of the summary (``fig_law`` and ``fig_size`` colour the models alike)."""
+        """One tab10 colour per name, given in sorted order of the names of each call, the same in every figure of
+        the summary (``fig_law`` asks for its models, ``fig_size`` for its tasks: alike where tasks are named by
+        model, as in llm-size)."""
         for name in sorted(set(names) - set(self._model_colors)):
             self._model_colors[name] = self.plt.cm.tab10.colors[len(self._model_colors) % 10]
         return self._model_colors

@@ -91,26 +91,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gacbench.llm.grpo import GRPOModule
-from gacbench.usage import Interrupted, UsageError
+from gacbench.usage import FLAGGED, Interrupted, UsageError, flag_signal, started_rank
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
-
-#: under DDP, the signal this process received that the ranks combine at the end of a step (0 for none): SIGTERM
-#: on any rank during the fit, SIGINT on a rank other than 0 from the command's start (:func:`flag_signal`)
-_FLAGGED = {"signum": 0}
-
-
-def flag_signal(signum, frame) -> None:
-    """A signal handler that only records the signal (:data:`_FLAGGED`; SIGTERM outranks SIGINT), for
-    :class:`RunRecorder` to combine over the ranks at the end of the step."""
-    _FLAGGED["signum"] = max(_FLAGGED["signum"], signum)
-
-
-def started_rank() -> bool:
-    """Whether this process is a rank that Lightning's launcher started (``LOCAL_RANK`` other than 0): it runs the
-    whole command again, and SIGINT there sets the flag (:func:`flag_signal`) from the command's start."""
-    return os.environ.get("LOCAL_RANK", "0") != "0"
-
 
 class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -343,13 +326,14 @@ class RunRecorder(Callback):
         self.stopped_by = 0  # under DDP: the signal that stopped every rank at the end of a step (SIGTERM wins)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        """Under DDP, SIGTERM only sets a flag (:func:`flag_signal`), which the ranks combine at the end of every
-        step (:meth:`on_train_batch_end`), so that all of them stop after the same step. Lightning's own handler
-        broadcasts inside the signal handler and signals the other ranks, which deadlocks when a scheduler signals
-        every rank (two handlers' broadcasts on one rank meet another rank's collective of the step). SIGINT to
-        a rank other than 0 sets the same flag (from the command's start: :func:`run`): raised there, it would end
-        that rank and leave rank 0 waiting in the step's collectives, or ended by Lightning's launcher (SIGKILL)
-        when the rank exits. Rank 0 stopped by SIGINT stops at once (:func:`stop_other_ranks`)."""
+        """Under DDP, SIGTERM only sets a flag (:func:`gacbench.usage.flag_signal`), which the ranks combine at the
+        end of every step (:meth:`on_train_batch_end`), so that all of them stop after the same step. Lightning's
+        own handler broadcasts inside the signal handler and signals the other ranks, which deadlocks when a
+        scheduler signals every rank (two handlers' broadcasts on one rank meet another rank's collective of the
+        step). SIGINT to a rank other than 0 sets the same flag (from the command's start: ``gacbench.cli``):
+        raised there, it would end that rank and leave rank 0 waiting in the step's collectives, or ended by
+        Lightning's launcher (SIGKILL) when the rank exits. Rank 0 stopped by SIGINT stops at once
+        (:func:`stop_other_ranks`)."""
         if trainer.world_size > 1:
             signal.signal(signal.SIGTERM, flag_signal)  # Lightning puts its handlers back when the fit ends
             if not trainer.is_global_zero:
@@ -359,7 +343,7 @@ class RunRecorder(Callback):
         if trainer.world_size > 1:
             import torch
 
-            stop = torch.tensor([float(_FLAGGED["signum"])], device=trainer.strategy.root_device)
+            stop = torch.tensor([float(FLAGGED["signum"])], device=trainer.strategy.root_device)
             torch.distributed.all_reduce(stop, op=torch.distributed.ReduceOp.MAX)
             if stop.item() > 0:  # Lightning ends the fit on every rank at the end of this step
                 self.stopped_by = int(stop.item())
@@ -668,10 +652,8 @@ def cli_trainer_defaults() -> dict:
 
 
 def run(argv: list[str]) -> int:
-    _FLAGGED["signum"] = 0
-    # until the command returns (``gacbench.cli.run_interruptible`` puts the handler back), or until the trainer
-    # says this is one process after all (a LOCAL_RANK left in the environment)
-    raising = signal.signal(signal.SIGINT, flag_signal) if started_rank() else None
+    """``gacbench grpo ARGV``. On a rank other than 0 (:func:`gacbench.usage.started_rank`) ``gacbench.cli`` has set
+    SIGINT to the flag the ranks combine before anything is imported."""
     with warnings.catch_warnings():  # `gacbench grpo ...` hands LightningCLI its own part of sys.argv on purpose
         warnings.filterwarnings("ignore", "LightningCLI's args parameter is intended")
         cli = GRPOCLI(GRPOModule, run=False, args=argv, seed_everything_default=0, auto_configure_optimizers=False,
@@ -679,9 +661,9 @@ def run(argv: list[str]) -> int:
                       trainer_defaults=cli_trainer_defaults(),
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
-    if raising is not None and trainer.world_size == 1:  # one process: SIGINT stops it at once, as without LOCAL_RANK
-        signal.signal(signal.SIGINT, raising)
-        if _FLAGGED["signum"] == signal.SIGINT:
+    if started_rank() and trainer.world_size == 1:  # one process after all: SIGINT stops it at once
+        signal.signal(signal.SIGINT, _raise_interrupted)
+        if FLAGGED["signum"] == signal.SIGINT:
             raise Interrupted(signal.SIGINT)
     config_hash, identity = run_hash(cli.config), run_identity(cli.config)
     trainer.callbacks.append(RunRecorder(config_hash, identity))
@@ -703,6 +685,10 @@ def run(argv: list[str]) -> int:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
         return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir, recorded)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
 
 
 def stop_other_ranks(trainer) -> None:
