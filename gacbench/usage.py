@@ -69,21 +69,24 @@ def defer_during_import(signum: int, frame) -> bool:
     return True
 
 
+def raise_interrupted(signum, frame) -> None:
+    """The handler of :func:`raise_on_signals`: raises :class:`Interrupted`, once any import under way is done
+    (:func:`defer_during_import`)."""
+    if defer_during_import(signum, frame):
+        return
+    raise Interrupted(signum)
+
+
 @contextlib.contextmanager
 def raise_on_signals(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
-    """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread; the previous
-    handlers come back after it. Outside the main thread (where Python cannot set handlers) nothing changes.
-    A signal that arrives during an import is raised once the import is done (:func:`defer_during_import`)."""
+    """For the ``with`` block, each of ``signals`` raises :class:`Interrupted` in the main thread
+    (:func:`raise_interrupted`); the previous handlers come back after it. Outside the main thread (where Python
+    cannot set handlers) nothing changes."""
     import threading
-
-    def handler(signum, frame):
-        if defer_during_import(signum, frame):
-            return
-        raise Interrupted(signum)
 
     if threading.current_thread() is not threading.main_thread():
         signals = ()
-    previous = {s: signal.signal(s, handler) for s in signals}
+    previous = {s: signal.signal(s, raise_interrupted) for s in signals}
     try:
         yield
     finally:

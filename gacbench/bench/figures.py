@@ -397,8 +397,7 @@ def versions_figures(cv: Canvas) -> None:
                     ref = m in REFERENCE_METHODS
                     ax.plot(curve["versions"], curve["mean"], color=cv.colors[m], ls="--" if m == "sync" else "-",
                             lw=1.6 if ref else 1.1, marker="o" if policy else None, ms=3.5,
-                            label=("sync (s=0)" if m == "sync" else m)
-                            + (f" ({curve['n']} seeds)" if curve["n"] != seeds_sync else ""))
+                            label="sync (s=0)" if m == "sync" else _seeds_label(m, curve["n"], seeds_sync))
                     ax.fill_between(curve["versions"], curve["low"], curve["high"], color=cv.colors[m],
                                     alpha=0.12, lw=0)
                 ax.set_title(f"{task}, s={s}" + (" (on-policy controls)" if s == 0 else "")

@@ -91,9 +91,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from gacbench.llm.grpo import GRPOModule
-from gacbench.usage import FLAGGED, Interrupted, UsageError, flag_signal, started_rank
+from gacbench.usage import FLAGGED, Interrupted, UsageError, flag_signal, raise_interrupted, started_rank
 
 EARLIER = "metrics.earlier.csv"  # the rows of earlier sessions while a resumed session runs
+
 
 class GRPOCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -662,7 +663,7 @@ def run(argv: list[str]) -> int:
                       parser_kwargs={"prog": "gacbench grpo", "description": __doc__.split("\n\n")[0]})
     model, trainer = cli.model, cli.trainer
     if started_rank() and trainer.world_size == 1:  # one process after all: SIGINT stops it at once
-        signal.signal(signal.SIGINT, _raise_interrupted)
+        signal.signal(signal.SIGINT, raise_interrupted)
         if FLAGGED["signum"] == signal.SIGINT:
             raise Interrupted(signal.SIGINT)
     config_hash, identity = run_hash(cli.config), run_identity(cli.config)
@@ -685,10 +686,6 @@ def run(argv: list[str]) -> int:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
         return _fit(cli, model, trainer, ckpt, ckpt_step, log_dir, recorded)
-
-
-def _raise_interrupted(signum, frame) -> None:
-    raise Interrupted(signum)
 
 
 def stop_other_ranks(trainer) -> None:
