@@ -114,6 +114,12 @@ def test_grpo_and_bench_refuse_unused_and_out_of_range_task_settings_before_load
     assert "'zzz': not an option of task 'arithmetic'" in line
     line = _refused(capsys, ["grpo", "--config", TINY, "--model.task.eval_fraction", "1.5"])
     assert "task.eval_fraction=1.5" in line and "(0, 1)" in line
+    line = _refused(capsys, ["grpo", "--config", TINY, "--model.task.name", "scratchpad", "--model.task.options",
+                             '{"max_operand": 0}'])
+    assert "task.options.max_operand=0 must be an integer >= 1" in line
+    line = _refused(capsys, ["grpo", "--config", TINY, "--model.task.name", "scratchpad", "--model.task.options",
+                             '{"min_ops": 4}'])
+    assert "min_ops=4 > max_ops=3" in line
     out = tmp_path / "grid"
     line = _refused(capsys, ["bench", "--suite", "llm-smoke", "--param", "task.eval_fraction=1.5", "--out", str(out)])
     assert line.startswith("gacbench bench: error: --param task.eval_fraction:") and "(0, 1)" in line
