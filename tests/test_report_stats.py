@@ -398,6 +398,23 @@ def test_the_c_t_figure_names_its_seed_and_fits_its_axis(tmp_path, monkeypatch):
     assert -0.1 < low <= 0.0 and 0.3 <= high < 0.4  # fitted to 0 and the curves' 0.1 and 0.3, not [-1.05, 1.05]
 
 
+def test_the_c_t_figure_of_a_crowded_task_draws_sync_stale_and_gac_and_names_the_full_figure(tmp_path, monkeypatch):
+    seen = _capture(monkeypatch)
+    many = ("stale", "gac", "m2po", "bapo", "tis", "gspo")  # with sync: 7 methods
+    cells = [{"task": t, "method": m, "staleness": 0 if m == "sync" else 16, "seed": 0, "status": "done",
+              "ablation": False} for t, ms in (("crowded", ("sync", *many)), ("few", ("sync", "stale", "m2po", "tis")))
+             for m in ms]
+    cv = Canvas(tmp_path, cells, {})
+    cv.series = lambda rec, key: [(t, 0.1) for t in range(20)]
+    figs.cos_figure(cv)
+    crowded, few = seen["fig_cos.png"]["axes"][:2]
+    labels = [{ln.get_label() for ln in ax.get_lines() if ln.get_label()[0] != "_"} for ax in (crowded, few)]
+    assert labels[0] == {"sync (s=0)", "stale (s=16)", "gac (s=16)"}
+    assert crowded.get_title() == "crowded: c_t (10-step mean), seed 0\nevery method: fig_cos_methods_crowded.png"
+    assert labels[1] == {"sync (s=0)", "stale (s=16)", "m2po (s=16)", "tis (s=16)"}  # 4 methods: all drawn
+    assert few.get_title() == "few: c_t (10-step mean), seed 0"
+
+
 def test_a_method_on_fewer_seeds_than_sync_says_so_in_the_legend(tmp_path, monkeypatch):
     seen = _capture(monkeypatch)
     groups = [{"task": "t", "method": m, "staleness": s, "ablation": False, "reward_last_mean": 0.5,

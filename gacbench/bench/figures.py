@@ -214,23 +214,36 @@ def curves_figures(cv: Canvas) -> None:
         cv.save(fig, f"fig_curves_{cv.stem(task)}.png", outside=True)
 
 
+#: the most methods :func:`cos_figure` draws in one panel; a task with more draws sync, stale and gac only
+COS_FIGURE_METHODS = 5
+COS_FIGURE_CORE = ("sync", "stale", "gac")
+
+
 def cos_figure(cv: Canvas) -> None:
     """Figures 3 and 6: c_t over training, sync vs stale vs stabilizers, at the largest staleness, one seed (the
     smallest, named in the title), the y-range fitted to the curves, the legend beside the panels
-    (``fig_cos.png``; ``fig_cos_methods`` has the mean over seeds)."""
+    (``fig_cos.png``; ``fig_cos_methods`` has the mean over seeds). A task with more than
+    :data:`COS_FIGURE_METHODS` methods draws sync, stale and gac (the paper's three), and its title says that
+    ``fig_cos_methods_TASK.png`` has every method."""
     plt = cv.plt
     fig, axes = plt.subplots(1, max(1, len(cv.tasks)), figsize=(4 * max(1, len(cv.tasks)), 3.2), squeeze=False)
     for ax, task in zip(axes[0], cv.tasks):
         tc = [c for c in cv.main if c["task"] == task]
         smax, seed = max(c["staleness"] for c in tc), min(c["seed"] for c in tc)
+        rows = [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]
+        title = f"{task}: c_t (10-step mean), seed {seed}"
+        core = [c for c in rows if c["method"] in COS_FIGURE_CORE]
+        if len({c["method"] for c in rows}) > COS_FIGURE_METHODS and len({c["method"] for c in core}) >= 2:
+            rows = core
+            title += f"\nevery method: fig_cos_methods_{cv.stem(task)}.png"
         drawn: list[float] = []
-        for r in [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]:
+        for r in rows:
             cs = cv.series(r, "align/cos")
             if cs:
                 steps, v = _trailing_mean(cs)
                 ax.plot(steps, v, label=f"{r['method']} (s={r['staleness']})", color=cv.colors[r["method"]], lw=1)
                 drawn.extend(float(x) for x in v if np.isfinite(x))
-        ax.set_title(f"{task}: c_t (10-step mean), seed {seed}", fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         if drawn:
             lo, hi = min(min(drawn), 0.0), max(max(drawn), 0.0)
