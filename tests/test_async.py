@@ -4,6 +4,7 @@ dead workers, bad settings."""
 
 import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -474,3 +475,50 @@ def test_a_vllm_rollout_worker_verifies_its_weight_sync(tiny_llm_dir):
     summary = m.source_summary
     assert len(summary["sync_checks"]) == 1 and summary["sync_checks"][0] < 1e-3  # after the first new weights
     assert summary["lag_max"] <= 1 and trainer.global_step == 4
+
+
+# async_source.trainer_threads
+def test_trainer_threads_are_the_cores_the_workers_leave(monkeypatch):
+    from gacbench.llm import async_source
+
+    monkeypatch.setattr(async_source.os, "cpu_count", lambda: 16)
+    cfg = SimpleNamespace(trainer_threads=None, workers=2, worker_threads=3)
+    assert async_source.trainer_threads(cfg) == 16 - 2 * 3
+    assert async_source.trainer_threads(SimpleNamespace(trainer_threads=None, workers=4, worker_threads=8)) == 1
+    assert async_source.trainer_threads(SimpleNamespace(trainer_threads=5, workers=4, worker_threads=8)) == 5
+
+
+# AsyncGRPOSource.summary's lag statistics
+def test_the_async_summary_lag_mean_is_per_sample():
+    from gacbench.llm.async_source import AsyncGRPOSource
+
+    src = object.__new__(AsyncGRPOSource)
+    counters = SimpleNamespace(dropped=0, restart_regenerated=0, restarts=0, resume_regenerated=0, waited_s=0.0,
+                               worker_gen_s=0.0, worker_wait_s=0.0, worker_load_s=0.0)
+    src.producer = SimpleNamespace(counters=counters, worker_pids=lambda: [], sync_checks=[], events=[])
+    src.cfg = SimpleNamespace(admission="wait", workers=1, worker_threads=1, trainer_threads=1)
+    src.s_max, src.earlier, src.resume_regenerated = 2, {}, 0
+    src.lag_counts = [3, 1, 0]  # 3 samples at lag 0, 1 at lag 1
+    out = src.summary()
+    assert out["lag_mean"] == pytest.approx(0.25) and (out["lag_min"], out["lag_max"]) == (0, 1)
+
+
+# rollout.buffer must be >= 1
+def test_an_async_buffer_of_zero_is_refused():
+    from gacbench.llm.async_source import resolve_mode
+
+    ok = SimpleNamespace(mode="async", max_staleness=2, min_staleness=0, admission="wait", workers=1, worker_threads=1,
+                         chunks=1, worker_restarts=0, trainer_threads=None, prompts=4, buffer=1)
+    assert resolve_mode(ok, 0) == 2
+    with pytest.raises(ValueError, match=r"rollout.buffer=0 must be >= 1"):
+        resolve_mode(SimpleNamespace(**{**vars(ok), "buffer": 0}), 0)
+
+
+# rollout.workers must be >= 1
+def test_async_without_rollout_workers_is_refused():
+    from gacbench.llm.async_source import resolve_mode
+
+    cfg = SimpleNamespace(mode="async", max_staleness=2, min_staleness=0, admission="wait", workers=0, worker_threads=1,
+                          chunks=1, worker_restarts=0, trainer_threads=None, prompts=4, buffer=None)
+    with pytest.raises(ValueError, match=r"rollout.workers=0 must be >= 1"):
+        resolve_mode(cfg, 0)

@@ -280,3 +280,48 @@ def test_the_reward_measures_are_read_higher_is_better_on_a_lower_is_better_task
     (row,), _ = beyond_on_policy(groups, cells, "reward_last")
     assert row["gap"] == pytest.approx(0.85 - 0.5) and not row["no_gap"]
     assert math.isfinite(row["beyond_on_policy_share"]) and row["beyond_on_policy_share"] > 0
+
+
+# regime_checks' verdicts
+def _sync_cell(seed, first, last):
+    return {"status": "done", "task": "t", "method": "sync", "staleness": 0, "seed": seed, "ablation": False,
+            "_by_version": {"eval/policy_reward": {0: first, 10: last}}}
+
+
+def test_regime_learns_at_exactly_three_standard_errors():
+    """rises 2 and 1: mean 1.5, sd sqrt(0.5), se 0.5, 3.0 standard errors: 'at least REGIME_SE' holds."""
+    from gacbench.bench.beyond import regime_checks
+
+    (entry,) = regime_checks([_sync_cell(0, 0.0, 2.0), _sync_cell(1, 0.0, 1.0)])
+    assert entry["sync"]["rise_in_se"] == 3.0 and entry["sync"]["learns"] is True and entry["met"] is True
+
+
+def test_regime_met_is_null_without_a_verdict():
+    """One seed: no standard error, so learns is None, and met (no verdict false, one missing) is None, not True."""
+    from gacbench.bench.beyond import regime_checks
+
+    (entry,) = regime_checks([_sync_cell(0, 0.0, 2.0)])
+    assert entry["sync"]["learns"] is None and entry["met"] is None
+
+
+# an ablation's s = 0 group is not an on-policy control
+def test_an_ablation_at_s0_does_not_make_a_task_controlled():
+    from gacbench.bench.beyond import beyond_on_policy, controlled_tasks
+
+    base = {"task": "t", "higher_is_better": True}
+    groups = [{**base, "method": "sync", "staleness": 0, "ablation": False},
+              {**base, "method": "stale", "staleness": 4, "ablation": False},
+              {**base, "method": "gac", "staleness": 4, "ablation": False},
+              {**base, "method": "gac-c0.1", "staleness": 0, "ablation": True}]
+    assert controlled_tasks(groups) == set()
+    assert beyond_on_policy(groups, [], "final") == ([], [])
+
+
+# the regime threshold is 3 standard errors
+def test_regime_two_standard_errors_is_not_enough():
+    """rises 3 and 1: mean 2, se 1: 2 standard errors < REGIME_SE = 3."""
+    from gacbench.bench.beyond import regime_checks
+
+    (entry,) = regime_checks([_sync_cell(0, 0.0, 3.0), _sync_cell(1, 0.0, 1.0)])
+    assert entry["sync"]["rise_in_se"] == pytest.approx(2.0) and entry["sync"]["learns"] is False
+    assert entry["met"] is False

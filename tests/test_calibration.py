@@ -133,3 +133,22 @@ def test_a_failed_reference_fails_its_dependents_without_running_them(tmp_path):
     assert result["failed"] == 2
     status = json.loads((out / "cells/quadratic/gac-calibrated/s8/seed0/status.json").read_text())
     assert "reference cell" in status["error"] and "failed" in status["error"]
+
+
+# calibration_record's clipped flag when only c_high is capped
+def test_clipped_says_when_the_cap_lowers_c_high_alone():
+    """|c_t| = 18 x 0, 0.1, 0.99: q_0.9 = 0.1 x (0.9 x 19 - 17) = 0.01 (linear interpolation), c_low = 0.01 (no cap),
+    c_high = min(max(0.26, 0.99), 0.95) = 0.95 < 0.99: the cap acted."""
+    from gacbench.functional.calibration import calibration_record
+
+    rec = calibration_record([0.0] * 18 + [0.1, 0.99])
+    assert rec["q_abs"] == pytest.approx(0.01) and rec["c_low"] == pytest.approx(0.01)
+    assert rec["c_high"] == pytest.approx(0.95) and rec["clipped"] is True
+
+
+# quantile = 1 (the maximum) is allowed
+def test_quantile_one_reads_the_maximum():
+    from gacbench.functional.calibration import calibrate_thresholds
+
+    assert calibrate_thresholds([0.01 * i for i in range(20)], quantile=1.0) == (pytest.approx(0.19),
+                                                                                  pytest.approx(0.44))

@@ -16,6 +16,7 @@ from conftest import UserRegressor, flat_params, make_trainer  # noqa: E402
 
 from gacbench import GAC, StalenessSimulator  # noqa: E402
 from gacbench.callbacks import DriftMonitor  # noqa: E402
+from gacbench.objectives import NoisyQuadratic  # noqa: E402
 
 
 class Probe(pl.Callback):
@@ -237,3 +238,19 @@ def test_the_cost_table_on_the_training_reward_says_that_it_holds_the_lag():
     final = "\n".join(_cost_table("final metric", [row]))
     assert "s policy versions of measurement lag" in reward and "(0 only where the reward has stopped rising)" in reward
     assert "measurement lag" not in final and "has cost 0 while sync − stale stays." in final
+
+
+# DriftMonitor logs once per optimizer step, not per micro-batch
+def test_drift_logs_once_per_optimizer_step_under_accumulation():
+    """4 optimizer steps of 2 micro-batches: 4 step norms, each a real step (> 0), and the last drift is
+    ||theta_4 - theta_0||."""
+    from gacbench.callbacks import DriftMonitor
+
+    model = NoisyQuadratic(dim=10, steps=8, lr=0.1, seed=0)
+    theta0 = model.theta.detach().clone()
+    trainer = make_trainer([DriftMonitor()], max_steps=4, accumulate_grad_batches=2)
+    trainer.fit(model)
+    norms = trainer.logger.values("param/step_norm")
+    assert len(norms) == 4 and min(norms) > 0
+    assert trainer.callback_metrics["param/step_norm"] > 0  # the last value is not a micro-batch's 0
+    assert trainer.logger.last("param/drift") == pytest.approx(float((model.theta.detach() - theta0).norm()), rel=1e-5)

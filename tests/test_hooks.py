@@ -484,3 +484,21 @@ def test_two_ranks_agree_and_match_one_process(wrap, collective, tmp_path):
     assert a0 == actions and {"keep", "project"} <= set(actions)
     assert c0[1:] == pytest.approx(cos[1:], abs=1e-5)
     torch.testing.assert_close(torch.tensor(p0), flat_params(model), rtol=1e-4, atol=1e-5)
+
+
+# attach_gac's align/proj_frac is the fraction of the steps so far that GAC changed
+def test_attach_gac_proj_frac_is_changed_over_steps():
+    """reference "grad": step 0 has no reference (kept), step 1 repeats g (c = 1 >= c_high: projected), step 2 is
+    orthogonal to it (c = 0: kept): proj_frac 0, 1/2, 1/3."""
+    from gacbench import attach_gac
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    hook = attach_gac(opt, kernels="eager")
+    fracs = []
+    for g in ([1.0, 0.0], [1.0, 0.0], [0.0, 1.0]):
+        p.grad = torch.tensor(g)
+        opt.step()
+        fracs.append(hook.metrics["align/proj_frac"])
+    assert fracs == [0.0, 0.5, pytest.approx(1 / 3)]
+    assert hook.action == "keep" and hook.changed == 1

@@ -6,6 +6,7 @@ import math
 import re
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import sympy as sp
 import torch
@@ -258,3 +259,138 @@ def test_assumption_monitor_effective_step_is_the_learning_rate_for_sgd_and_not_
         assert len(effs) >= 6 and effs == pytest.approx([0.01] * len(effs), rel=1e-3)
     # AdamW moves every coordinate by about lr, a step of norm ~ lr sqrt(dim), whatever ||g|| is
     assert abs(run("adamw")[-1] / 0.01 - 1) > 0.2
+
+
+# delayed_quadratic.stationary_moments, the s = 0 correction -eta lam sigma2
+def test_stationary_cosine_without_staleness_is_minus_half_eta_lambda():
+    """s = 0: x_{t+1} = (1 - a) x_t - eta xi_t, a = eta lam, so C0 = eta^2 s2 / (a (2 - a)); g_t = lam x_t + xi_t with
+    E[x_t xi_{t-1}] = -eta s2 gives E[g_t g_{t-1}] = lam^2 (1 - a) C0 - eta lam s2 = -eta lam s2 / (2 - a) and
+    E[g_t^2] = lam^2 C0 + s2 = 2 s2 / (2 - a): the stationary cosine is -a / 2, whatever s2."""
+    for eta, lam, s2 in ((0.09, 1.0, 1 / 200), (0.09, 0.5, 1.0), (0.5, 2.0, 3.0)):
+        cross, sq = dq.stationary_moments(eta, lam, s2, 0)
+        a = eta * lam
+        assert cross == pytest.approx(-eta * lam * s2 / (2 - a), rel=1e-9)
+        assert sq == pytest.approx(2 * s2 / (2 - a), rel=1e-9)
+    assert dq.predicted_cosine(0.09, np.ones(1), 1 / 200, 0) == pytest.approx(-0.045, rel=1e-9)
+
+
+# bounds.per_step_terms, GAC's removed-component term
+def test_the_per_step_bound_with_gacs_delta_regroups():
+    """check_per_step(delta) is result 3's per-step algebra; only `gacbench theory` (slow) ran it."""
+    assert bounds.check_per_step(bounds.delta)
+    assert bounds.check_per_step(sp.Integer(0))
+
+
+# checks.check_delayed_quadratic, the Lightning half
+def test_a_staleness_simulator_that_does_not_delay_fails_the_stability_check(monkeypatch):
+    """Without a delay, lr = 1.1 a*(s) < 2 is stable on the quadratic (L = 1): the gap shrinks, where the check
+    demands growth past 1e3 above a*(s) for s = 1, 4, 8; so those three are violations."""
+    import gacbench.theory.checks as checks
+
+    monkeypatch.setattr(checks, "StalenessSimulator", lambda s: StalenessSimulator(0))
+    r = checks.check_delayed_quadratic(svals=range(0, 1))
+    assert r.symbolic_ok and not r.numeric_ok and r.violations == 3
+    assert all(r.details[f"lightning_s{s}"]["gap_ratio_at_1.1a*"] < 1.0 for s in (1, 4, 8))
+
+
+# checks._growth_steps, the GROWTH_STEPS_MAX cap
+def test_growth_steps_are_capped():
+    """ceil(30 / log r): r = 1.001 needs 30 015 steps; r = 1 + 1e-5 would need about 3 000 015 (> 100 000): None,
+    so that an a*(s) just below the true limit is a violation and not a three-million-step simulation."""
+    import gacbench.theory.checks as checks
+
+    assert checks._growth_steps(1.001) == math.ceil(30 / math.log(1.001)) == 30015
+    assert checks._growth_steps(1.0 + 1e-5) is None
+    assert checks._growth_steps(1.0) is None
+
+
+# check_gac's per-step guarantees on random pairs
+def _reflect_in_shrink_band(real):
+    def fake(grads, refs, c_low, c_high):
+        out, d = real(grads, refs, c_low, c_high)
+        if c_low < d.cos < c_high:  # a wrong rule in the shrink band: reflect the aligned component
+            g, u = grads[0], refs[0] / refs[0].norm()
+            out = [g - 2 * (g @ u) * u]
+        return out, d
+    return fake
+
+
+def test_the_gac_check_counts_a_wrong_shrink_as_a_violation(monkeypatch):
+    """Reflection keeps |g~| = |g| but <g~, g> = (1 - 2 c^2)|g|^2 < (1 - 0.3^2)|g|^2 for c > 0.3 / sqrt(2) (about
+    0.212): c is uniform on (-0.99, 0.99), so about 2000 x (0.3 - 0.212) / 1.98 = 89 of the samples violate."""
+    import gacbench.theory.checks as checks
+
+    monkeypatch.setattr(checks, "_bound_runs", lambda *a, **k: (0.5, 0, {"runs": []}))  # the runs are not at issue
+    ok = checks.check_gac()
+    assert ok.details["geometry_violations"] == 0
+    monkeypatch.setattr(checks, "gac_project", _reflect_in_shrink_band(checks.gac_project))
+    bad = checks.check_gac()
+    assert 40 < bad.details["geometry_violations"] < 150 and not bad.numeric_ok and not bad.ok
+
+
+# check_alignment's monotonicity half
+def test_the_alignment_check_wants_the_prediction_to_rise_with_s(monkeypatch):
+    import gacbench.theory.checks as checks
+
+    monkeypatch.setattr(checks, "measure_alignment", lambda s: (0.5 - 0.01 * s, 0.5 - 0.01 * s))
+    r = checks.check_alignment()
+    assert r.numeric_ok and not r.symbolic_ok and not r.ok
+
+
+# check_gac_geometry's rule_is_the_code, the projection clause
+def test_rule_is_the_code_fails_a_projection_that_removes_half(monkeypatch):
+    """At c >= c_high the rule removes all of the aligned component (coef 1); a numeric rule that removes half there
+    is not the rule the sympy guarantees (projection: <g~, u> = 0) were derived for."""
+    from gacbench.functional import alignment
+
+    real = alignment.gac_decision
+
+    def half_projection(c, c_low=0.05, c_high=0.3, *a, **k):
+        d = real(c, c_low, c_high, *a, **k)
+        return alignment.GACDecision(d.action, 0.5, d.cos) if c >= c_high else d
+
+    assert bounds.check_gac_geometry()["rule_is_the_code"]
+    monkeypatch.setattr(alignment, "gac_decision", half_projection)
+    assert not bounds.check_gac_geometry()["rule_is_the_code"]
+
+
+# stationary_moments' lag-1 covariance for s >= 1
+def test_stationary_cosine_at_staleness_one_by_yule_walker():
+    """s = 1, lam = 1: x_{t+1} = x_t - a x_{t-1} - eta xi_t is AR(2); Yule-Walker gives C1 = C0 / (1 + a) and
+    C0 = eta^2 s2 (1 + a) / (a (1 - a) (2 + a)). At eta = a = 0.5, s2 = 1: C0 = 0.6, C1 = 0.4; g_t = x_{t-1} + xi_t
+    has E[g_t g_{t-1}] = C1 (xi_{t-1} enters x_t, not x_{t-1}) and E[g_t^2] = C0 + s2: cosine 0.4 / 1.6 = 0.25."""
+    cross, sq = dq.stationary_moments(0.5, 1.0, 1.0, 1)
+    assert (cross, sq) == (pytest.approx(0.4, rel=1e-9), pytest.approx(1.6, rel=1e-9))
+    assert dq.predicted_cosine(0.5, np.ones(1), 1.0, 1) == pytest.approx(0.25, rel=1e-9)
+
+
+# AssumptionMonitor's assume/L is the running maximum of the secants
+def test_assume_L_is_a_running_maximum():
+    trainer = make_trainer([am := AssumptionMonitor(every=2)], max_steps=60)
+    trainer.fit(LogisticRegression(steps=60, lr=2.0, batch_size=4))
+    logged = trainer.logger.values("assume/L")
+    assert len(logged) >= 10
+    assert all(b >= a for a, b in zip(logged, logged[1:]))
+    assert am.L_hat == max(logged)
+
+
+# s_max is the running maximum of the logged lag
+class _LagAtThree(NoisyQuadratic):
+    def training_step(self, batch, batch_idx):
+        self.log("stale/lag", 5.0 if self.global_step == 3 else 0.0, on_step=True, on_epoch=False)
+        return super().training_step(batch, batch_idx)
+
+
+def test_assume_staleness_keeps_the_largest_lag_seen():
+    trainer = make_trainer([am := AssumptionMonitor(every=5)], max_steps=20)
+    trainer.fit(_LagAtThree(steps=20, lr=0.01))
+    assert am.s_max == 5 and trainer.logger.last("assume/staleness") == 5.0
+
+
+# eta_max is taken with the monitor's delta
+def test_assume_eta_max_uses_delta():
+    """No staleness logged: s = 0 and eta_max = (1 - delta) / L_hat (stepsize.eta_max at s = 0)."""
+    trainer = make_trainer([AssumptionMonitor(every=2, delta=0.25)], max_steps=8)
+    trainer.fit(NoisyQuadratic(dim=20, L=1.0, kappa=10.0, sigma2=1.0, steps=8, lr=0.01, seed=0))
+    L_hat = trainer.logger.last("assume/L")
+    assert trainer.logger.last("assume/eta_max") == pytest.approx(0.75 / L_hat, rel=1e-9)

@@ -386,3 +386,43 @@ def test_a_method_whose_seed_stopped_early_says_where_its_curve_ends(capsys):
     assert ("t: stale s=16: seed 1 at version 80 stopped before its other seeds (a non-finite loss ends a run); its "
             "seed-mean curve ends at version 80, so 'never' means not by then") in out
     assert "gac s=16: seed" not in out
+
+
+# no speed-up against a sync time that is only an upper bound
+def test_no_speedup_where_sync_reaches_the_target_at_its_first_point():
+    """sync {1: 0.95, 10: 1.0}: its final is 1.0 and it reaches 0.9 at its first point (version 1): its time there is
+    an upper bound, so stale's time to 0.9 (version 1 + 0.4 / 0.5 x 9 = 8.2) gets no speed-up; the 100% target
+    (both at version 10) gets one."""
+    from gacbench.bench.time_to_quality import Setting, time_to_quality
+
+    curves = {"t": {"measure": "eval/policy_reward",
+                    "runs": {("sync", 0): {0: {1.0: 0.95, 10.0: 1.0}}, ("stale", 1): {0: {1.0: 0.5, 10.0: 1.0}}}}}
+    rows = time_to_quality(curves, [Setting(1.0, 1.0, 1)], fractions=(1.0, 0.9))
+    stale = next(r for r in rows if r["method"] == "stale")
+    full, ninety = stale["targets"]
+    assert ninety["version"] == pytest.approx(8.2) and not ninety["at_first_point"]
+    assert ninety["speedup_vs_sync"] is None
+    assert full["speedup_vs_sync"] is not None
+
+
+# the per-seed time range
+def test_the_seed_time_range_is_min_to_max():
+    """G = T = 1, n = 1, s = 0: version v exists at 2 v. Target 0.9 of the final 1.0: seed 0 ({0: 0, 10: 1}) reaches it
+    at version 9 (18 s), seed 1 ({0: 0, 5: 1, 10: 1}) at 4.5 (9 s)."""
+    from gacbench.bench.time_to_quality import Setting, time_to_quality
+
+    curves = {"t": {"measure": "eval/policy_reward",
+                    "runs": {("sync", 0): {0: {0.0: 0.0, 10.0: 1.0}, 1: {0.0: 0.0, 5.0: 1.0, 10.0: 1.0}}}}}
+    (row,) = time_to_quality(curves, [Setting(1.0, 1.0, 1)], fractions=(0.9,))
+    t = row["targets"][0]
+    assert t["seeds_reached"] == 2
+    assert (t["seed_time_min"], t["seed_time_max"]) == (pytest.approx(9.0), pytest.approx(18.0))
+
+
+# hiding_staleness' rounding tolerance
+def test_hiding_staleness_where_the_ratio_rounds_up():
+    """G = 0.2 in one job, T = 0.1, n = 2: L = 0.2, bound max(T, G / n) = 0.1, (L + T) / (s + 1) = 0.3 / (s + 1) <= 0.1
+    from s = 2; in floats (0.2 + 0.1) / 0.1 = 3.0000000000000004, which a bare ceil makes 3."""
+    from gacbench.bench.pipeline import hiding_staleness
+
+    assert hiding_staleness(0.2, 0.1, 2, 1) == 2

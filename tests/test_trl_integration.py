@@ -1,6 +1,8 @@
 """GACCallback in TRL's GRPOTrainer on the tiny warm-started model (CPU): the Trainer steps without a closure,
 c_t and GAC's action reach trainer.state.log_history at every logged step, and GAC changes the training."""
 
+from types import SimpleNamespace
+
 import pytest
 
 trl = pytest.importorskip("trl")
@@ -210,3 +212,22 @@ def test_a_checkpoint_of_settings_given_as_numpy_numbers_resumes(tmp_path):
     plain, _ = regress(tmp_path / "plain")
     assert torch.equal(resumed, full) and torch.equal(full, plain)
     assert cb_resumed.gac.values == cb.gac.values
+
+
+# the folder named in resume_from_checkpoint comes before output_dir/checkpoint-<step>
+def test_gac_state_is_read_from_the_named_checkpoint_first(tmp_path):
+    from gacbench.integrations.trl import GACCallback
+
+    cb = GACCallback(warmup=0)
+    p = torch.nn.Parameter(torch.zeros(2))
+    out, other = tmp_path / "out", tmp_path / "other"
+    cb.on_train_begin(SimpleNamespace(output_dir=str(out)), SimpleNamespace(global_step=0), None,
+                      optimizer=torch.optim.SGD([p], lr=0.1))
+    at3 = SimpleNamespace(global_step=3)
+    cb.gac.values = [0.1]
+    cb.on_save(SimpleNamespace(output_dir=str(out)), at3, None)  # out/checkpoint-3: this output_dir's run
+    cb.gac.values = [0.2]
+    cb.on_save(SimpleNamespace(output_dir=str(other)), at3, None)  # other/checkpoint-3: the one resumed from
+    cb.gac.values = []
+    cb._resume(SimpleNamespace(output_dir=str(out), resume_from_checkpoint=str(other / "checkpoint-3")), 3)
+    assert cb.gac.values == [0.2]
