@@ -413,6 +413,17 @@ def test_the_c_t_figure_of_a_crowded_task_draws_sync_stale_and_gac_and_names_the
     assert crowded.get_title() == "crowded: c_t (10-step mean), seed 0\nevery method: fig_cos_methods_crowded.png"
     assert labels[1] == {"sync (s=0)", "stale (s=16)", "m2po (s=16)", "tis (s=16)"}  # 4 methods: all drawn
     assert few.get_title() == "few: c_t (10-step mean), seed 0"
+    # the edge: five methods are all drawn, six are not; a crowded task without stale or gac draws every method
+    edge = (("five", ("sync", *many[:4])), ("six", ("sync", *many[:5])),
+            ("plugins", ("sync", "m2po", "bapo", "tis", "gspo", "cispo", "vcpo")))
+    cells = [{"task": t, "method": m, "staleness": 0 if m == "sync" else 16, "seed": 0, "status": "done",
+              "ablation": False} for t, ms in edge for m in ms]
+    cv = Canvas(tmp_path, cells, {})
+    cv.series = lambda rec, key: [(t, 0.1) for t in range(20)]
+    figs.cos_figure(cv)
+    drawn = {ax.get_title().split(":")[0]: len([ln for ln in ax.get_lines() if ln.get_label()[0] != "_"])
+             for ax in seen["fig_cos.png"]["axes"][:3]}
+    assert drawn == {"five": 5, "six": 3, "plugins": 7}
 
 
 def test_a_method_on_fewer_seeds_than_sync_says_so_in_the_legend(tmp_path, monkeypatch):
