@@ -296,10 +296,11 @@ def _run(argv: list[str]) -> int:
         from gacbench.usage import FLAGGED, flag_signal, started_rank
 
         FLAGGED["signum"] = 0
+        raised: tuple[int, ...] = (signal.SIGINT,)
         if started_rank():
             signal.signal(signal.SIGINT, flag_signal)
-            return run_interruptible("grpo", _grpo, argv[1:], signals=())
-        return run_interruptible("grpo", _grpo, argv[1:], signals=(signal.SIGINT,))
+            raised = ()
+        return run_interruptible("grpo", _grpo, argv[1:], signals=raised)
     parser = build_parser()
     args = parser.parse_args(argv)
     for option in ("json", "figure"):  # output files are checked before any work is done

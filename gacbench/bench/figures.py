@@ -232,9 +232,9 @@ def cos_figure(cv: Canvas) -> None:
         smax, seed = max(c["staleness"] for c in tc), min(c["seed"] for c in tc)
         rows = [c for c in tc if c["seed"] == seed and (c["staleness"] == smax or c["method"] == "sync")]
         title = f"{task}: c_t (10-step mean), seed {seed}"
-        core = [c for c in rows if c["method"] in COS_FIGURE_CORE]
-        if len({c["method"] for c in rows}) > COS_FIGURE_METHODS and len({c["method"] for c in core}) >= 2:
-            rows = core
+        methods = {c["method"] for c in rows}
+        if len(methods) > COS_FIGURE_METHODS and len(methods & set(COS_FIGURE_CORE)) >= 2:
+            rows = [c for c in rows if c["method"] in COS_FIGURE_CORE]
             title += f"\nevery method: fig_cos_methods_{cv.stem(task)}.png"
         drawn: list[float] = []
         for r in rows:
