@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -592,8 +593,45 @@ def test_the_checks_before_a_grid_read_each_done_cell_once(tmp_path, monkeypatch
     monkeypatch.setattr(cell_mod, "stored_done", counted)
     monkeypatch.setattr(runner, "stored_done", counted)
     assert run_grid(cells, out)["ran"] == 0
-    # once for the checks (settings against the stored cells, their environments), once for the cells left to run
-    assert sorted(reads) == sorted([cell_dir(out, c) for c in cells] * 2)
+    # once, for the checks (settings against the stored cells, their environments) and the cells left to run
+    assert sorted(reads) == sorted(cell_dir(out, c) for c in cells)
+
+
+def test_a_resumed_grid_checks_each_stored_cell_once_before_it_runs_and_parses_each_metrics_file_once(
+        tmp_path, monkeypatch, capsys):
+    from gacbench.bench import figures as figures_mod
+    from gacbench.bench import records as records_mod
+
+    suite, out = tiny_suite(tmp_path, seeds=[0, 1]), tmp_path / "out"
+    assert main(["bench", "--suite", str(suite), "--out", str(out)]) == 0
+    checked: Counter = Counter()
+    parsed: Counter = Counter()
+    done_problem, read_metrics = cell_mod.done_problem, records_mod.read_metrics
+
+    def counted_check(d, status):
+        checked[d] += 1
+        return done_problem(d, status)
+
+    def counted_parse(path):
+        parsed[path] += 1
+        return read_metrics(path)
+
+    monkeypatch.setattr(cell_mod, "done_problem", counted_check)
+    monkeypatch.setattr(records_mod, "read_metrics", counted_parse)
+    monkeypatch.setattr(figures_mod, "read_metrics", counted_parse)
+    capsys.readouterr()
+    # seed 0 is the grid; the seed-1 cells of its task are checked against it and join its summary
+    assert main(["bench", "--suite", str(suite), "--out", str(out), "--seeds", "0"]) == 0
+    ran = " ".join(capsys.readouterr().out.split())
+    dirs = {p.parent for p in out.glob("cells/*/*/*/seed*/status.json")}
+    assert len(dirs) == 2 * len(expand_cells(load_suite(str(suite)), seeds=[0]))
+    assert f"({len(dirs) // 2} already done" in ran
+    # once before the grid runs (its own cells by stored_done_files, the others by check_stored), once by the
+    # report
+    assert checked == {d: 2 for d in dirs}
+    assert parsed == {d / "metrics.csv": 1 for d in dirs}
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(c["seed"] for c in summary["cells"]) == [0] * (len(dirs) // 2) + [1] * (len(dirs) // 2)
 
 
 # -- the done check -------------------------------------------------------------------------------------

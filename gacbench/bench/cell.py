@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,11 +287,14 @@ def stored_done(root: Path, cell: dict) -> dict | None:
     return status
 
 
-def stored_done_cells(root: Path, task: str) -> list[tuple[Path, dict]]:
+def stored_done_cells(root: Path, task: str, skip: Collection[Path] = ()) -> list[tuple[Path, dict]]:
     """``(directory, stored cell)`` of every done cell of ``task`` stored under ``root`` (any method,
-    staleness and seed), its cell read from the status's copy, else from ``config.json``."""
+    staleness and seed), its cell read from the status's copy, else from ``config.json``. The directories in
+    ``skip`` (a grid's own cells, which the caller checks otherwise) are left out unread."""
     out = []
     for d in sorted(p for p in (Path(root) / "cells" / task).glob("*/s*/seed*") if p.is_dir()):
+        if d in skip:
+            continue
         status, problem = read_status(d)
         if status is None or status.get("status") != "done" or done_problem(d, status) is not None:
             continue

@@ -66,9 +66,11 @@ class Canvas:
     """What every figure of a directory shares: pyplot (Agg), the done main-grid cells and their tasks, one colour
     per method, the methods that recover per task (``recovering``, set by :func:`figures`), each cell's
     metrics.csv (read once from ``cell_dirs``: (task, method, staleness, seed) -> its
-    directory), and the list of the figures written."""
+    directory; taken from ``metrics``, path -> :func:`read_metrics`' parse, where it is there), and the list of the
+    figures written."""
 
-    def __init__(self, root: Path, cells: list[dict], cell_dirs: dict[tuple, Path]) -> None:
+    def __init__(self, root: Path, cells: list[dict], cell_dirs: dict[tuple, Path],
+                 metrics: dict[Path, dict] | None = None) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -89,6 +91,7 @@ class Canvas:
         for m in sorted({c["method"] for c in self.main}):
             self.colors.setdefault(m, next(palette, "tab:gray"))
         self._cache: dict[tuple, dict] = {}
+        self._read = metrics or {}
         #: per task, the methods whose share is positive and significant after Holm's adjustment at some s
         self.recovering: dict[str, set[str]] = {}
 
@@ -124,7 +127,8 @@ class Canvas:
         step whose gradient was zero or non-finite) left out."""
         ident = (rec["task"], rec["method"], rec["staleness"], rec["seed"])
         if ident not in self._cache:
-            self._cache[ident] = read_metrics(self.dirs[ident] / "metrics.csv")
+            path = self.dirs[ident] / "metrics.csv"
+            self._cache[ident] = self._read[path] if path in self._read else read_metrics(path)
         return [(s, v) for s, v in self._cache[ident].get(key, []) if math.isfinite(v)]
 
     def stem(self, task: str) -> str:
@@ -765,13 +769,15 @@ def thresholds_figure(cv: Canvas, groups: list[dict], ablation_rows: list[dict] 
 def figures(root: Path, cells: list[dict], cell_dirs: dict[tuple, Path], groups: list[dict],
             regime: list[dict] | None = None, ablation_rows: list[dict] | None = None,
             share_rows: list[dict] | None = None, sizes: list[dict] | None = None,
-            size_trend: dict | None = None, beyond_rows: list[dict] | None = None) -> list[Path]:
+            size_trend: dict | None = None, beyond_rows: list[dict] | None = None,
+            metrics: dict[Path, dict] | None = None) -> list[Path]:
     """Write every figure of ``root`` that its cells support (``cells`` as grouped, ``cell_dirs`` as in
     :class:`Canvas`; ``share_rows``: the recovered shares on the measure the summary reads,
     :func:`~gacbench.bench.stats.headline_shares`; ``beyond_rows``: the shares beyond the on-policy effect on that
-    measure, :func:`~gacbench.bench.beyond.headline_beyond`); returns their paths."""
+    measure, :func:`~gacbench.bench.beyond.headline_beyond`; ``metrics``: the cells' metrics.csv already parsed,
+    as :class:`Canvas` takes them); returns their paths."""
     share_rows = share_rows or []
-    cv = Canvas(root, cells, cell_dirs)
+    cv = Canvas(root, cells, cell_dirs, metrics)
     for r in share_rows:  # the corrections that recover: a positive share, significant after Holm's adjustment
         if not r.get("missing") and not r["no_gap"] and r["share"] > 0 and significant(r):
             cv.recovering.setdefault(r["task"], set()).add(r["method"])

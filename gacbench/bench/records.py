@@ -59,9 +59,11 @@ NOT_READ = {k: None for k in ("metric", "higher_is_better", "final", "diverged",
                               "cos_abs_le_005")}
 
 
-def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
+def cell_record(root: Path, cell: dict, metrics: dict[Path, dict] | None = None) -> dict[str, Any] | None:
     """The summary's record of a stored cell (None when it has no status yet): ``status`` is ``done``,
-    ``failed``, or ``incomplete`` (a status that claims a finished run whose files are not complete)."""
+    ``failed``, or ``incomplete`` (a status that claims a finished run whose files are not complete).
+    ``metrics``: where given, the done cell's metrics.csv as :func:`read_metrics` parsed it is kept there under
+    its path, for the figures to read without parsing it again."""
     status, problem = stored_state(root, cell)
     if status is None and problem is None:
         return None
@@ -80,7 +82,10 @@ def cell_record(root: Path, cell: dict) -> dict[str, Any] | None:
         error = f"{problem}: {recover_hint(root, cell)}" if problem else status.get("error")
         rec.update({"error": error, **NOT_READ})
         return rec
-    series = read_metrics(cell_dir(root, cell) / "metrics.csv")
+    path = cell_dir(root, cell) / "metrics.csv"
+    series = read_metrics(path)
+    if metrics is not None:
+        metrics[path] = series
     cos = [v for _, v in series.get("align/cos", [])]
     s = alignment_summary(cos, warmup=min(cell.get("warmup", 0), max(len(cos) - 1, 0)))
     rec.update({

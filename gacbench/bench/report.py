@@ -154,7 +154,8 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
     specs = list(cells or [])
     known = {cell_dir(root, c) for c in specs}
     specs += [c for c in discover_cells(root) if cell_dir(root, c) not in known]
-    records = sorted((r for r in (cell_record(root, c) for c in specs) if r is not None),
+    metrics: dict[Path, dict] = {}  # each done cell's metrics.csv, parsed once for the records and the figures
+    records = sorted((r for r in (cell_record(root, c, metrics) for c in specs) if r is not None),
                      key=lambda r: (r["task"], r["method"], r["staleness"], r["seed"]))
     provs = {(c["task"], c["method"], c["staleness"], c["seed"]): stored_provenance(root, c) for c in specs}
     provs = [provs[(r["task"], r["method"], r["staleness"], r["seed"])] for r in records]
@@ -251,7 +252,7 @@ def build_report(root: str | Path, cells: list[dict] | None = None,
                                                   checks, blocks, plugins, starts))
     dirs = {(c["task"], c["method"], c["staleness"], c["seed"]): cell_dir(root, c0) for c, c0 in zip(specs_g, specs)}
     figs = (figures(root, cells_g, dirs, groups, regime, ablation_rows, headline_shares(shares, reward_shares, aligned),
-                    sizes, trend, headline_beyond(beyond)) if groups else [])
+                    sizes, trend, headline_beyond(beyond), metrics) if groups else [])
     shares_oh = [r["overhead_share"] for r in records
                  if r.get("overhead_share") is not None and math.isfinite(r["overhead_share"])]
     incomplete = [r["error"] for r in records if r["status"] == "incomplete"]

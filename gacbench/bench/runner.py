@@ -277,9 +277,7 @@ def check_stored(cells: list[dict], root: Path, stored: dict[Path, tuple[dict, A
     for c in cells:
         first.setdefault(c["task"], c)
     for task, c in first.items():
-        for d, stored in stored_done_cells(root, task):
-            if d in grid_dirs:
-                continue
+        for d, stored in stored_done_cells(root, task, skip=grid_dirs):
             diff = identity_diff(stored, c, TASK_IDENTITY_KEYS)
             if diff:
                 mismatched.append((d, task, diff))
@@ -384,7 +382,7 @@ def run_grid(cells: list[dict], out: str | os.PathLike, workers: int = 1, execut
                       f"({kinds}); " + ("they are recomputed (--rerun-other-versions)" if rerun_other_versions else
                                         "they are reused (--rerun-other-versions recomputes them)"), highlight=False)
     rerun = {cell_dir(root, c) for v in other.values() for c in v} if rerun_other_versions else set()
-    pending = [c for c in cells if cell_dir(root, c) in rerun or not is_done(root, c)]
+    pending = [c for c in cells if cell_dir(root, c) in rerun or cell_dir(root, c) not in stored]
     pending = order_cells(pending)  # reference cells first within their engine group, then the longest
     for c in pending:  # a cell whose stored files claim a finished run they do not hold: say why it runs again
         _, problem = stored_state(root, c)

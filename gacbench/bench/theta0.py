@@ -85,8 +85,8 @@ def check_theta0(suite: dict, cells: list[dict], root: Path,
                 if weights and weights != pin:
                     other.append((c, weights))
         grid_dirs = {cell_dir(root, c) for c in own}
-        for d, c in stored_done_cells(root, task):  # the task's other stored cells join its summary too
-            if d in grid_dirs or not isinstance(c.get("params"), dict) or start_point(c["params"]) != point:
+        for d, c in stored_done_cells(root, task, skip=grid_dirs):  # the task's other stored cells join its summary
+            if not isinstance(c.get("params"), dict) or start_point(c["params"]) != point:
                 continue  # another start point's cells are check_stored's to refuse (one setting per task)
             weights = (stored_provenance(root, c, read_config(d)) or {}).get("initial_weights")
             if weights and weights != pin:
