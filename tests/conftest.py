@@ -161,6 +161,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def assert_this_provenance(record: dict) -> None:
+    """``record`` (a command's --json file) names the code version, the packages and the machine of this process."""
+    from gacbench.provenance import provenance
+
+    got, want = record["provenance"], provenance()
+    for key in ("code", "source_sha256", "packages", "device", "isa", "cpu_vendor", "cpu_model", "cpu_flags"):
+        assert got[key] == want[key], key
+
+
 def squash(text: str) -> str:
     """``text`` with every run of white space as one space (rich wraps long lines)."""
     return " ".join(text.split())

@@ -13,7 +13,7 @@ pytest.importorskip("ray")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from conftest import TINY_TASK, make_trainer  # noqa: E402
+from conftest import TINY_TASK, assert_this_provenance, make_trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from gacbench.llm.grpo import GRPOModule  # noqa: E402
@@ -462,6 +462,7 @@ def test_async_bench_times_both_modes_and_writes_the_record(tiny_llm_dir, tmp_pa
     assert len(rec["runs"]["sync"]["reward"]) == len(rec["runs"]["async"]["reward"]) == 4
     assert all(0 <= lag <= 2 for lag in rec["runs"]["async"]["lag"])
     assert {"sync_reward_final", "async_reward_final"} <= set(rec)
+    assert_this_provenance(rec)
 
 
 @pytest.mark.slow

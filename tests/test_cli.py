@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_this_provenance
 
 from gacbench.bench.overhead import QWEN3_1_7B, run_overhead, shape_for_params
 from gacbench.cli import main
@@ -26,6 +27,8 @@ def test_overhead_writes_the_documented_keys(tmp_path, capsys):
     assert record["gac_case"] == "shrink" and record["gac_keep_case"] == "keep"  # each timed branch is the one named
     assert abs(record["params"] - 300000) / 300000 < 0.5
     assert "gac_over_adamw" in capsys.readouterr().out
+    assert_this_provenance(record)
+    assert record["load_avg_1min"] is None or record["load_avg_1min"] >= 0
 
 
 def test_overhead_bf16_buffer_runs():

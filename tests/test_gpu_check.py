@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from conftest import assert_this_provenance
 
 from gacbench.bench.gpu_check import _gradients, check_gac_equivalence
 from gacbench.cli import main
@@ -53,6 +54,7 @@ def test_gpu_check_on_the_cpu_ends_in_the_table(tmp_path, capsys):
                       "tests"]
     record = json.loads(out.read_text())
     assert record["ok"] and record["complete"] and record["environment"]["device"] == "cpu"
+    assert_this_provenance(record)
     rows = {r["check"]: r for r in record["rows"]}
     assert rows["gac eager"]["actions"] == ["keep", "keep", "shrink", "project"]
     assert rows["grpo gac (hf)"]["steps"] == 2 and "s = 8" in rows["grpo gac (hf)"]["detail"]

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("jsonargparse")
 
-from conftest import TINY_TASK  # noqa: E402
+from conftest import TINY_TASK, assert_this_provenance  # noqa: E402
 
 from gacbench.cli import main  # noqa: E402
 
@@ -412,6 +412,7 @@ def test_rollout_bench_writes_engines_side_by_side(tiny_llm_dir, tmp_path, capsy
     hf = rec["engines"]["hf"]
     assert len(hf["tokens_per_s_all"]) == 2 and hf["tokens_per_s_median"] > 0
     assert 0.0 < hf["grpo"]["generate_share"] < 1.0
+    assert_this_provenance(rec)
 
 
 def _byte_bpe_checkpoint(path: Path, texts: list[str]) -> str:

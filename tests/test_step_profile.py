@@ -4,6 +4,7 @@ options refused in one line."""
 import json
 
 import pytest
+from conftest import assert_this_provenance
 
 from gacbench.cli import main
 
@@ -17,6 +18,7 @@ def test_step_profile_times_every_phase_of_a_grpo_step(tiny_llm_dir, tmp_path, c
                  "--repeats", "2", "--threads", "1", "--json", str(out)]) == 0
     rec = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
     assert set(rec["phases_s"]) == set(PHASES) and all(v >= 0 for v in rec["phases_s"].values())
+    assert_this_provenance(rec)
     for key in PHASES:  # the medians are of the stored repeats
         assert len(rec["all_s"][key]) == 2
         assert rec["phases_s"][key] == pytest.approx(sum(rec["all_s"][key]) / 2)

@@ -418,12 +418,16 @@ def payload(result: dict, complete: bool) -> dict:
 def main(args) -> int:
     kernels = tuple(k.strip() for k in args.kernels.split(",")) if args.kernels else None
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    from gacbench.provenance import provenance
+
+    prov = provenance()  # the code version, packages and machine of the JSON file's rows
 
     def partial(env: dict, rows: list[dict]) -> None:
         """After every row: the rows so far, in the JSON file and for the signal handler (a time limit's SIGTERM
         keeps every finished row: gacbench.cli.run_interruptible)."""
-        args.partial_result = payload({"environment": env, "rows": rows,
-                                       "ok": all(r["ok"] is not False for r in rows)}, complete=False)
+        args.partial_result = {**payload({"environment": env, "rows": rows,
+                                          "ok": all(r["ok"] is not False for r in rows)}, complete=False),
+                               "provenance": prov}
         if args.json:
             write_json(Path(args.json), args.partial_result)
 
@@ -436,7 +440,7 @@ def main(args) -> int:
         print("rows for MEASURED in gacbench/functional/kernels.py (kernels='auto' chooses from them):")
         print("\n".join(f"    {line}" for line in measured), flush=True)
     if args.json:
-        write_json(Path(args.json), payload(result, complete=True))
+        write_json(Path(args.json), {**payload(result, complete=True), "provenance": prov})
         print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
 

@@ -27,6 +27,7 @@ for how long), and a compile's start and duration are printed. On a GPU the last
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import threading
@@ -393,6 +394,10 @@ def main(args) -> int:
         record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape,
                               kernels=kernels, progress=progress)
     if args.json:
+        from gacbench.provenance import provenance
+
+        record["load_avg_1min"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        record["provenance"] = provenance()  # the code version, packages and machine the figures belong to
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
         print(f"wrote {args.json}", flush=True)

@@ -292,7 +292,9 @@ def main(args) -> int:
     brief = {k: v for k, v in record.items() if k != "runs"}
     print(json.dumps(brief, indent=2, allow_nan=False))
     if args.json:
-        write_json(Path(args.json), record)
+        from gacbench.provenance import provenance
+
+        write_json(Path(args.json), {**record, "provenance": provenance()})
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -113,6 +113,8 @@ def main(args) -> int:
     release_engines()
     print(json.dumps(record, indent=2))
     if args.json:
+        from gacbench.provenance import provenance
+
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=2))
+        Path(args.json).write_text(json.dumps({**record, "provenance": provenance()}, indent=2))
     return 0
