@@ -192,4 +192,7 @@ if [ "$EVERYTHING" -eq 1 ]; then
     "$GACBENCH" step-profile --size small --warm-steps 500 --task scratchpad --max-tokens 48 --threads 1 \
         --json paper/profile/small-scratchpad.json
     "$GACBENCH" step-profile --size medium --task arithmetic --max-tokens 6 --threads 1 --json paper/profile/medium-arithmetic.json
+    # GAC's cost against a fused AdamW step at 20M parameters, each kernel path, 9 runs of one process each, 2
+    # threads (docs/callbacks.md, *Cost*; about 7 min on an otherwise idle 2-core machine)
+    "$PYTHON" paper/overhead_series.py --runs 9 --json paper/profile/overhead-cpu.json -- --params 20000000 --repeats 9
 fi
