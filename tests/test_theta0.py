@@ -193,6 +193,38 @@ def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_the
         check_theta0(suite, seed1, tmp_path)
 
 
+def test_the_two_checks_before_a_grid_read_a_stored_cell_outside_it_once(tmp_path, monkeypatch):
+    """check_theta0 and check_stored both compare the grid with the task's done cells outside it (seed 0, the grid
+    runs seed 1): given the grid's stored_done_files, they read each such cell once between them."""
+    from gacbench.bench import cell
+    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.runner import check_stored, expand_cells
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.bench.validate import load_suite
+    from gacbench.jsonio import write_json
+
+    suite = load_suite("llm-smoke")
+    seed0, seed1 = (expand_cells(suite, methods=["sync"], seeds=[s]) for s in (0, 1))
+    pin = check_theta0(suite, seed1, tmp_path)["arithmetic"]
+    d = cell_dir(tmp_path, seed0[0])
+    d.mkdir(parents=True)
+    write_json(d / "status.json", {"status": "done", "initial": 0.1, "final": 0.2, "diverged": False,
+                                   "metric": "reward", "higher_is_better": True, "steps_run": 2, "cell": seed0[0]})
+    (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n0.2,1\n")
+    write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": pin}})
+    read = []
+    done_problem = cell.done_problem
+    monkeypatch.setattr(cell, "done_problem", lambda path, status: read.append(path) or done_problem(path, status))
+    stored = cell.stored_done_files(tmp_path, seed1)
+    assert check_theta0(suite, seed1, tmp_path, stored) == {"arithmetic": pin}
+    check_stored(seed1, tmp_path, stored)
+    assert read == [d]
+    read.clear()  # without the grid's read, each check reads it itself
+    check_theta0(suite, seed1, tmp_path)
+    check_stored(seed1, tmp_path)
+    assert read == [d, d]
+
+
 def test_a_stored_cell_of_another_start_point_is_left_to_the_one_setting_per_task_check(tmp_path):
     """A done cell of the task computed from another start point (another warm-up length) started from other
     weights by construction: check_theta0 leaves it alone, and the grid's one-setting-per-task check refuses it,

@@ -317,11 +317,36 @@ def read_config(d: Path) -> Any:
         return None
 
 
-def stored_done_files(root: Path, cells: list[dict]) -> dict[Path, tuple[dict, Any]]:
+class StoredCells(dict):
+    """:func:`stored_done_files`' result: the grid's done cells, directory -> ``(status, config)``; and, read on
+    first use and kept, the done cells of each of its tasks stored outside the grid (:meth:`outside`), which both
+    checks made before a grid runs (its settings, its pinned θ₀) compare with it."""
+
+    def __init__(self, root: Path, grid_dirs: set[Path]) -> None:
+        super().__init__()
+        self.root, self.grid_dirs = root, grid_dirs
+        self._outside: dict[str, list[tuple[Path, dict]]] = {}
+
+    def outside(self, task: str) -> list[tuple[Path, dict]]:
+        """:func:`stored_done_cells` of ``task`` without the grid's own directories, read once."""
+        if task not in self._outside:
+            self._outside[task] = stored_done_cells(self.root, task, skip=self.grid_dirs)
+        return self._outside[task]
+
+
+def stored_outside(root: Path, task: str, grid_dirs: set[Path], stored: Any = None) -> list[tuple[Path, dict]]:
+    """The done cells of ``task`` stored in ``root`` outside ``grid_dirs``: from ``stored`` where it is the
+    :class:`StoredCells` of the same grid, else read here."""
+    if isinstance(stored, StoredCells) and stored.root == root:
+        return stored.outside(task)
+    return stored_done_cells(root, task, skip=grid_dirs)
+
+
+def stored_done_files(root: Path, cells: list[dict]) -> StoredCells:
     """The done cells among ``cells`` stored in ``root``, read once for the checks made before a grid runs: each
     one's directory -> ``(status, config)``, the status as :func:`stored_done` returns it and its config.json as
     :func:`read_config` does."""
-    out: dict[Path, tuple[dict, Any]] = {}
+    out = StoredCells(root, {cell_dir(root, c) for c in cells})
     for c in cells:
         d = cell_dir(root, c)
         if d not in out:

@@ -60,9 +60,9 @@ from gacbench.bench.cell import (
     show_change,
     stored_diff,
     stored_done,
-    stored_done_cells,
     stored_done_files,
     stored_environment,
+    stored_outside,
     stored_state,
     summary_lock,
     write_json,
@@ -277,8 +277,8 @@ def check_stored(cells: list[dict], root: Path, stored: dict[Path, tuple[dict, A
     for c in cells:
         first.setdefault(c["task"], c)
     for task, c in first.items():
-        for d, stored in stored_done_cells(root, task, skip=grid_dirs):
-            diff = identity_diff(stored, c, TASK_IDENTITY_KEYS)
+        for d, other in stored_outside(root, task, set(grid_dirs), stored):
+            diff = identity_diff(other, c, TASK_IDENTITY_KEYS)
             if diff:
                 mismatched.append((d, task, diff))
                 others += 1

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gacbench.bench.cell import cell_dir, read_config, stored_done_cells, stored_done_files, stored_provenance
+from gacbench.bench.cell import cell_dir, read_config, stored_done_files, stored_outside, stored_provenance
 from gacbench.usage import UsageError
 
 HEX = re.compile(r"[0-9a-f]{12,64}")
@@ -85,7 +85,7 @@ def check_theta0(suite: dict, cells: list[dict], root: Path,
                 if weights and weights != pin:
                     other.append((c, weights))
         grid_dirs = {cell_dir(root, c) for c in own}
-        for d, c in stored_done_cells(root, task, skip=grid_dirs):  # the task's other stored cells join its summary
+        for d, c in stored_outside(root, task, grid_dirs, done):  # the task's other stored cells join its summary
             if not isinstance(c.get("params"), dict) or start_point(c["params"]) != point:
                 continue  # another start point's cells are check_stored's to refuse (one setting per task)
             weights = (stored_provenance(root, c, read_config(d)) or {}).get("initial_weights")
