@@ -47,8 +47,10 @@ def series_record(runs: list[dict], command: list[str]) -> dict:
             if r.get(key) != runs[0].get(key):
                 raise SystemExit(f"overhead_series: the runs differ in {key} ({runs[0].get(key)!r} and "
                                  f"{r.get(key)!r}): not one series")
-        if (r.get("provenance") or {}).get("code") != (runs[0].get("provenance") or {}).get("code"):
-            raise SystemExit("overhead_series: the runs come from different code versions: not one series")
+        for key in ("code", "source_sha256", "packages"):  # the source hash tells edits of a dirty checkout apart
+            if (r.get("provenance") or {}).get(key) != (runs[0].get("provenance") or {}).get(key):
+                raise SystemExit(f"overhead_series: the runs differ in their provenance's {key} (another code "
+                                 "version or packages): not one series")
     return {"command": " ".join(command), "runs_count": len(runs), **{k: runs[0].get(k) for k in same},
             "summary": summarise(runs), "runs": runs}
 

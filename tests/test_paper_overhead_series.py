@@ -2,6 +2,7 @@
 that are not one series, on hand records."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ def run(shrink: float, keep: float, adamw: float, extra: float | None = 2.0, **o
             "kernels": ["eager", "compiled"], "threads": 2, "torch": "2.13.0+cpu", "adamw_step_eager_s": adamw,
             "gac_over_adamw": shrink, "gac_keep_over_adamw": keep, "gac_case": "shrink",
             "first_round_extra_compiled_s": extra, "gac_took_the_step": False,
-            "provenance": {"code": {"commit": "a" * 40, "dirty": False}}, **over}
+            "provenance": {"code": {"commit": "a" * 40, "dirty": True}, "source_sha256": "1" * 64,
+                           "packages": {"torch": "2.13.0+cpu"}}, **over}
 
 
 def test_each_ratio_time_and_compile_is_summarised_by_its_median_and_range(series):
@@ -40,8 +42,28 @@ def test_each_ratio_time_and_compile_is_summarised_by_its_median_and_range(serie
     assert "first_round_extra_compiled_s" not in series.summarise([run(1, 1, 1), run(1, 1, 1, extra=None)])
 
 
+def provenance(**over) -> dict:
+    return {"provenance": {**run(1, 1, 1)["provenance"], **over}}
+
+
 @pytest.mark.parametrize("over", [{"params": 2000}, {"threads": 1}, {"kernels": ["eager"]},
-                                  {"provenance": {"code": {"commit": "b" * 40, "dirty": False}}}])
+                                  provenance(code={"commit": "b" * 40, "dirty": True}),
+                                  provenance(source_sha256="2" * 64),  # the same dirty checkout, edited
+                                  provenance(packages={"torch": "2.11.0"})])
 def test_runs_of_other_settings_or_code_are_not_one_series(series, over):
     with pytest.raises(SystemExit, match="not one series"):
         series.series_record([run(1, 1, 1), run(1, 1, 1, **over)], ["gacbench", "overhead"])
+
+
+def test_the_script_runs_each_run_in_its_own_process_with_the_arguments_after_the_separator(series, tmp_path):
+    out = tmp_path / "series.json"
+    assert series.main(["--runs", "2", "--json", str(out), "--", "--params", "20000", "--repeats", "1",
+                        "--kernels", "eager"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["runs_count"] == len(rec["runs"]) == 2 and rec["kernels"] == ["eager"] and rec["repeats"] == 1
+    assert rec["params"] == rec["runs"][1]["params"] > 0
+    assert rec["command"] == "gacbench overhead --params 20000 --repeats 1 --kernels eager"
+    ratios = [r["gac_over_adamw"] for r in rec["runs"]]
+    assert rec["summary"]["gac_over_adamw"] == {"median": pytest.approx(sum(ratios) / 2), "min": min(ratios),
+                                                "max": max(ratios)}
+    assert all(r["provenance"]["code"] == rec["runs"][0]["provenance"]["code"] for r in rec["runs"])
