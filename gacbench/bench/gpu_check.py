@@ -405,14 +405,15 @@ def run_gpu_check(device: str | None = None, kernels: tuple[str, ...] | None = N
     return {"environment": env, "rows": rows, "ok": all(r["ok"] is not False for r in rows)}
 
 
-def payload(result: dict, complete: bool) -> dict:
+def payload(result: dict, complete: bool, provenance: dict | None = None) -> dict:
     """What ``--json`` holds: the result with each row's records taken out into ``overhead_record`` and
-    ``step_profile_record``, and ``complete`` (False while the checks run, or after a signal ended them)."""
+    ``step_profile_record``, ``complete`` (False while the checks run, or after a signal ended them) and
+    ``provenance`` (:func:`gacbench.provenance.provenance`, where given)."""
     rows = [{k: v for k, v in r.items() if k not in ("record", "profile")} for r in result["rows"]]
     records = {r["check"]: r["record"] for r in result["rows"] if "record" in r}
     profile = next((r["profile"] for r in result["rows"] if "profile" in r), None)
     return json_safe({"complete": complete, **result, "rows": rows, "overhead_record": records,
-                      "step_profile_record": profile})
+                      "step_profile_record": profile, **({"provenance": provenance} if provenance else {})})
 
 
 def main(args) -> int:
@@ -425,9 +426,8 @@ def main(args) -> int:
     def partial(env: dict, rows: list[dict]) -> None:
         """After every row: the rows so far, in the JSON file and for the signal handler (a time limit's SIGTERM
         keeps every finished row: gacbench.cli.run_interruptible)."""
-        args.partial_result = {**payload({"environment": env, "rows": rows,
-                                          "ok": all(r["ok"] is not False for r in rows)}, complete=False),
-                               "provenance": prov}
+        args.partial_result = payload({"environment": env, "rows": rows,
+                                       "ok": all(r["ok"] is not False for r in rows)}, complete=False, provenance=prov)
         if args.json:
             write_json(Path(args.json), args.partial_result)
 
@@ -440,7 +440,7 @@ def main(args) -> int:
         print("rows for MEASURED in gacbench/functional/kernels.py (kernels='auto' chooses from them):")
         print("\n".join(f"    {line}" for line in measured), flush=True)
     if args.json:
-        write_json(Path(args.json), {**payload(result, complete=True), "provenance": prov})
+        write_json(Path(args.json), payload(result, complete=True, provenance=prov))
         print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
 
