@@ -62,8 +62,9 @@ NOT_READ = {k: None for k in ("metric", "higher_is_better", "final", "diverged",
 def cell_record(root: Path, cell: dict, metrics: dict[Path, dict] | None = None) -> dict[str, Any] | None:
     """The summary's record of a stored cell (None when it has no status yet): ``status`` is ``done``,
     ``failed``, or ``incomplete`` (a status that claims a finished run whose files are not complete).
-    ``metrics``: where given, the done cell's metrics.csv as :func:`read_metrics` parsed it is kept there under
-    its path, for the figures to read without parsing it again."""
+    ``metrics``: where given, the metrics.csv of a done cell of the main grid (not a threshold-ablation cell) as
+    :func:`read_metrics` parsed it is kept there under its path, for the figures to read without parsing it
+    again."""
     status, problem = stored_state(root, cell)
     if status is None and problem is None:
         return None
@@ -84,7 +85,7 @@ def cell_record(root: Path, cell: dict, metrics: dict[Path, dict] | None = None)
         return rec
     path = cell_dir(root, cell) / "metrics.csv"
     series = read_metrics(path)
-    if metrics is not None:
+    if metrics is not None and not rec["ablation"]:  # the figures draw the main grid's cells
         metrics[path] = series
     cos = [v for _, v in series.get("align/cos", [])]
     s = alignment_summary(cos, warmup=min(cell.get("warmup", 0), max(len(cos) - 1, 0)))
