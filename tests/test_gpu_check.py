@@ -91,11 +91,13 @@ def test_a_gpu_check_ended_by_a_time_limit_keeps_its_finished_rows(tmp_path):
             break
         time.sleep(0.2)
     assert proc.poll() is None and seen["complete"] is False, seen
+    assert_this_provenance(seen)  # the record after each row names its code and machine, as the final one does
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, stdout[-2000:]
     record = json.loads(out.read_text())
     assert record["complete"] is False and record["signal"] == "SIGTERM" and record["command"] == "gpu-check"
+    assert_this_provenance(record)
     assert [r["check"] for r in record["rows"]][:2] == ["gac eager", "overhead eager"]
     assert record["overhead_record"]["overhead eager"]["gac_case"] == "shrink"
 

@@ -197,7 +197,7 @@ def test_the_two_checks_before_a_grid_read_a_stored_cell_outside_it_once(tmp_pat
     """check_theta0 and check_stored both compare the grid with the task's done cells outside it (seed 0, the grid
     runs seed 1): given the grid's stored_done_files, they read each such cell once between them."""
     from gacbench.bench import cell
-    from gacbench.bench.cell import cell_dir
+    from gacbench.bench.cell import CellMismatchError, cell_dir
     from gacbench.bench.runner import check_stored, expand_cells
     from gacbench.bench.theta0 import check_theta0
     from gacbench.bench.validate import load_suite
@@ -223,6 +223,13 @@ def test_the_two_checks_before_a_grid_read_a_stored_cell_outside_it_once(tmp_pat
     check_theta0(suite, seed1, tmp_path)
     check_stored(seed1, tmp_path)
     assert read == [d, d]
+    # the read of a larger grid (seeds 0 and 1) holds no outside cell of the seed-1 grid: not used for it, so the
+    # seed-0 cell, stored with other steps, is still refused
+    write_json(d / "status.json", {"status": "done", "initial": 0.1, "final": 0.2, "diverged": False,
+                                   "metric": "reward", "higher_is_better": True, "steps_run": 2,
+                                   "cell": {**seed0[0], "steps": seed0[0]["steps"] + 1}})
+    with pytest.raises(CellMismatchError, match="steps"):
+        check_stored(seed1, tmp_path, cell.stored_done_files(tmp_path, seed0 + seed1))
 
 
 def test_a_stored_cell_of_another_start_point_is_left_to_the_one_setting_per_task_check(tmp_path):

@@ -335,9 +335,14 @@ class StoredCells(dict):
 
 
 def stored_outside(root: Path, task: str, grid_dirs: set[Path], stored: Any = None) -> list[tuple[Path, dict]]:
-    """The done cells of ``task`` stored in ``root`` outside ``grid_dirs``: from ``stored`` where it is the
-    :class:`StoredCells` of the same grid, else read here."""
-    if isinstance(stored, StoredCells) and stored.root == root:
+    """The done cells of ``task`` stored in ``root`` outside ``grid_dirs``: from ``stored`` where it is a
+    :class:`StoredCells` of ``root`` whose grid has the same directories of ``task``, else read here."""
+    here = Path(root) / "cells" / task
+
+    def of_task(dirs: set[Path]) -> set[Path]:
+        return {d for d in dirs if d.parent.parent.parent == here}
+
+    if isinstance(stored, StoredCells) and stored.root == root and of_task(stored.grid_dirs) == of_task(grid_dirs):
         return stored.outside(task)
     return stored_done_cells(root, task, skip=grid_dirs)
 
