@@ -169,9 +169,9 @@ def test_a_grid_refuses_stored_cells_that_started_from_another_theta0(tmp_path, 
         check_theta0(suite, cells, tmp_path)
 
 
-def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_theta0(tmp_path):
-    """A done cell of the task outside the grid (seed 0, the grid runs seed 1) joins the task's summary: from
-    another θ₀ it is refused before anything runs."""
+def _seed0_stored_beside_a_seed1_grid(tmp_path):
+    """llm-smoke's sync cells of seeds 0 and 1, the pin of their θ₀, and the directory of a done seed-0 cell stored
+    in ``tmp_path`` from that θ₀ (the seed-1 grid's outside cell)."""
     from gacbench.bench.cell import cell_dir
     from gacbench.bench.runner import expand_cells
     from gacbench.bench.theta0 import check_theta0
@@ -187,6 +187,16 @@ def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_the
                                    "metric": "reward", "higher_is_better": True, "steps_run": 2, "cell": seed0[0]})
     (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n0.2,1\n")
     write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": pin}})
+    return suite, seed0, seed1, pin, d
+
+
+def test_a_grid_refuses_another_seed_s_stored_cell_that_started_from_another_theta0(tmp_path):
+    """A done cell of the task outside the grid (seed 0, the grid runs seed 1) joins the task's summary: from
+    another θ₀ it is refused before anything runs."""
+    from gacbench.bench.theta0 import check_theta0
+    from gacbench.jsonio import write_json
+
+    suite, seed0, seed1, pin, d = _seed0_stored_beside_a_seed1_grid(tmp_path)
     check_theta0(suite, seed1, tmp_path)  # the same θ₀: accepted
     write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": "0" * 64}})
     with pytest.raises(UsageError, match=r"1 stored cell\(s\) of task 'arithmetic' .* seed 0: 0000000000000000"):
@@ -197,21 +207,12 @@ def test_the_two_checks_before_a_grid_read_a_stored_cell_outside_it_once(tmp_pat
     """check_theta0 and check_stored both compare the grid with the task's done cells outside it (seed 0, the grid
     runs seed 1): given the grid's stored_done_files, they read each such cell once between them."""
     from gacbench.bench import cell
-    from gacbench.bench.cell import CellMismatchError, cell_dir
-    from gacbench.bench.runner import check_stored, expand_cells
+    from gacbench.bench.cell import CellMismatchError
+    from gacbench.bench.runner import check_stored
     from gacbench.bench.theta0 import check_theta0
-    from gacbench.bench.validate import load_suite
     from gacbench.jsonio import write_json
 
-    suite = load_suite("llm-smoke")
-    seed0, seed1 = (expand_cells(suite, methods=["sync"], seeds=[s]) for s in (0, 1))
-    pin = check_theta0(suite, seed1, tmp_path)["arithmetic"]
-    d = cell_dir(tmp_path, seed0[0])
-    d.mkdir(parents=True)
-    write_json(d / "status.json", {"status": "done", "initial": 0.1, "final": 0.2, "diverged": False,
-                                   "metric": "reward", "higher_is_better": True, "steps_run": 2, "cell": seed0[0]})
-    (d / "metrics.csv").write_text("reward/mean,step\n0.1,0\n0.2,1\n")
-    write_json(d / "config.json", {**seed0[0], "provenance": {"initial_weights": pin}})
+    suite, seed0, seed1, pin, d = _seed0_stored_beside_a_seed1_grid(tmp_path)
     read = []
     done_problem = cell.done_problem
     monkeypatch.setattr(cell, "done_problem", lambda path, status: read.append(path) or done_problem(path, status))
