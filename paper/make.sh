@@ -3,7 +3,8 @@
 # finished cells of each grid: grids/README.md, paper/keep_cells.py), or in GACBENCH_RUNS=DIR; a run already
 # stored there is reused, so a second call only rebuilds the summary, a grid that spans several sessions
 # resumes cell by cell, and a grid whose cells are all committed regenerates its published files exactly.
-#   bash paper/make.sh                 # every suite below, then the rollout benchmark
+#   bash paper/make.sh                 # every suite below, then the rollout benchmark, the step profiles and GAC's
+#                                      # CPU cost of paper/profile/
 #   bash paper/make.sh SUITE [...]     # only these suites (e.g. synthetic-sequence bandit-baselines)
 #   bash paper/make.sh --allow-mixed-versions [SUITE ...]   # also publish grids that mix code versions
 #   bash paper/make.sh toward          # paper/toward.{md,json} from the published llm-size, llm-headline-healthy and
