@@ -178,6 +178,12 @@ def provenance() -> dict[str, Any]:
             "threads": torch.get_num_threads(), "device": device_name(), **cpu_description()}
 
 
+def with_provenance(record: dict) -> dict:
+    """``record`` (a measuring command's ``--json`` record) with this process's :func:`provenance`: the code,
+    packages and machine its figures belong to."""
+    return {**record, "provenance": provenance()}
+
+
 def environment_key(prov: dict | None, weights: bool = True, machine: bool = True, plugins: bool = True) -> str:
     """A short label that is equal for two runs exactly when they ran the same library source on the same
     packages, thread count, device and CPU kind, with the same plug-in code where their method used a plug-in,

@@ -65,9 +65,8 @@ def _smooth_mean(curves: list[list[tuple[int, float]]], window: int = 10) -> tup
 class Canvas:
     """What every figure of a directory shares: pyplot (Agg), the done main-grid cells and their tasks, one colour
     per method, the methods that recover per task (``recovering``, set by :func:`figures`), each cell's
-    metrics.csv (read once from ``cell_dirs``: (task, method, staleness, seed) -> its
-    directory; taken from ``metrics``, path -> :func:`read_metrics`' parse, where it is there), and the list of the
-    figures written."""
+    metrics.csv (read once, from ``cell_dirs``: (task, method, staleness, seed) -> its directory, into ``metrics``:
+    path -> :func:`read_metrics`' parse, which may hold it already), and the list of the figures written."""
 
     def __init__(self, root: Path, cells: list[dict], cell_dirs: dict[tuple, Path],
                  metrics: dict[Path, dict] | None = None) -> None:
@@ -90,8 +89,7 @@ class Canvas:
         palette = iter(tab20[0::2] + list(plt.cm.Dark2.colors) + tab20[1::2])
         for m in sorted({c["method"] for c in self.main}):
             self.colors.setdefault(m, next(palette, "tab:gray"))
-        self._cache: dict[tuple, dict] = {}
-        self._read = metrics or {}
+        self._metrics: dict[Path, dict] = {} if metrics is None else metrics  # path -> read_metrics' parse
         #: per task, the methods whose share is positive and significant after Holm's adjustment at some s
         self.recovering: dict[str, set[str]] = {}
 
@@ -125,11 +123,10 @@ class Canvas:
     def series(self, rec: dict, key: str) -> list[tuple[int, float]]:
         """The logged series ``key`` of the cell ``rec``: [(step, value), ...], missing values (NaN: a c_t of a
         step whose gradient was zero or non-finite) left out."""
-        ident = (rec["task"], rec["method"], rec["staleness"], rec["seed"])
-        if ident not in self._cache:
-            path = self.dirs[ident] / "metrics.csv"
-            self._cache[ident] = self._read[path] if path in self._read else read_metrics(path)
-        return [(s, v) for s, v in self._cache[ident].get(key, []) if math.isfinite(v)]
+        path = self.dirs[(rec["task"], rec["method"], rec["staleness"], rec["seed"])] / "metrics.csv"
+        if path not in self._metrics:
+            self._metrics[path] = read_metrics(path)
+        return [(s, v) for s, v in self._metrics[path].get(key, []) if math.isfinite(v)]
 
     def stem(self, task: str) -> str:
         """The part of a per-task figure's file name that names ``task``: the task's name, or for a group labelled

@@ -26,12 +26,12 @@ for how long), and a compile's start and duration are printed. On a GPU the last
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, TextIO
 
 import torch
@@ -394,11 +394,10 @@ def main(args) -> int:
         record = run_overhead(args.params, args.device, args.repeats, args.buffer_dtype, args.shape,
                               kernels=kernels, progress=progress)
     if args.json:
-        from gacbench.provenance import provenance
+        from gacbench.jsonio import write_json
+        from gacbench.provenance import with_provenance
 
         record["load_avg_1min"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        record["provenance"] = provenance()  # the code version, packages and machine the figures belong to
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
+        write_json(Path(args.json), with_provenance(record))
         print(f"wrote {args.json}", flush=True)
     return 0

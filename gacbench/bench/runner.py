@@ -276,8 +276,9 @@ def check_stored(cells: list[dict], root: Path, stored: dict[Path, tuple[dict, A
     first = {}
     for c in cells:
         first.setdefault(c["task"], c)
+    dirs = set(grid_dirs)
     for task, c in first.items():
-        for d, other in stored_outside(root, task, set(grid_dirs), stored):
+        for d, other in stored_outside(root, task, dirs, stored):
             diff = identity_diff(other, c, TASK_IDENTITY_KEYS)
             if diff:
                 mismatched.append((d, task, diff))

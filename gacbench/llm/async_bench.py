@@ -292,9 +292,9 @@ def main(args) -> int:
     brief = {k: v for k, v in record.items() if k != "runs"}
     print(json.dumps(brief, indent=2, allow_nan=False))
     if args.json:
-        from gacbench.provenance import provenance
+        from gacbench.provenance import with_provenance
 
-        write_json(Path(args.json), {**record, "provenance": provenance()})
+        write_json(Path(args.json), with_provenance(record))
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

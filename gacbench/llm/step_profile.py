@@ -263,9 +263,9 @@ def main(args) -> int:
           f"{record['forward_over_floor']:.1f}x and backward {record['backward_over_floor']:.1f}x their FLOP floor "
           f"at {args.peak_tflops:g} TFLOP/s", file=sys.stderr)
     if args.json:
-        from gacbench.provenance import provenance
+        from gacbench.provenance import with_provenance
 
-        write_json(Path(args.json), {**record, "provenance": provenance()})
+        write_json(Path(args.json), with_provenance(record))
     return 0
 
 

@@ -113,8 +113,9 @@ def main(args) -> int:
     release_engines()
     print(json.dumps(record, indent=2))
     if args.json:
-        from gacbench.provenance import provenance
+        from gacbench.jsonio import write_json
+        from gacbench.provenance import with_provenance
 
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({**record, "provenance": provenance()}, indent=2))
+        write_json(Path(args.json), with_provenance(record))
     return 0
